@@ -1,0 +1,135 @@
+"""The ``rlk`` command: ``rlk info`` and ``rlk conformance``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any
+
+from rlk import _plugins
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "triton", "pluggy", "rlk", "rlk-reference", "rlk-triton", "rlk-cuda",
+                 "rlk-rocm", "rlk-ascend"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _device() -> dict[str, Any]:
+    import torch
+
+    if torch.cuda.is_available():
+        kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+        return {"type": "cuda", "vendor": kind, "name": torch.cuda.get_device_name(0),
+                "count": torch.cuda.device_count()}
+    return {"type": "cpu", "name": platform.processor() or platform.machine()}
+
+
+def info_dict() -> dict[str, Any]:
+    reg = _plugins.registry()
+    device = _device()
+    try:
+        selected = _plugins.current_backend(device["type"])
+    except _plugins.BackendError as e:
+        if _plugins._requested() != "auto":
+            raise  # an explicit choice that cannot be honoured is an error
+        selected = f"none ({e})"
+    backends = []
+    for name, spec in reg.specs.items():
+        ok, reason = spec.is_available()
+        entry: dict[str, Any] = {
+            "name": name,
+            "available": ok,
+            "reason": reason,
+            "priority": spec.priority,
+            "device_types": list(spec.device_types),
+            "distribution": spec.distribution,
+            "description": spec.description,
+        }
+        if ok:
+            try:
+                impl = reg.load(name, complete=False)
+                entry["missing_ops"] = impl.missing()
+                entry["delegated"] = dict(impl.delegated)
+                entry["claims"] = sorted(impl.claims)
+            except _plugins.BackendError as e:
+                entry["available"], entry["reason"] = False, str(e)
+        backends.append(entry)
+    return {"selected": selected, "requested": _plugins._requested(), "device": device,
+            "versions": _versions(), "backends": backends}
+
+
+def _print_info(d: dict[str, Any]) -> None:
+    dev = d["device"]
+    print(f"device:   {dev['type']} ({dev['name']})")
+    print(f"selected: {d['selected']} (RLK_BACKEND={d['requested']})")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
+    print("backends:")
+    for b in d["backends"]:
+        mark = "*" if b["name"] == d["selected"] else " "
+        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        print(f" {mark} {b['name']:<10} prio {b['priority']:>3}  devices {','.join(b['device_types']):<10} "
+              f"[{b['distribution']}] {state}")
+        if b.get("missing_ops"):
+            print(f"      not implemented (cannot be selected): {', '.join(b['missing_ops'])}")
+        for op, how in (b.get("delegated") or {}).items():
+            print(f"      delegates {op}: {how}")
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    d = info_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_info(d)
+    return 0
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from rlk import testing
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    report = testing.run_conformance(
+        backend=args.backend, ops=ops, device=args.device, quick=not args.full,
+        progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
+    )
+    print(testing.format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rlk", description="Deterministic, batch-invariant ops for RL.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("info", help="installed backends, availability, selection, versions")
+    pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.set_defaults(fn=_cmd_info)
+    pc = sub.add_parser("conformance", help="check a backend against the numerics contract")
+    pc.add_argument("--backend", default=None, help="backend name (default: the selected one)")
+    pc.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    pc.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    pc.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    pc.add_argument("--full", action="store_true", help="real shapes (GPU) instead of quick ones")
+    pc.add_argument("--quiet", action="store_true", help="no progress lines")
+    pc.set_defaults(fn=_cmd_conformance)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except _plugins.BackendError as e:
+        print(f"rlk: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

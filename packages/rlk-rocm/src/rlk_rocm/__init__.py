@@ -1,0 +1,1 @@
+"""rlk_rocm: backend "rocm" = the rlk-triton kernels with AMD CDNA tuning tables."""

@@ -1,0 +1,77 @@
+"""Tuning tables: which launch config each kernel uses for a shape.
+
+A table maps a kernel key (``"rms_norm.fwd"``) to a :class:`Rule`: the candidate configs and a
+chooser that picks one by shape. Backends differ only by their tables (NVIDIA, AMD, generic);
+the numerics contract says no config may change a bit, and the conformance kit runs every
+candidate to prove it. Configs hold launch parameters only (block sizes, warps, stages); the
+reduction order is fixed by constants of the kernel, never by a config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Config = Mapping[str, Any]
+
+
+def _first(**shape: int) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Candidate configs of one kernel and a chooser returning an index into them."""
+
+    configs: tuple[Config, ...]
+    choose: Callable[..., int] = _first
+
+
+TuningTable = Mapping[str, Rule]
+
+_forced: contextvars.ContextVar[Mapping[str, Config]] = contextvars.ContextVar(
+    "rlk_triton_forced", default={}
+)
+
+
+def merge(base: TuningTable, overrides: TuningTable) -> dict[str, Rule]:
+    unknown = set(overrides) - set(base)
+    if unknown:
+        raise KeyError(f"tuning overrides for unknown kernels: {sorted(unknown)}")
+    return {**base, **overrides}
+
+
+def config(table: TuningTable, key: str, **shape: int) -> Config:
+    """The config kernel ``key`` runs with for ``shape`` (a forced one wins)."""
+    forced = _forced.get().get(key)
+    if forced is not None:
+        return forced
+    rule = table[key]
+    return rule.configs[rule.choose(**shape)]
+
+
+def op_configs(table: TuningTable, op: str) -> list[dict[str, Config]]:
+    """Config sets covering every candidate of every kernel of ``op`` (keys ``op.*``)."""
+    keys = sorted(k for k in table if k.split(".")[0] == op)
+    if not keys:
+        return []
+    n = max(len(table[k].configs) for k in keys)
+    cycles = {k: itertools.cycle(table[k].configs) for k in keys}
+    return [{k: next(cycles[k]) for k in keys} for _ in range(n)]
+
+
+@contextlib.contextmanager
+def force(op: str, configs: Mapping[str, Config]) -> Iterator[None]:
+    """Force the configs of ``op``'s kernels (as given by :func:`op_configs`) in this context."""
+    for k in configs:
+        if k.split(".")[0] != op:
+            raise KeyError(f"config key {k!r} does not belong to op {op!r}")
+    token = _forced.set({**_forced.get(), **configs})
+    try:
+        yield
+    finally:
+        _forced.reset(token)
