@@ -1,0 +1,65 @@
+"""Log-probabilities and entropy of targets under softmax(logits / temperature)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def result_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32 results, except float64 inputs, which give exact float64 results."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    return_entropy: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    z = logits.double() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, targets.long()[:, None])[:, 0] - lse
+    if not return_entropy:
+        return lp.to(out_dtype)
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return lp.to(out_dtype), entropy.to(out_dtype)
+
+
+def logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    table=None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, V]``, int64 ``targets [T]`` -> float32 ``[T]`` log-probabilities
+    ``z[target] - logsumexp(z)`` with ``z = logits / temperature``; with ``return_entropy`` also
+    the entropy ``logsumexp(z) - sum(softmax(z) * z)``."""
+    return _logprobs(logits, targets, temperature, return_entropy, result_dtype(logits))
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    logits_dtype: torch.dtype | None = None,
+    *,
+    table=None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs` of ``hidden [T, H] @ weight [V, H].T + bias [V]``.
+
+    The logits are computed in float64 and rounded to ``logits_dtype`` (default hidden's dtype),
+    as the unfused path would materialise them; float64 ``hidden`` skips the rounding (exact
+    oracle).
+    """
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    if hidden.dtype != torch.float64:
+        logits = logits.to(logits_dtype or hidden.dtype)
+    return _logprobs(logits, targets, temperature, return_entropy, result_dtype(hidden))
