@@ -212,7 +212,9 @@ def attention(
         raise ValueError(
             f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}"
         )
-    if chk.value_checks_enabled(cu_q) and bool(((cu_q[1:] - cu_q[:-1]) > (cu_k[1:] - cu_k[:-1])).any()):
+    if chk.value_checks_enabled(cu_q) and bool(
+        ((cu_q[1:] - cu_q[:-1]) > (cu_k[1:] - cu_k[:-1])).any()
+    ):
         raise ValueError("a sequence has more queries than keys (cu_seqlens_q vs cu_seqlens_k)")
     return _call("attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]))
 
@@ -248,7 +250,11 @@ def paged_attention(
     chk.tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
     chk.tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
     device = chk.same_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
         cu_seqlens_q=cu_seqlens_q,
     )
     chk.same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -273,7 +279,14 @@ def paged_attention(
         in_use = used < seq_lens[:, None]
         chk.index_range("block_table", block_table[in_use], 0, pages, f"pages of k_cache: {pages}")
     return _call(
-        "paged_attention", device, q, k_cache, v_cache, block_table, seq_lens, cu_q,
+        "paged_attention",
+        device,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        cu_q,
         _scale(scale, d),
     )
 
@@ -359,8 +372,15 @@ def linear_logprobs(
     if not isinstance(logits_dtype, torch.dtype) or logits_dtype not in chk.FLOAT_DTYPES:
         raise TypeError(f"logits_dtype must be one of bf16/fp16/fp32, got {logits_dtype!r}")
     return _call(
-        "linear_logprobs", device, hidden, weight, targets, bias, temperature,
-        bool(return_entropy), logits_dtype,
+        "linear_logprobs",
+        device,
+        hidden,
+        weight,
+        targets,
+        bias,
+        temperature,
+        bool(return_entropy),
+        logits_dtype,
     )
 
 
@@ -379,9 +399,12 @@ def _check_padded(name: str, t: object, shape: tuple[int, ...] | None = None) ->
 def _check_mask(mask: object, shape: tuple[int, ...]) -> torch.Tensor:
     mask = chk.tensor("mask", mask, dtypes=(torch.bool, *chk.FLOAT_DTYPES), ndim=2)
     chk.shape("mask", mask, shape, "[B, L] of logprobs")
-    if mask.dtype != torch.bool and chk.value_checks_enabled(mask):
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
+    if (
+        mask.dtype != torch.bool
+        and chk.value_checks_enabled(mask)
+        and not bool(((mask == 0) | (mask == 1)).all())
+    ):
+        raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
     return mask
 
 
@@ -436,7 +459,9 @@ def policy_loss(
     clip_low = chk.positive_float("clip_low", clip_low, allow_zero=True)
     clip_high = chk.positive_float("clip_high", clip_high, allow_zero=True)
     if clip_low >= 1:
-        raise ValueError(f"clip_low must be < 1 (the ratio is clamped at 1 - clip_low), got {clip_low}")
+        raise ValueError(
+            f"clip_low must be < 1 (the ratio is clamped at 1 - clip_low), got {clip_low}"
+        )
     if clip_c is not None:
         clip_c = chk.positive_float("clip_c", clip_c)
         if clip_c <= 1:
@@ -448,18 +473,32 @@ def policy_loss(
         rollout_logprobs = _check_padded("rollout_logprobs", rollout_logprobs, shape)
         tis_cap = chk.positive_float("tis_cap", tis_cap)
     device = chk.same_device(
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
         rollout_logprobs=rollout_logprobs,
     )
     return _call(
-        "policy_loss", device, logprobs, old_logprobs, advantages, mask,
-        clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg,
-        rollout_logprobs=rollout_logprobs, tis_cap=tis_cap,
+        "policy_loss",
+        device,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_c=clip_c,
+        agg=agg,
+        rollout_logprobs=rollout_logprobs,
+        tis_cap=tis_cap,
     )
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL estimate between the policy and a reference policy, ``[B, L]`` -> fp32 ``[B, L]``.
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
+) -> torch.Tensor:
+    """Per-token KL estimate between the policy and a reference, ``[B, L]`` -> fp32 ``[B, L]``.
 
     With ``d = logprobs - ref_logprobs``: ``k1 = d``; ``abs = |d|``; ``k2 = d^2 / 2``;
     ``k3 = exp(-d) + d - 1`` (the low-variance estimator), clamped to ``[-10, 10]``.
@@ -500,7 +539,9 @@ def grpo_advantages(
             f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}"
         )
     eps = chk.positive_float("eps", eps, allow_zero=True)
-    return _call("grpo_advantages", rewards.device, rewards, group_size, norm_std=bool(norm_std), eps=eps)
+    return _call(
+        "grpo_advantages", rewards.device, rewards, group_size, norm_std=bool(norm_std), eps=eps
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,7 +549,9 @@ def grpo_advantages(
 # --------------------------------------------------------------------------------------------
 
 
-def _per_row(name: str, value: object, b: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _per_row(
+    name: str, value: object, b: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         want = (torch.int64, torch.int32) if dtype == torch.int64 else chk.FLOAT_DTYPES
         chk.tensor(name, value, dtypes=want, ndim=1)
@@ -564,6 +607,12 @@ def sample(
         if bool((offsets < 0).any()):
             raise ValueError("offsets must be >= 0")
     return _call(
-        "sample", device, logits, seeds, offsets,
-        temperature=temperature, top_k=top_k, top_p=top_p,
+        "sample",
+        device,
+        logits,
+        seeds,
+        offsets,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )

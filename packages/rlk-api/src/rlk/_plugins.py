@@ -165,9 +165,11 @@ class Registry:
                 f' Install it with: pip install "{hint}".'
                 if hint
                 else ' Vendor backends come with pip install "rlk[cuda]", "rlk[rocm]" or '
-                '"rlk[ascend]"; any package registering an \'rlk\' entry point adds one.'
+                "\"rlk[ascend]\"; any package registering an 'rlk' entry point adds one."
             )
-            raise BackendError(f"unknown rlk backend {name!r}. Installed backends: {installed}.{how}")
+            raise BackendError(
+                f"unknown rlk backend {name!r}. Installed backends: {installed}.{how}"
+            )
         return self._specs[name]
 
     def load(self, name: str, *, complete: bool = True) -> BackendImpl:

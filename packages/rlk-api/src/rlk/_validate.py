@@ -60,7 +60,9 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
     first_name, first = next(iter(devices.items()))
     for k, d in devices.items():
         if d != first:
-            raise ValueError(f"{k} is on {d} but {first_name} is on {first}; put them on one device")
+            raise ValueError(
+                f"{k} is on {d} but {first_name} is on {first}; put them on one device"
+            )
     return first
 
 
@@ -102,7 +104,9 @@ def index_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> N
         return
     lo, hi = int(t.min()), int(t.max())
     if lo < low or hi >= high:
-        raise ValueError(f"{name} has values in [{lo}, {hi}] but must be in [{low}, {high}) ({what})")
+        raise ValueError(
+            f"{name} has values in [{lo}, {hi}] but must be in [{low}, {high}) ({what})"
+        )
 
 
 def cu_seqlens(name: str, t: object, total: int, total_name: str) -> torch.Tensor:
@@ -116,7 +120,5 @@ def cu_seqlens(name: str, t: object, total: int, total_name: str) -> torch.Tenso
         if t.numel() > 1 and bool((t[1:] < t[:-1]).any()):
             raise ValueError(f"{name} must be non-decreasing (offsets of consecutive sequences)")
         if last != total:
-            raise ValueError(
-                f"{name}[-1] = {last} does not match {total_name} = {total} tokens"
-            )
+            raise ValueError(f"{name}[-1] = {last} does not match {total_name} = {total} tokens")
     return t

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -15,12 +16,19 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "pluggy", "rlk", "rlk-reference", "rlk-triton", "rlk-cuda",
-                 "rlk-rocm", "rlk-ascend"):
-        try:
+    for dist in (
+        "torch",
+        "triton",
+        "pluggy",
+        "rlk",
+        "rlk-reference",
+        "rlk-triton",
+        "rlk-cuda",
+        "rlk-rocm",
+        "rlk-ascend",
+    ):
+        with contextlib.suppress(md.PackageNotFoundError):
             out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
     return out
 
 
@@ -29,8 +37,12 @@ def _device() -> dict[str, Any]:
 
     if torch.cuda.is_available():
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-        return {"type": "cuda", "vendor": kind, "name": torch.cuda.get_device_name(0),
-                "count": torch.cuda.device_count()}
+        return {
+            "type": "cuda",
+            "vendor": kind,
+            "name": torch.cuda.get_device_name(0),
+            "count": torch.cuda.device_count(),
+        }
     return {"type": "cpu", "name": platform.processor() or platform.machine()}
 
 
@@ -64,8 +76,13 @@ def info_dict() -> dict[str, Any]:
             except _plugins.BackendError as e:
                 entry["available"], entry["reason"] = False, str(e)
         backends.append(entry)
-    return {"selected": selected, "requested": _plugins._requested(), "device": device,
-            "versions": _versions(), "backends": backends}
+    return {
+        "selected": selected,
+        "requested": _plugins._requested(),
+        "device": device,
+        "versions": _versions(),
+        "backends": backends,
+    }
 
 
 def _print_info(d: dict[str, Any]) -> None:
@@ -77,8 +94,11 @@ def _print_info(d: dict[str, Any]) -> None:
     for b in d["backends"]:
         mark = "*" if b["name"] == d["selected"] else " "
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
-        print(f" {mark} {b['name']:<10} prio {b['priority']:>3}  devices {','.join(b['device_types']):<10} "
-              f"[{b['distribution']}] {state}")
+        devices = ",".join(b["device_types"])
+        print(
+            f" {mark} {b['name']:<10} prio {b['priority']:>3}  devices {devices:<10} "
+            f"[{b['distribution']}] {state}"
+        )
         if b.get("missing_ops"):
             print(f"      not implemented (cannot be selected): {', '.join(b['missing_ops'])}")
         for op, how in (b.get("delegated") or {}).items():
@@ -99,7 +119,10 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
     report = testing.run_conformance(
-        backend=args.backend, ops=ops, device=args.device, quick=not args.full,
+        backend=args.backend,
+        ops=ops,
+        device=args.device,
+        quick=not args.full,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
     print(testing.format_table(report))
@@ -110,7 +133,9 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rlk", description="Deterministic, batch-invariant ops for RL.")
+    p = argparse.ArgumentParser(
+        prog="rlk", description="Deterministic, batch-invariant ops for RL."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="installed backends, availability, selection, versions")
     pi.add_argument("--json", action="store_true", help="machine-readable output")

@@ -33,8 +33,8 @@ class Rule:
 
 TuningTable = Mapping[str, Rule]
 
-_forced: contextvars.ContextVar[Mapping[str, Config]] = contextvars.ContextVar(
-    "rlk_triton_forced", default={}
+_forced: contextvars.ContextVar[Mapping[str, Config] | None] = contextvars.ContextVar(
+    "rlk_triton_forced", default=None
 )
 
 
@@ -47,7 +47,7 @@ def merge(base: TuningTable, overrides: TuningTable) -> dict[str, Rule]:
 
 def config(table: TuningTable, key: str, **shape: int) -> Config:
     """The config kernel ``key`` runs with for ``shape`` (a forced one wins)."""
-    forced = _forced.get().get(key)
+    forced = (_forced.get() or {}).get(key)
     if forced is not None:
         return forced
     rule = table[key]
@@ -70,7 +70,7 @@ def force(op: str, configs: Mapping[str, Config]) -> Iterator[None]:
     for k in configs:
         if k.split(".")[0] != op:
             raise KeyError(f"config key {k!r} does not belong to op {op!r}")
-    token = _forced.set({**_forced.get(), **configs})
+    token = _forced.set({**(_forced.get() or {}), **configs})
     try:
         yield
     finally:

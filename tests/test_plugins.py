@@ -1,0 +1,246 @@
+"""Plugin discovery, backend selection and their errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import rlk
+from rlk import _plugins
+from rlk._plugins import BackendError, BackendImpl, BackendSpec
+
+
+def _reference_ops():
+    import rlk_reference
+
+    return {op: getattr(rlk_reference, op) for op in rlk_reference.__all__}
+
+
+class _Plugin:
+    """A test plugin declaring the given specs."""
+
+    def __init__(self, *specs):
+        self.specs = specs
+
+    @rlk.hookimpl
+    def rlk_backends(self):
+        return list(self.specs)
+
+
+def _spec(
+    name,
+    *,
+    priority=10,
+    devices=("cpu",),
+    ops=None,
+    available=(True, ""),
+    load=None,
+    distribution="test-dist",
+):
+    if load is None:
+        ops = _reference_ops() if ops is None else ops
+        load = lambda: BackendImpl(ops=ops, claims=frozenset({"accuracy"}))  # noqa: E731
+    return BackendSpec(
+        name=name,
+        priority=priority,
+        device_types=devices,
+        is_available=lambda: available,
+        load=load,
+        distribution=distribution,
+    )
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """Install extra test plugins for one test; the real registry comes back afterwards."""
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+
+    def install(*specs):
+        return _plugins.reset_registry(extra_plugins=[_Plugin(*specs)])
+
+    yield install
+    _plugins.reset_registry()
+
+
+def test_all_five_backends_are_discovered_with_honest_availability():
+    reg = _plugins.reset_registry()
+    specs = reg.specs
+    assert {"reference", "triton", "cuda", "rocm", "ascend"} <= set(specs)
+    ok, _ = specs["reference"].is_available()
+    assert ok
+    if not torch.cuda.is_available():
+        ok, reason = specs["cuda"].is_available()
+        assert not ok and "CUDA" in reason
+        ok, reason = specs["rocm"].is_available()
+        assert not ok and "ROCm" in reason
+    if "torch_npu" not in sys.modules:
+        ok, reason = specs["ascend"].is_available()
+        assert not ok and "torch_npu" in reason
+    # Discovery must not import the heavy stacks.
+    assert "torch_npu" not in sys.modules
+
+
+def test_distributions_are_named():
+    specs = _plugins.reset_registry().specs
+    assert specs["reference"].distribution == "rlk-reference"
+    assert specs["triton"].distribution == "rlk-triton"
+    assert specs["cuda"].distribution == "rlk-cuda"
+
+
+def test_unknown_backend_names_installed_ones_and_pip_hint(plugins):
+    plugins()
+    with pytest.raises(BackendError) as e, rlk.use_backend("nope"):
+        pass
+    msg = str(e.value)
+    assert "'nope'" in msg and "reference" in msg and "triton" in msg
+    assert 'pip install "rlk[cuda]"' in msg
+
+
+def test_known_vendor_name_gets_its_extra(plugins):
+    plugins()
+    reg = _plugins.registry()
+    reg._specs.pop("rocm")
+    with pytest.raises(BackendError, match=r'pip install "rlk\[rocm\]"'):
+        reg.spec("rocm")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_backend_gives_the_reason(plugins):
+    plugins()
+    with pytest.raises(BackendError, match="not available: .*CUDA"), rlk.use_backend("cuda"):
+        pass
+
+
+def test_duplicate_names_name_both_distributions(monkeypatch):
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+    try:
+        with pytest.raises(BackendError) as e:
+            _plugins.reset_registry(
+                extra_plugins=[_Plugin(_spec("reference", distribution="evil-dist"))]
+            )
+        assert "rlk-reference" in str(e.value) and "evil-dist" in str(e.value)
+    finally:
+        _plugins.reset_registry()
+
+
+def test_hook_returning_garbage_is_an_error(monkeypatch):
+    try:
+        with pytest.raises(BackendError, match="not a BackendSpec"):
+            _plugins.reset_registry(extra_plugins=[_Plugin("not a spec")])
+    finally:
+        _plugins.reset_registry()
+
+
+def test_incomplete_backend_cannot_be_selected_and_auto_skips_it(plugins):
+    ops = _reference_ops()
+    del ops["attention"]
+    plugins(_spec("partial", priority=1000, ops=ops))
+    with (
+        pytest.raises(BackendError, match="does not implement attention"),
+        rlk.use_backend("partial"),
+    ):
+        pass
+    assert rlk.current_backend("cpu") != "partial"
+
+
+def test_auto_picks_highest_priority_complete_backend(plugins):
+    plugins(_spec("best", priority=1000), _spec("worse", priority=999))
+    assert rlk.current_backend("cpu") == "best"
+    x, w = torch.randn(3, 8), torch.ones(8)
+    torch.testing.assert_close(rlk.rms_norm(x, w), rlk.rms_norm(x, w))
+
+
+def test_auto_respects_device_types(plugins):
+    plugins(_spec("npu_only", priority=1000, devices=("npu",)))
+    assert rlk.current_backend("cpu") != "npu_only"
+    with pytest.raises(BackendError, match="does not serve 'cpu'"), rlk.use_backend("npu_only"):
+        rlk.current_backend("cpu")
+
+
+def test_loader_failure_is_a_reason_not_a_crash(plugins):
+    def boom():
+        raise ImportError("libvendor.so: cannot open shared object file")
+
+    plugins(_spec("broken", priority=1000, load=boom))
+    with (
+        pytest.raises(BackendError, match="failed to load: libvendor.so"),
+        rlk.use_backend("broken"),
+    ):
+        pass
+    assert rlk.current_backend("cpu") != "broken"
+
+
+def test_env_var_and_context_manager(plugins, monkeypatch):
+    plugins(_spec("alpha", priority=-5), _spec("beta", priority=-6))
+    monkeypatch.setenv("RLK_BACKEND", "beta")
+    assert rlk.current_backend("cpu") == "beta"
+    with rlk.use_backend("alpha"):
+        assert rlk.current_backend("cpu") == "alpha"
+        with rlk.use_backend("beta"):
+            assert rlk.current_backend("cpu") == "beta"
+        assert rlk.current_backend("cpu") == "alpha"
+    assert rlk.current_backend("cpu") == "beta"
+
+
+def test_use_backend_is_per_thread(plugins):
+    plugins(_spec("alpha", priority=-5))
+    seen = {}
+    with rlk.use_backend("alpha"):
+        t = threading.Thread(target=lambda: seen.setdefault("other", rlk.current_backend("cpu")))
+        t.start()
+        t.join()
+        assert rlk.current_backend("cpu") == "alpha"
+    assert seen["other"] != "alpha"
+
+
+def test_ops_dispatch_to_the_selected_backend(plugins):
+    calls = []
+    ops = _reference_ops()
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return ops["silu_and_mul"](*args, **kwargs)
+
+    plugins(_spec("spy", priority=-1, ops={**ops, "silu_and_mul": spy}))
+    with rlk.use_backend("spy"):
+        y = rlk.silu_and_mul(torch.randn(2, 3, 8))
+    assert y.shape == (2, 3, 4)
+    assert calls == [(6, 8)]  # leading dims flattened for the backend
+
+
+def _cli(*args, env=None):
+    e = {k: v for k, v in os.environ.items() if k != "RLK_BACKEND"}
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "rlk.cli", *args], capture_output=True, text=True, env=e, timeout=300
+    )
+
+
+def test_cli_info_lists_backends():
+    r = _cli("info")
+    assert r.returncode == 0, r.stderr
+    for name in ("reference", "triton", "cuda", "rocm", "ascend"):
+        assert name in r.stdout
+
+
+def test_cli_info_json():
+    import json
+
+    r = _cli("info", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    names = {b["name"]: b for b in d["backends"]}
+    assert names["reference"]["available"] is True
+    assert "torch" in d["versions"]
+
+
+def test_cli_unknown_backend_is_one_paragraph_without_traceback():
+    r = _cli("info", env={"RLK_BACKEND": "nope"})
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "Installed backends: " in r.stderr

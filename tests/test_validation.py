@@ -1,0 +1,264 @@
+"""Every public op rejects bad input with a TypeError/ValueError naming the argument, before any
+backend code runs (a spy backend whose ops all fail proves nothing was launched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlk
+from rlk import _plugins
+from rlk._plugins import BackendImpl, BackendSpec
+
+bf16 = torch.bfloat16
+i32 = torch.int32
+
+
+class _Tripwire:
+    @rlk.hookimpl
+    def rlk_backends(self):
+        def reached(*a, **k):
+            raise AssertionError("validation let bad input reach the backend")
+
+        impl = BackendImpl(ops={op: reached for op in rlk.OPS}, claims=frozenset())
+        return [
+            BackendSpec(
+                name="tripwire",
+                priority=10**6,
+                device_types=("*",),
+                is_available=lambda: (True, ""),
+                load=lambda: impl,
+            )
+        ]
+
+
+@pytest.fixture(autouse=True)
+def tripwire(monkeypatch):
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+    _plugins.reset_registry(extra_plugins=[_Tripwire()])
+    with rlk.use_backend("tripwire"):
+        yield
+    _plugins.reset_registry()
+
+
+def r(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def cu(*offsets):
+    return torch.tensor(offsets, dtype=i32)
+
+
+def _attn(**over):
+    a = dict(
+        q=r(5, 4, 16),
+        k=r(7, 2, 16),
+        v=r(7, 2, 16),
+        cu_seqlens_q=cu(0, 2, 5),
+        cu_seqlens_k=cu(0, 3, 7),
+    )
+    a.update(over)
+    return lambda: rlk.attention(
+        a["q"],
+        a["k"],
+        a["v"],
+        a["cu_seqlens_q"],
+        a["cu_seqlens_k"],
+        **{k: v for k, v in over.items() if k in ("causal", "scale")},
+    )
+
+
+def _paged(**over):
+    a = dict(
+        q=r(3, 4, 16),
+        k_cache=r(6, 16, 2, 16),
+        v_cache=r(6, 16, 2, 16),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=i32),
+        seq_lens=cu(20, 17),
+        cu_seqlens_q=cu(0, 1, 3),
+    )
+    a.update(over)
+    return lambda: rlk.paged_attention(
+        a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"]
+    )
+
+
+def _pl(**over):
+    b, l = 2, 5
+    a = dict(
+        logprobs=r(b, l),
+        old_logprobs=r(b, l),
+        advantages=r(b, l),
+        mask=torch.ones(b, l, dtype=torch.bool),
+    )
+    kw = {k: v for k, v in over.items() if k not in a}
+    a.update({k: v for k, v in over.items() if k in a})
+    return lambda: rlk.policy_loss(
+        a["logprobs"], a["old_logprobs"], a["advantages"], a["mask"], **kw
+    )
+
+
+def _sample(**over):
+    a = dict(logits=r(3, 10), seeds=torch.arange(3), offsets=torch.zeros(3, dtype=torch.int64))
+    kw = {k: v for k, v in over.items() if k not in a}
+    a.update({k: v for k, v in over.items() if k in a})
+    return lambda: rlk.sample(a["logits"], a["seeds"], a["offsets"], **kw)
+
+
+T = torch.arange(4)
+
+CASES = {
+    # linear
+    "linear x not a tensor": (lambda: rlk.linear([1.0], r(3, 1)), TypeError, "x"),
+    "linear int x": (
+        lambda: rlk.linear(torch.ones(2, 3, dtype=torch.int64), r(4, 3)),
+        TypeError,
+        "x",
+    ),
+    "linear weight 1-D": (lambda: rlk.linear(r(2, 3), r(3)), ValueError, "weight"),
+    "linear K mismatch": (lambda: rlk.linear(r(2, 3), r(4, 5)), ValueError, "weight"),
+    "linear bias shape": (lambda: rlk.linear(r(2, 3), r(4, 3), r(5)), ValueError, "bias"),
+    "linear dtype mismatch": (
+        lambda: rlk.linear(r(2, 3), r(4, 3, dtype=bf16)),
+        TypeError,
+        "weight",
+    ),
+    "linear non-contiguous": (lambda: rlk.linear(r(3, 2).t(), r(4, 3)), ValueError, "x"),
+    "linear device mismatch": (
+        lambda: rlk.linear(r(2, 3), r(4, 3).to("meta")),
+        ValueError,
+        "weight",
+    ),
+    # rms_norm
+    "rms_norm weight shape": (lambda: rlk.rms_norm(r(2, 8), r(7)), ValueError, "weight"),
+    "rms_norm eps": (lambda: rlk.rms_norm(r(2, 8), r(8), -1.0), ValueError, "eps"),
+    "rms_norm residual shape": (
+        lambda: rlk.rms_norm(r(2, 8), r(8), 1e-6, r(3, 8)),
+        ValueError,
+        "residual",
+    ),
+    "rms_norm residual dtype": (
+        lambda: rlk.rms_norm(r(2, 8), r(8), 1e-6, r(2, 8, dtype=bf16)),
+        TypeError,
+        "residual",
+    ),
+    "rms_norm empty hidden": (lambda: rlk.rms_norm(r(2, 0), r(0)), ValueError, "x"),
+    # silu_and_mul
+    "silu odd": (lambda: rlk.silu_and_mul(r(2, 7)), ValueError, "x"),
+    # rotary
+    "rotary 2-D x": (lambda: rlk.apply_rotary(r(4, 8), r(4, 8), r(4, 8)), ValueError, "x"),
+    "rotary cos shape": (lambda: rlk.apply_rotary(r(4, 2, 8), r(3, 8), r(3, 8)), ValueError, "cos"),
+    "rotary cos dtype": (
+        lambda: rlk.apply_rotary(
+            r(4, 2, 8, dtype=bf16), r(4, 8, dtype=torch.float16), r(4, 8, dtype=torch.float16)
+        ),
+        TypeError,
+        "cos",
+    ),
+    "rotary odd dim": (
+        lambda: rlk.apply_rotary(r(4, 2, 7), r(4, 7), r(4, 7)),
+        ValueError,
+        "head dim",
+    ),
+    # attention
+    "attn q 2-D": (_attn(q=r(5, 64)), ValueError, "q"),
+    "attn v shape": (_attn(v=r(7, 2, 8)), ValueError, "v"),
+    "attn heads": (_attn(q=r(5, 3, 16)), ValueError, "heads"),
+    "attn head dim": (_attn(q=r(5, 4, 8)), ValueError, "head dim"),
+    "attn cu dtype": (_attn(cu_seqlens_q=torch.tensor([0, 2, 5])), TypeError, "cu_seqlens_q"),
+    "attn cu first": (_attn(cu_seqlens_q=cu(1, 2, 5)), ValueError, "cu_seqlens_q"),
+    "attn cu monotone": (_attn(cu_seqlens_k=cu(0, 8, 7)), ValueError, "cu_seqlens_k"),
+    "attn cu total": (_attn(cu_seqlens_k=cu(0, 3, 6)), ValueError, "cu_seqlens_k"),
+    "attn cu count": (_attn(cu_seqlens_k=cu(0, 7)), ValueError, "cu_seqlens_k"),
+    "attn more q than k": (_attn(cu_seqlens_q=cu(0, 4, 5)), ValueError, "queries"),
+    "attn causal type": (_attn(causal="yes"), TypeError, "causal"),
+    "attn scale": (_attn(scale=-1.0), ValueError, "scale"),
+    # paged attention
+    "paged page out of range": (
+        _paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=i32)),
+        ValueError,
+        "block_table",
+    ),
+    "paged too long": (_paged(seq_lens=cu(40, 17)), ValueError, "seq_lens"),
+    "paged too short": (_paged(seq_lens=cu(20, 1)), ValueError, "seq_lens"),
+    "paged seq_lens shape": (_paged(seq_lens=cu(20)), ValueError, "seq_lens"),
+    "paged cu length": (_paged(cu_seqlens_q=cu(0, 3)), ValueError, "cu_seqlens_q"),
+    "paged block_table dtype": (
+        _paged(block_table=torch.tensor([[0, 1], [2, 3]])),
+        TypeError,
+        "block_table",
+    ),
+    # logprobs
+    "logprobs target high": (
+        lambda: rlk.logprobs(r(4, 10), torch.tensor([0, 1, 2, 10])),
+        ValueError,
+        "targets",
+    ),
+    "logprobs target negative": (
+        lambda: rlk.logprobs(r(4, 10), torch.tensor([0, -1, 2, 3])),
+        ValueError,
+        "targets",
+    ),
+    "logprobs target dtype": (lambda: rlk.logprobs(r(4, 10), T.to(i32)), TypeError, "targets"),
+    "logprobs target length": (lambda: rlk.logprobs(r(5, 10), T), ValueError, "targets"),
+    "logprobs temperature": (lambda: rlk.logprobs(r(4, 10), T, 0.0), ValueError, "temperature"),
+    "logprobs 3-D": (lambda: rlk.logprobs(r(1, 4, 10), T), ValueError, "logits"),
+    # linear_logprobs
+    "llp hidden mismatch": (
+        lambda: rlk.linear_logprobs(r(4, 8), r(10, 9), T),
+        ValueError,
+        "weight",
+    ),
+    "llp target high": (
+        lambda: rlk.linear_logprobs(r(4, 8), r(10, 8), T + 7),
+        ValueError,
+        "targets",
+    ),
+    "llp logits_dtype": (
+        lambda: rlk.linear_logprobs(r(4, 8), r(10, 8), T, logits_dtype=torch.int8),
+        TypeError,
+        "logits_dtype",
+    ),
+    "llp bias": (lambda: rlk.linear_logprobs(r(4, 8), r(10, 8), T, r(9)), ValueError, "bias"),
+    # policy_loss
+    "pl agg": (_pl(agg="mean"), ValueError, "agg"),
+    "pl old shape": (_pl(old_logprobs=r(2, 4)), ValueError, "old_logprobs"),
+    "pl adv shape": (_pl(advantages=r(3)), ValueError, "advantages"),
+    "pl mask values": (_pl(mask=torch.full((2, 5), 2.0)), ValueError, "mask"),
+    "pl clip_c": (_pl(clip_c=0.5), ValueError, "clip_c"),
+    "pl clip_low": (_pl(clip_low=1.5), ValueError, "clip_low"),
+    "pl tis alone": (_pl(tis_cap=2.0), ValueError, "rollout_logprobs"),
+    "pl rollout shape": (
+        _pl(rollout_logprobs=r(2, 4), tis_cap=2.0),
+        ValueError,
+        "rollout_logprobs",
+    ),
+    # kl / grpo
+    "kl kind": (lambda: rlk.kl_penalty(r(2, 3), r(2, 3), "k4"), ValueError, "kind"),
+    "kl shape": (lambda: rlk.kl_penalty(r(2, 3), r(2, 4), "k1"), ValueError, "ref_logprobs"),
+    "grpo divisibility": (lambda: rlk.grpo_advantages(r(10), 4), ValueError, "group_size"),
+    "grpo size one": (lambda: rlk.grpo_advantages(r(10), 1), ValueError, "group_size"),
+    "grpo float size": (lambda: rlk.grpo_advantages(r(10), 2.0), TypeError, "group_size"),
+    "grpo 2-D": (lambda: rlk.grpo_advantages(r(2, 5), 5), ValueError, "rewards"),
+    # sample
+    "sample seeds length": (_sample(seeds=torch.arange(2)), ValueError, "seeds"),
+    "sample seeds dtype": (_sample(seeds=torch.zeros(3)), TypeError, "seeds"),
+    "sample top_p zero": (_sample(top_p=0.0), ValueError, "top_p"),
+    "sample top_p high": (_sample(top_p=1.5), ValueError, "top_p"),
+    "sample top_k": (_sample(top_k=-1), ValueError, "top_k"),
+    "sample top_k float": (_sample(top_k=2.5), TypeError, "top_k"),
+    "sample temperature": (_sample(temperature=-0.5), ValueError, "temperature"),
+    "sample offsets": (_sample(offsets=torch.full((3,), -1)), ValueError, "offsets"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_rejected_naming_the_argument(case):
+    fn, exc, name = CASES[case]
+    with pytest.raises(exc, match=name):
+        fn()
+
+
+def test_good_input_reaches_the_backend():
+    with pytest.raises(AssertionError, match="reach the backend"):
+        rlk.linear(r(2, 3), r(4, 3))
