@@ -1,0 +1,737 @@
+"""Varlen and paged attention with one set of numbers, and a deterministic backward.
+
+Shapes: ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hk, D]`` (or paged caches ``[pages, page_size, Hk, D]``),
+``cu_seqlens`` int32 ``[B + 1]``. The queries of a sequence are its last ``nq`` tokens: query
+``i`` sits at position ``nk - nq + i`` and, when causal, sees keys ``0..nk - nq + i``.
+
+Why every path gives the same bits (training, prefill, chunked prefill, decode, paged):
+
+* KV is read in tiles of ``BLOCK_N`` keys (a module constant, never a tuning parameter) aligned
+  to the sequence's logical position 0: tile ``j`` holds positions ``[j*BLOCK_N, (j+1)*BLOCK_N)``.
+  Each query row runs the online softmax (fp32 ``m``, ``l``, ``acc``) over tiles ``0, 1, ...``
+  in ascending order up to the tile holding its own position; the paged path gathers each
+  tile's keys by logical position (``block_table[b, pos // page_size]``, slot
+  ``pos % page_size``), so it feeds the very same tile to the very same arithmetic.
+* A program holds up to ``BLOCK_M`` rows, each a (query token, query head) pair: the query heads
+  sharing a KV head (GQA/MQA) are packed into the M dimension with the tokens, so decode
+  (one token) still fills part of the tile and K/V are read once per KV head. Rows never
+  interact: scores come from ``tl.dot`` rows, and ``max``/``sum`` run along a row.
+  Tiles that are entirely masked for a row (another row of the program needs them) leave
+  that row's ``m``, ``l``, ``acc`` untouched through an explicit ``tl.where``.
+* Tiles fully visible to every row of the program run an unmasked loop, the others a masked
+  loop; both run the same helper, whose only difference is a ``tl.where`` on the raw dot
+  result *before* the multiply by ``scale * log2(e)``, so the floating-point sequence (and any
+  mul+add contraction the compiler makes) is the same in both for every visible key.
+* GPU instruction kind: on Hopper, ``tl.dot`` is a wgmma when M is a multiple of 64 per
+  warpgroup and ``num_warps`` a multiple of 4, otherwise an mma.sync, and the two may round
+  differently. Every config here is one of (BLOCK_M=64, 4 warps), (BLOCK_M=128, 4 or 8 warps):
+  always wgmma, and always a layout whose warps split M only (warpsPerCTA = [num_warps, 1]),
+  so a row's ``BLOCK_N`` scores are held by one warp in the same way and the row reductions
+  (``tl.max``, ``tl.sum``) run in the same order for every config. (BLOCK_M=64 with 8 warps
+  would split N across two warpgroups and change the row-sum order: never use it.) The
+  instruction's N is ``BLOCK_N`` (scores) or ``D`` (output), both fixed by the op.
+* The final ``acc / l`` (plus ``+ 0.0``, which maps a possible ``-0.0`` to ``+0.0``) is the
+  same epilogue for every path.
+
+Backward (training path; also valid for nq < nk): ``delta = rowsum(dO * O)`` by a kernel with
+a fixed config; dK/dV by one program per KV tile looping over query chunks of the constant
+``BWD_BLOCK_M`` rows (tokens x the group's query heads, in a fixed order) in ascending order;
+dQ by one program per query tile looping over KV tiles of ``BLOCK_N`` in ascending order. No
+atomics; a sequence's gradients depend only on that sequence. The tunable block sizes
+(``BLOCK_N`` of the dK/dV kernel, ``BLOCK_M`` of the dQ kernel) only tile *outputs*; the extra
+tiles a larger block may visit contribute exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+
+#: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
+BLOCK_N = 64
+#: Query chunk (rows = tokens x heads) of the dK/dV reduction. Never tune it.
+BWD_BLOCK_M = 64
+#: Rows of the delta = rowsum(dO * O) kernel (fixed config: it reduces over D).
+_DELTA_ROWS = 32
+
+_LOG2E = 1.4426950408889634
+
+# Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
+_FWD_CONFIGS = (
+    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3},
+)
+_BWD_CONFIGS = (
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+)
+
+
+def _choose_fwd(rows: int, **_: int) -> int:
+    # rows = the longest sequence's query rows (tokens x heads of a group).
+    return 0 if rows >= 1024 else 1
+
+
+def _choose_paged(rows: int, **_: int) -> int:
+    return 0 if rows >= 1024 else 3
+
+
+def _choose_bwd(rows: int, **_: int) -> int:
+    return 0 if rows >= 1024 else 2
+
+
+TUNING = {
+    "attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=_choose_fwd),
+    "attention.bwd": tuning.Rule(configs=_BWD_CONFIGS, choose=_choose_bwd),
+    "paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=_choose_paged),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_rows(
+    b,
+    kpos,
+    nk,
+    k_start,
+    BT,
+    stride_btb,
+    stride_kt,
+    stride_kp,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Element offsets (int64) of the cache rows holding logical key positions ``kpos``."""
+    if PAGED:
+        page = tl.load(BT + b * stride_btb + kpos // PAGE_SIZE, mask=kpos < nk, other=0)
+        return page.to(tl.int64) * stride_kp + (kpos % PAGE_SIZE).to(tl.int64) * stride_kt
+    else:
+        return (k_start + kpos).to(tl.int64) * stride_kt
+
+
+@triton.jit
+def _fwd_tile(
+    acc, m, l, q, k, v, qk_scale, visible, active, MASK: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASK:
+        # Before the scale multiply, so visible keys see the unmasked loop's exact sequence.
+        s = tl.where(visible, s, float("-inf"))
+    s = s * qk_scale
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_new = l * alpha + tl.sum(p, 1)
+    acc_new = acc * alpha[:, None]
+    acc_new = tl.dot(p.to(v.dtype), v, acc_new, input_precision=DOT_PREC)
+    if MASK:
+        # A row with no visible key in this tile keeps its state bit for bit.
+        acc_new = tl.where(active[:, None], acc_new, acc)
+        m_new = tl.where(active, m_new, m)
+        l_new = tl.where(active, l_new, l)
+    return acc_new, m_new, l_new
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    CU_Q,
+    CU_K,
+    SEQ_LENS,
+    BT,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_kp,
+    stride_vt,
+    stride_vh,
+    stride_vp,
+    stride_ot,
+    stride_oh,
+    stride_btb,
+    qk_scale,
+    GROUP,
+    D,
+    Hq,
+    HG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    TOK: tl.constexpr = BLOCK_M // HG
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_hc = tl.cdiv(GROUP, HG)
+    kvh = pid_h // n_hc
+    hc = pid_h % n_hc
+
+    q_start = tl.load(CU_Q + b)
+    nq = tl.load(CU_Q + b + 1) - q_start
+    if PAGED:
+        k_start = 0
+        nk = tl.load(SEQ_LENS + b)
+    else:
+        k_start = tl.load(CU_K + b)
+        nk = tl.load(CU_K + b + 1) - k_start
+    t0 = pid_m * TOK
+    if t0 >= nq:
+        return
+
+    r = tl.arange(0, BLOCK_M)
+    tok = t0 + r // HG
+    g = hc * HG + r % HG
+    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
+    h = kvh * GROUP + g
+    pos = nk - nq + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    t_last = tl.minimum(t0 + TOK, nq) - 1
+    if CAUSAL:
+        n_full = (nk - nq + t0 + 1) // BLOCK_N
+        n_tiles = (nk - nq + t_last) // BLOCK_N + 1
+    else:
+        n_full = nk // BLOCK_N
+        n_tiles = tl.cdiv(nk, BLOCK_N)
+
+    n = tl.arange(0, BLOCK_N)
+    k_head = kvh.to(tl.int64) * stride_kh
+    v_head = kvh.to(tl.int64) * stride_vh
+    dummy = r < BLOCK_M
+    for j in range(0, n_full):
+        kpos = j * BLOCK_N + n
+        k_rows = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, PAGED, PAGE_SIZE
+        )
+        v_rows = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, PAGED, PAGE_SIZE
+        )
+        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
+    for j in range(n_full, n_tiles):
+        kpos = j * BLOCK_N + n
+        k_ok = kpos < nk
+        k_rows = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, PAGED, PAGE_SIZE
+        )
+        v_rows = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, PAGED, PAGE_SIZE
+        )
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
+        visible = k_ok[None, :] & (r >= 0)[:, None]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= pos[:, None])
+            active = j * BLOCK_N <= pos
+        else:
+            active = r >= 0
+        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
+
+    l_safe = tl.where(row_ok, l, 1.0)
+    o = acc / l_safe[:, None] + 0.0
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+    tl.store(
+        O + o_off[:, None] + d[None, :],
+        o.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    if STORE_LSE:
+        lse = m + tl.math.log2(l_safe)
+        tl.store(LSE + (q_start + tok).to(tl.int64) * Hq + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < n_rows)[:, None] & (d < D)[None, :]
+    off = r.to(tl.int64)[:, None] * D + d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
+
+
+@triton.jit
+def _dq_tile(
+    dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASK:
+        s = tl.where(visible, s, float("-inf"))
+    s = s * qk_scale
+    p = tl.math.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    CU_Q,
+    CU_K,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    qk_scale,
+    scale,
+    GROUP,
+    D,
+    Hq,
+    HG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
+    TOK: tl.constexpr = BLOCK_M // HG
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_hc = tl.cdiv(GROUP, HG)
+    kvh = pid_h // n_hc
+    hc = pid_h % n_hc
+    q_start = tl.load(CU_Q + b)
+    nq = tl.load(CU_Q + b + 1) - q_start
+    k_start = tl.load(CU_K + b)
+    nk = tl.load(CU_K + b + 1) - k_start
+    t0 = pid_m * TOK
+    if t0 >= nq:
+        return
+
+    r = tl.arange(0, BLOCK_M)
+    tok = t0 + r // HG
+    g = hc * HG + r % HG
+    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
+    h = kvh * GROUP + g
+    pos = nk - nq + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    stat_off = (q_start + tok).to(tl.int64) * Hq + h
+    lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+
+    t_last = tl.minimum(t0 + TOK, nq) - 1
+    if CAUSAL:
+        n_full = (nk - nq + t0 + 1) // BLOCK_N
+        n_tiles = (nk - nq + t_last) // BLOCK_N + 1
+    else:
+        n_full = nk // BLOCK_N
+        n_tiles = tl.cdiv(nk, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    kv_head = kvh.to(tl.int64) * stride_kh
+    dummy = r < BLOCK_M
+    for j in range(0, n_full):
+        kpos = j * BLOCK_N + n
+        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
+    for j in range(n_full, n_tiles):
+        kpos = j * BLOCK_N + n
+        k_ok = kpos < nk
+        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        k = tl.load(K + off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        visible = k_ok[None, :] & (r >= 0)[:, None]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= pos[:, None])
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, visible, True, DOT_PREC)
+    dq = dq * scale
+    tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    CU_Q,
+    CU_K,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    qk_scale,
+    scale,
+    GROUP,
+    D,
+    Hq,
+    HG: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
+    # dot) is the constant BWD_BLOCK_M, so dK/dV add the same partial sums in the same order.
+    TOK: tl.constexpr = BLOCK_M // HG
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU_Q + b)
+    nq = tl.load(CU_Q + b + 1) - q_start
+    k_start = tl.load(CU_K + b)
+    nk = tl.load(CU_K + b + 1) - k_start
+    n0 = pid_n * BLOCK_N
+    if n0 >= nk:
+        return
+
+    n = tl.arange(0, BLOCK_N)
+    kpos = n0 + n
+    k_ok = kpos < nk
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    kv_off = (
+        (k_start + kpos).to(tl.int64)[:, None] * stride_kt
+        + kvh.to(tl.int64) * stride_kh
+        + d[None, :]
+    )
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    if CAUSAL:
+        first_tok = tl.maximum(n0 - (nk - nq), 0)
+    else:
+        first_tok = 0
+    it0 = first_tok // TOK
+    n_it = tl.cdiv(nq, TOK)
+    r = tl.arange(0, BLOCK_M)
+    n_hc = tl.cdiv(GROUP, HG)
+    for hc in range(0, n_hc):
+        g = hc * HG + r % HG
+        h = kvh * GROUP + g
+        for it in range(it0, n_it):
+            tok = it * TOK + r // HG
+            row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
+            pos = nk - nq + tok
+            q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+            qmask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+            do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+            stat_off = (q_start + tok).to(tl.int64) * Hq + h
+            lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+
+            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
+            pt = tl.math.exp2(st - lse[None, :])
+            visible = k_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                visible = visible & (kpos[:, None] <= pos[None, :])
+            pt = tl.where(visible, pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    dk = dk * scale
+    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _group_tile(group: int, block_m: int) -> int:
+    """Query heads of a group packed per program (the rest of BLOCK_M holds more tokens)."""
+    return min(group, block_m, 64)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision FMA dot (no TF32); bf16/fp16: the tensor-core dot.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, table, store_lse):
+    tq, hq, d = q.shape
+    hk = k.shape[-2]
+    group = hq // hk
+    paged = block_table is not None
+    b = cu_q.numel() - 1
+    o = torch.empty_like(q)
+    lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device) if store_lse else o
+    max_nq = _max_len(cu_q)
+    if b == 0 or max_nq == 0 or tq == 0:
+        return o, lse
+    cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d)
+    block_m = cfg["BLOCK_M"]
+    hg = _group_tile(group, block_m)
+    tok = block_m // hg
+    grid = (triton.cdiv(max_nq, tok), hk * triton.cdiv(group, hg), b)
+    if paged:
+        # Caches [pages, page_size, Hk, D]: "t" = slot, "p" = page.
+        skt, skh, skp = k.stride(1), k.stride(2), k.stride(0)
+        svt, svh, svp = v.stride(1), v.stride(2), v.stride(0)
+        page_size = k.shape[1]
+        bt, sbt, lens, cu_k_arg = block_table, block_table.stride(0), seq_lens, cu_q
+    else:
+        skt, skh, skp = k.stride(0), k.stride(1), 0
+        svt, svh, svp = v.stride(0), v.stride(1), 0
+        page_size = 1
+        bt, sbt, lens, cu_k_arg = cu_k, 0, cu_k, cu_k
+    _fwd_kernel[grid](
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k_arg,
+        lens,
+        bt,
+        q.stride(0),
+        q.stride(1),
+        skt,
+        skh,
+        skp,
+        svt,
+        svh,
+        svp,
+        o.stride(0),
+        o.stride(1),
+        sbt,
+        scale * _LOG2E,
+        group,
+        d,
+        hq,
+        HG=hg,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(max(d, 16)),
+        CAUSAL=causal,
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        STORE_LSE=store_lse,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table):
+    tq, hq, d = q.shape
+    tk, hk, _ = k.shape
+    group = hq // hk
+    b = cu_q.numel() - 1
+    do = do.contiguous()
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    max_nq, max_nk = _max_len(cu_q), _max_len(cu_k)
+    if b == 0 or max_nk == 0:
+        return dq, dk, dv
+    block_d = triton.next_power_of_2(max(d, 16))
+    delta = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
+    n_rows = tq * hq
+    if n_rows:
+        _delta_kernel[(triton.cdiv(n_rows, _DELTA_ROWS),)](
+            o, do, delta, n_rows, d, ROWS=_DELTA_ROWS, BLOCK_D=block_d, num_warps=4
+        )
+    cfg = tuning.config(
+        table, "attention.bwd", rows=max(max_nq, max_nk) * group, group=group, head_dim=d
+    )
+    prec = _dot_precision(q.dtype)
+    common = dict(
+        CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
+    )
+    hg = _group_tile(group, BWD_BLOCK_M)
+    _dkdv_kernel[(triton.cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        cu_q,
+        cu_k,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        scale * _LOG2E,
+        scale,
+        group,
+        d,
+        hq,
+        HG=hg,
+        BLOCK_M=BWD_BLOCK_M,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_D=block_d,
+        **common,
+    )
+    if max_nq:
+        hg = _group_tile(group, cfg["BLOCK_M"])
+        tok = cfg["BLOCK_M"] // hg
+        _dq_kernel[(triton.cdiv(max_nq, tok), hk * triton.cdiv(group, hg), b)](
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            cu_q,
+            cu_k,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            scale * _LOG2E,
+            scale,
+            group,
+            d,
+            hq,
+            HG=hg,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=BLOCK_N,
+            BLOCK_D=block_d,
+            **common,
+        )
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, table):
+        o, lse = _forward(
+            q, k, v, cu_q, cu_k, None, None, causal, scale, "attention.fwd", table, True
+        )
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.causal, ctx.scale, ctx.table = causal, scale, table
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, cu_q, cu_k, ctx.causal, ctx.scale, ctx.table)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor:
+    """Varlen attention: ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hk, D]``, ``cu_seqlens_*`` int32
+    ``[B + 1]`` -> ``[Tq, Hq, D]`` in q's dtype. Queries are each sequence's last tokens.
+
+    Differentiable in q, k, v with a deterministic backward.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, cu_q, cu_k, causal, float(scale), table)
+    o, _ = _forward(
+        q, k, v, cu_q, cu_k, None, None, causal, float(scale), "attention.fwd", table, False
+    )
+    return o
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float | None = None,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor:
+    """Causal attention of ``q [Tq, Hq, D]`` against paged caches ``[pages, page_size, Hk, D]``
+    (``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]`` including the new
+    tokens, ``cu_seqlens_q`` int32 ``[B + 1]``) -> ``[Tq, Hq, D]``; bitwise equal to
+    :func:`attention` on the same logical sequences. Forward only.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs caches with a contiguous head_dim")
+    q = q.contiguous()
+    o, _ = _forward(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q.contiguous(),
+        None,
+        seq_lens.contiguous(),
+        block_table.contiguous(),
+        True,
+        float(scale),
+        "paged_attention.fwd",
+        table,
+        False,
+    )
+    return o
