@@ -1,0 +1,314 @@
+"""Batch-invariant GEMM: ``linear(x, weight, bias)`` forward and backward.
+
+One tiled kernel computes ``C[M, N] = A[M, R] @ B[R, N] (+ bias[N])`` for any strides; it
+serves the forward (``y = x @ W.T``), dX (``dY @ W``) and dW (``dY.T @ X``). The numerics are
+fixed by constants of this module, never by the shape or the tuning config:
+
+- The reduction dimension R runs in ascending order in tiles of ``BLOCK_K[dtype]`` (a module
+  constant), accumulated in fp32 by one program per output tile: no split-K, no stream-K, no
+  atomics. Bias is added to the fp32 sum, which is rounded once to the output dtype.
+- One MMA instruction kind for every config. On Hopper, Triton lowers ``tl.dot`` to wgmma
+  (MMAv3) only when the tile's M is a multiple of 64 and num_warps a multiple of 4 (and N a
+  multiple of 8); otherwise it silently falls back to mma.sync (MMAv2), which may round the
+  16-wide partial products differently. So every config below has BLOCK_M in {64, 128, 256},
+  BLOCK_N a multiple of 16 and num_warps in {4, 8}: decode-size M pays padding (a 64-row tile
+  for one row) but then runs the very instructions a 4096-row batch runs, which is what makes
+  row i of a batch equal the row computed alone. On Ampere every config is mma.sync (v2), on
+  AMD MFMA; fp32 inputs use ``input_precision="ieee"`` (FMA, no TF32) on all of them.
+- dbias sums rows with its own kernel whose launch parameters are module constants (a
+  ``tl.sum`` tree depends on the layout, so its block sizes and warps are never tuned).
+
+Tuning (``TUNING``) picks BLOCK_M / BLOCK_N / GROUP_M (grouped tile order for L2 reuse) /
+num_warps / num_stages by shape; the conformance kit runs every candidate and demands
+identical bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+
+#: Reduction tile per input dtype. Fixed: it sets the order of the fp32 accumulation over K
+#: (under the interpreter each tile is one partial sum; on GPUs the tile's 16-wide MMA steps).
+BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+
+#: dbias kernel: columns per program, rows per step, warps. Constants, never tuned.
+_BIAS_BLOCK_N = 128
+_BIAS_BLOCK_ROWS = 32
+_BIAS_WARPS = 4
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row-tiles sweep the N tiles together so B stays in L2.
+    # It only decides which program computes a tile, never how.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # Tile origins in int64 (dY of an lm_head has more than 2^31 elements); offsets inside a
+    # tile stay int32.
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_n.to(tl.int64) * BLOCK_N
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M - row0
+    mask_n = rn < N - col0
+    a_ptrs = a_ptr + row0 * stride_am + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + col0 * stride_bn + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # K in ascending tiles of the constant BLOCK_K; out-of-range K is read as 0 (adds +0.0).
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = rk < K - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
+    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _bias_grad_kernel(
+    dy_ptr, db_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
+):
+    # One program owns BLOCK_N columns and walks all rows in ascending BLOCK_ROWS steps: a
+    # fixed partition and order, no atomics.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    rows = tl.arange(0, BLOCK_ROWS)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, M, BLOCK_ROWS):
+        r = r0 + rows
+        ptrs = dy_ptr + r.to(tl.int64)[:, None] * stride_m + cols[None, :]
+        tile = tl.load(ptrs, mask=(r < M)[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _cfg(bm, bn, warps, stages, group_m=8):
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "GROUP_M": group_m,
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+# Candidates. Every one keeps BLOCK_M % 64 == 0 and num_warps in {4, 8} (one MMA kind, see the
+# module docstring). Indices are referred to by the choosers below.
+_CONFIGS = (
+    _cfg(64, 32, 4, 6),  # 0: decode, small N: many programs to stream W
+    _cfg(64, 64, 4, 5),  # 1: decode
+    _cfg(64, 128, 4, 4),  # 2: decode, large N (lm_head)
+    _cfg(64, 256, 8, 4),  # 3: M ~ 64..128, large N
+    _cfg(128, 128, 8, 4),  # 4: mid M
+    _cfg(128, 256, 8, 3),  # 5: large M (cuBLAS-class tile)
+    _cfg(128, 256, 8, 4),  # 6: large M, deeper pipeline
+    _cfg(256, 128, 8, 3),  # 7: large M, tall tile
+    _cfg(128, 128, 4, 4),  # 8: mid M, fewer warps (fp32 FMA path)
+    _cfg(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
+)
+
+_NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
+
+
+def _tiles(M, N, cfg):
+    return triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+
+
+def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
+    """Config for an [M, N] output reduced over K."""
+    if dtype_bytes == 4:
+        return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
+    if M <= 64:
+        # Memory-bound on W: the widest tile that still gives every SM two programs.
+        for i in (2, 1):
+            if _tiles(M, N, _CONFIGS[i]) >= 2 * _NUM_SMS:
+                return i
+        return 0
+    if M <= 256:
+        return 4 if _tiles(M, N, _CONFIGS[4]) >= _NUM_SMS else 3
+    return 5 if _tiles(M, N, _CONFIGS[5]) >= _NUM_SMS else 4
+
+
+def _choose_dw(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
+    """Config for dW [N_out, K_in] (here M, N are the output's dims, K the token count)."""
+    if dtype_bytes == 4:
+        return 8 if _tiles(M, N, _CONFIGS[8]) >= _NUM_SMS else 9
+    return 5 if _tiles(M, N, _CONFIGS[5]) >= _NUM_SMS else 4
+
+
+TUNING = {
+    "linear.fwd": tuning.Rule(configs=_CONFIGS, choose=_choose),
+    "linear.bwd_dx": tuning.Rule(configs=_CONFIGS, choose=_choose),
+    "linear.bwd_dw": tuning.Rule(configs=_CONFIGS, choose=_choose_dw),
+}
+
+
+def _launch(a, b, bias, c, cfg):
+    """Run the kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
+    handle of the compiled kernel (the GPU tests read its PTX)."""
+    M, R = a.shape
+    N = b.shape[1]
+    block_k = BLOCK_K[a.dtype]
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    return _matmul_kernel[grid](
+        a,
+        b,
+        bias if bias is not None else c,
+        c,
+        M,
+        N,
+        R,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        HAS_BIAS=bias is not None,
+        EVEN_K=R % block_k == 0,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=block_k,
+        GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _matmul(a, b, bias, out_dtype, table, key):
+    """``a [M, R] @ b [R, N] (+ bias)`` for any strides, in ``out_dtype``."""
+    M, R = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if R == 0:
+        return c.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(c))
+    cfg = tuning.config(table, key, M=M, N=N, K=R, dtype_bytes=a.element_size())
+    _launch(a, b, bias, c, cfg)
+    return c
+
+
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    M, N = dy.shape
+    db = torch.empty(N, dtype=dtype, device=dy.device)
+    if N == 0:
+        return db
+    grid = (triton.cdiv(N, _BIAS_BLOCK_N),)
+    _bias_grad_kernel[grid](
+        dy,
+        db,
+        M,
+        N,
+        dy.stride(0),
+        BLOCK_N=_BIAS_BLOCK_N,
+        BLOCK_ROWS=_BIAS_BLOCK_ROWS,
+        num_warps=_BIAS_WARPS,
+    )
+    return db
+
+
+def linear_forward(x, weight, bias, table):
+    """``x [M, K] @ weight[N, K].T + bias[N]`` -> ``[M, N]`` (no autograd)."""
+    return _matmul(x, weight.t(), bias, x.dtype, table, "linear.fwd")
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, table):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.table = table
+        return linear_forward(x, weight, bias, table)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # dX [M, K] = dY [M, N] @ W [N, K]: N reduced in ascending BLOCK_K tiles, like the
+            # forward, so row i of dX depends only on row i of dY.
+            dx = _matmul(dy, weight, None, x.dtype, ctx.table, "linear.bwd_dx")
+        if ctx.needs_input_grad[1]:
+            # dW [N, K] = dY.T [N, M] @ X [M, K]: the M rows reduced in ascending BLOCK_K
+            # chunks inside one program per [N, K] tile (no split over M, no atomics).
+            dw = _matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _bias_grad(dy, weight.dtype)
+        return dx, dw, db, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor:
+    """Batch-invariant ``y = x @ weight.T + bias``.
+
+    Shapes: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None -> ``[M, N]`` in x's dtype
+    (bf16/fp16/fp32, all the same; fp32 without TF32). Row i of the output depends only on
+    row i of x, bitwise, whatever M and whatever tuning config. Differentiable: dX has the same
+    numerics, dW and dbias are deterministic (fixed row partition, no atomics).
+
+    Example::
+
+        y = linear(torch.randn(8, 64), torch.randn(32, 64), None, table=default_table())
+    """
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return LinearFunction.apply(x, weight, bias, table)
+    return linear_forward(x, weight, bias, table)
