@@ -9,11 +9,11 @@ computation. Every op accepts an ignored ``table=None`` keyword, like the rlk_tr
 The random numbers of :func:`sample` are specified bit-exactly in :mod:`rlk_reference.philox`.
 """
 
-from rlk_reference.attention import attention, paged_attention
-from rlk_reference.dense import apply_rotary, linear, rms_norm, silu_and_mul
-from rlk_reference.logprobs import linear_logprobs, logprobs
-from rlk_reference.losses import grpo_advantages, kl_penalty, policy_loss
-from rlk_reference.sampling import sample
+from rlk_reference._attention import attention, paged_attention
+from rlk_reference._dense import apply_rotary, linear, rms_norm, silu_and_mul
+from rlk_reference._logprobs import linear_logprobs, logprobs
+from rlk_reference._losses import grpo_advantages, kl_penalty, policy_loss
+from rlk_reference._sampling import sample
 
 __all__ = [
     "linear",

@@ -28,13 +28,15 @@ def _attend_one(
     outs = []
     for start in range(0, nq, chunk):
         qc = q[start : start + chunk]
-        scores = torch.einsum("qhd,khd->hqk", qc, k) * scale
+        # Keys after the chunk's last query are invisible to all of it under causal masking.
+        end = nk - nq + start + qc.shape[0] if causal else nk
+        scores = torch.einsum("qhd,khd->hqk", qc, k[:end]) * scale
         if causal:
             q_pos = nk - nq + torch.arange(start, start + qc.shape[0], device=q.device)
-            visible = key_pos[None, :] <= q_pos[:, None]  # [chunk, nk]
+            visible = key_pos[None, :end] <= q_pos[:, None]  # [chunk, end]
             scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v[:end]))
     if not outs:
         return q.new_zeros(q.shape)
     return torch.cat(outs, dim=0)

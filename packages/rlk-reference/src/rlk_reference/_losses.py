@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_reference.logprobs import result_dtype
+from rlk_reference._logprobs import result_dtype
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
