@@ -1,0 +1,764 @@
+"""Inputs of the conformance kit: one builder per op, in two sizes.
+
+``quick`` shapes are tiny, because on a CPU the Triton kernels run under a slow interpreter; the
+``full`` shapes are the real ones (hidden 896..8192, vocabularies of 32000 and 151936, rows up to
+32768, head dims 64/128 with GQA, sequences of thousands of tokens), sampled rather than crossed.
+
+Every tensor comes from a generator seeded by the op's name, so a run is reproducible. Backends
+receive the arguments exactly as ``rlk._ops`` passes them (validated and normalised: row ops get
+2-D ``[T, H]`` tensors, ``scale``/``logits_dtype`` resolved, sampling parameters per row).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+SEED = 1234
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+#: Arguments a backend receives by keyword (the keyword-only parameters of the public ops).
+KWONLY = {
+    "policy_loss": ("clip_low", "clip_high", "clip_c", "agg", "rollout_logprobs", "tis_cap"),
+    "grpo_advantages": ("norm_std", "eps"),
+    "sample": ("temperature", "top_k", "top_p"),
+}
+
+#: Inputs that get a gradient (the differentiable arguments of each op).
+GRAD_ARGS = {
+    "linear": ("x", "weight", "bias"),
+    "rms_norm": ("x", "weight", "residual"),
+    "silu_and_mul": ("x",),
+    "apply_rotary": ("x",),
+    "attention": ("q", "k", "v"),
+    "logprobs": ("logits",),
+    "linear_logprobs": ("hidden", "weight", "bias"),
+    "policy_loss": ("logprobs",),
+    "kl_penalty": ("logprobs",),
+}
+
+#: Input gradients that belong to one row / sequence, so must not depend on the batch
+#: (weight gradients sum over rows: they only have to be deterministic).
+UNIT_GRADS = {
+    "linear": ("x",),
+    "rms_norm": ("x", "residual"),
+    "silu_and_mul": ("x",),
+    "apply_rotary": ("x",),
+    "attention": ("q", "k", "v"),
+    "logprobs": ("logits",),
+    "linear_logprobs": ("hidden",),
+    "kl_penalty": ("logprobs",),
+}
+
+#: Output dtype of each op: "input" = the dtype of its first tensor argument.
+OUT_DTYPE = {
+    "linear": "input",
+    "rms_norm": "input",
+    "silu_and_mul": "input",
+    "apply_rotary": "input",
+    "attention": "input",
+    "paged_attention": "input",
+    "logprobs": FP32,
+    "linear_logprobs": FP32,
+    "policy_loss": FP32,
+    "kl_penalty": FP32,
+    "grpo_advantages": FP32,
+    "sample": torch.int64,
+}
+
+
+@dataclass
+class Seq:
+    """One attention sequence: its queries are the last ``len(q)`` of its ``len(k)`` tokens."""
+
+    q: torch.Tensor  # [nq, Hq, D]
+    k: torch.Tensor  # [nk, Hk, D]
+    v: torch.Tensor  # [nk, Hk, D]
+    do: torch.Tensor | None = None  # cotangent of the output [nq, Hq, D]
+
+
+@dataclass
+class Case:
+    """One call of ``op``: ``args`` in the order of the public signature.
+
+    For batch invariance a case also describes its *units* (a row, a GRPO group, a sequence):
+    ``args`` then holds a pool of units, of which the first ``batch`` are the batch and the rest
+    are other random units mixed in by the check. ``rows`` names the arguments whose dim 0 runs
+    over units (``unit`` entries per unit); attention cases keep their pool in ``seqs`` and
+    build ``args`` with :func:`select`.
+    """
+
+    op: str
+    label: str
+    dtype: torch.dtype
+    args: dict[str, Any]
+    cot: tuple[torch.Tensor, ...] = ()  # cotangents of the differentiable outputs; () = forward
+    rows: tuple[str, ...] = ()
+    unit: int = 1
+    batch: int = 0
+    seqs: list[Seq] = field(default_factory=list)
+    paged: dict[str, Any] | None = None  # paged_attention: the shared cache of the pool
+
+    @property
+    def units(self) -> int:
+        if self.seqs:
+            return len(self.seqs)
+        return self.args[self.rows[0]].shape[0] // self.unit if self.rows else 0
+
+
+@dataclass
+class OpCases:
+    accuracy: list[Case]
+    invariance: list[Case]  # unit pools: batch invariance, determinism, tuning invariance
+    path: list[Any] = field(default_factory=list)
+
+
+class Gen:
+    """Seeded tensors on ``device`` (float32 draws rounded once to the requested dtype)."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.device = device
+        self.g = torch.Generator(device=device)
+        self.g.manual_seed(SEED ^ zlib.crc32(name.encode()))
+        self.cpu = torch.Generator()
+        self.cpu.manual_seed(SEED ^ zlib.crc32(name.encode()) ^ 0x5EED)
+
+    def randn(self, *shape: int, dtype=FP32, scale: float = 1.0, mean: float = 0.0):
+        t = torch.randn(shape, generator=self.g, device=self.device, dtype=FP32)
+        if scale != 1.0:
+            t.mul_(scale)
+        if mean:
+            t.add_(mean)
+        return t.to(dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.g, device=self.device)
+
+    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=self.g, device=self.device)
+
+    def perm(self, n: int) -> list[int]:
+        return torch.randperm(n, generator=self.cpu).tolist()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+# --------------------------------------------------------------------------------------------
+# Calling an op and selecting units
+# --------------------------------------------------------------------------------------------
+
+
+def call(fn: Callable[..., Any], op: str, args: dict[str, Any]) -> Any:
+    """Call a backend op the way ``rlk._ops`` does: positional, then keyword-only by keyword."""
+    kw = KWONLY.get(op, ())
+    return fn(*[v for k, v in args.items() if k not in kw], **{k: args[k] for k in kw if k in args})
+
+
+def _gather(t: torch.Tensor, units: Sequence[int], unit: int) -> torch.Tensor:
+    idx = torch.tensor(units, dtype=torch.long, device=t.device)
+    if unit == 1:
+        return t.index_select(0, idx)
+    return t.reshape(-1, unit, *t.shape[1:]).index_select(0, idx).reshape(-1, *t.shape[1:])
+
+
+def select(case: Case, units: Sequence[int]) -> tuple[Case, dict[str, list[tuple[int, int]]]]:
+    """The case made of ``units`` of the pool, in that order, and where each one's entries lie.
+
+    Returns ``(case, spans)``: ``spans["q"][i]`` is the ``(start, end)`` of unit ``i`` in the
+    outputs and the row-indexed gradients; ``spans["k"][i]`` in the key gradients (attention).
+    """
+    units = list(units)
+    if case.op == "paged_attention":
+        return _select_paged(case, units)
+    if case.seqs:
+        seqs = [case.seqs[i] for i in units]
+        args, cot, spans = pack(seqs, case.args["causal"], case.args["scale"])
+        return replace(case, args=args, cot=cot, seqs=seqs, batch=len(seqs)), spans
+    args = dict(case.args)
+    for name in case.rows:
+        args[name] = _gather(args[name], units, case.unit)
+    cot = tuple(_gather(c, units, case.unit) for c in case.cot)
+    spans = [(i * case.unit, (i + 1) * case.unit) for i in range(len(units))]
+    return replace(case, args=args, cot=cot, batch=len(units)), {"q": spans, "k": spans}
+
+
+def batch_of(case: Case) -> Case:
+    """The batch part of a pool case (the whole case when it has no units)."""
+    if not case.batch:
+        return case
+    return select(case, range(case.batch))[0]
+
+
+def _cu(lengths: Sequence[int], device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    spans = list(zip(offs[:-1], offs[1:], strict=True))
+    return torch.tensor(offs, dtype=torch.int32, device=device), spans
+
+
+def pack(seqs: Sequence[Seq], causal: bool, scale: float):
+    """Packed varlen ``attention`` arguments (and output cotangent) of ``seqs``, in order."""
+    dev = seqs[0].q.device
+    cu_q, q_spans = _cu([s.q.shape[0] for s in seqs], dev)
+    cu_k, k_spans = _cu([s.k.shape[0] for s in seqs], dev)
+    args = {
+        "q": torch.cat([s.q for s in seqs]),
+        "k": torch.cat([s.k for s in seqs]),
+        "v": torch.cat([s.v for s in seqs]),
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "causal": causal,
+        "scale": scale,
+    }
+    cot = (torch.cat([s.do for s in seqs]),) if all(s.do is not None for s in seqs) else ()
+    return args, cot, {"q": q_spans, "k": k_spans}
+
+
+def paged_cache(seqs: Sequence[Seq], page_size: int, gen: Gen) -> dict[str, Any]:
+    """Write every sequence's keys/values into a shared paged cache, pages in shuffled order.
+
+    Unused slots hold large random garbage, so a kernel reading past a sequence's end shows up.
+    """
+    hk, d = seqs[0].k.shape[1:]
+    counts = [math.ceil(s.k.shape[0] / page_size) for s in seqs]
+    total = sum(counts) + 2
+    order = gen.perm(total)
+    kc = gen.randn(total, page_size, hk, d, dtype=seqs[0].k.dtype, scale=30.0)
+    vc = gen.randn(total, page_size, hk, d, dtype=seqs[0].k.dtype, scale=30.0)
+    pages, at = [], 0
+    for s, n in zip(seqs, counts, strict=True):
+        ids = order[at : at + n]
+        at += n
+        pages.append(ids)
+        pos = torch.arange(s.k.shape[0], device=s.k.device)
+        slot = torch.tensor(ids, dtype=torch.long, device=s.k.device)[pos // page_size]
+        flat = slot * page_size + pos % page_size
+        kc.view(-1, hk, d)[flat] = s.k
+        vc.view(-1, hk, d)[flat] = s.v
+    spare = order[at:]
+    return {"k_cache": kc, "v_cache": vc, "pages": pages, "spare": spare, "page_size": page_size}
+
+
+def paged_args(seqs: Sequence[Seq], cache: dict[str, Any], which: Sequence[int], scale: float):
+    """``paged_attention`` arguments for sequences ``which`` of a :func:`paged_cache`.
+
+    Block-table entries past a sequence's pages point at spare pages (never to be read).
+    """
+    dev = seqs[0].q.device
+    chosen = [seqs[i] for i in which]
+    width = max(len(cache["pages"][i]) for i in which) + 1
+    rows = []
+    for i in which:
+        ids = list(cache["pages"][i])
+        ids += [cache["spare"][j % len(cache["spare"])] for j in range(width - len(ids))]
+        rows.append(ids)
+    cu_q, spans = _cu([s.q.shape[0] for s in chosen], dev)
+    args = {
+        "q": torch.cat([s.q for s in chosen]),
+        "k_cache": cache["k_cache"],
+        "v_cache": cache["v_cache"],
+        "block_table": torch.tensor(rows, dtype=torch.int32, device=dev),
+        "seq_lens": torch.tensor([s.k.shape[0] for s in chosen], dtype=torch.int32, device=dev),
+        "cu_seqlens_q": cu_q,
+        "scale": scale,
+    }
+    return args, spans
+
+
+def _select_paged(case: Case, units: list[int]):
+    args, spans = paged_args(case.seqs, case.paged, units, case.args["scale"])
+    seqs = [case.seqs[i] for i in units]
+    return replace(case, args=args, seqs=seqs, batch=len(units)), {"q": spans, "k": spans}
+
+
+# --------------------------------------------------------------------------------------------
+# Builders, one per op. Each returns OpCases(accuracy, invariance, path).
+# --------------------------------------------------------------------------------------------
+
+
+def _linear(gen: Gen, dt, t: int, k: int, n: int, bias: bool, batch: int = 0) -> Case:
+    args = {
+        "x": gen.randn(t, k, dtype=dt),
+        "weight": gen.randn(n, k, dtype=dt, scale=k**-0.5),
+        "bias": gen.randn(n, dtype=dt) if bias else None,
+    }
+    label = f"{dtype_name(dt)} T={t} K={k} N={n}" + (" bias" if bias else "")
+    return Case("linear", label, dt, args, (gen.randn(t, n, dtype=dt),), ("x",), 1, batch)
+
+
+def linear(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_linear(gen, dt, 13, 48, 40, True) for dt in (BF16, FP16, FP32)]
+        acc += [_linear(gen, BF16, 5, 64, 17, False)]
+        inv = [_linear(gen, BF16, 18, 48, 40, True, batch=12)]
+    else:
+        acc = [
+            _linear(gen, BF16, 257, 4096, 4096, False),
+            _linear(gen, BF16, 1, 8192, 1024, True),
+            _linear(gen, FP16, 100, 896, 4864, True),
+            _linear(gen, FP32, 64, 2048, 2048, False),
+        ]
+        inv = [
+            _linear(gen, BF16, 32768 + 512, 2048, 2048, False, batch=32768),
+            _linear(gen, BF16, 4096 + 256, 4096, 4096, True, batch=4096),
+            _linear(gen, FP16, 1024 + 128, 896, 4864, True, batch=1024),
+            _linear(gen, FP32, 512 + 64, 896, 896, True, batch=512),
+        ]
+    return OpCases(acc, inv)
+
+
+def _rms(gen: Gen, dt, t: int, h: int, residual: bool, batch: int = 0) -> Case:
+    args = {
+        "x": gen.randn(t, h, dtype=dt),
+        "weight": gen.randn(h, dtype=dt, scale=0.2, mean=1.0),
+        "eps": 1e-6,
+        "residual": gen.randn(t, h, dtype=dt) if residual else None,
+    }
+    cot = tuple(gen.randn(t, h, dtype=dt) for _ in range(2 if residual else 1))
+    label = f"{dtype_name(dt)} T={t} H={h}" + (" residual" if residual else "")
+    rows = ("x", "residual") if residual else ("x",)
+    return Case("rms_norm", label, dt, args, cot, rows, 1, batch)
+
+
+def rms_norm(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_rms(gen, dt, 11, 64, True) for dt in (BF16, FP16, FP32)]
+        acc += [_rms(gen, BF16, 6, 40, False)]
+        inv = [_rms(gen, BF16, 18, 64, True, batch=12)]
+        path = [_rms(gen, dt, 9, 64, True) for dt in (BF16, FP16, FP32)]
+    else:
+        acc = [
+            _rms(gen, BF16, 257, 4096, True),
+            _rms(gen, BF16, 33, 8192, False),
+            _rms(gen, FP16, 64, 896, True),
+            _rms(gen, FP32, 64, 2048, False),
+        ]
+        inv = [
+            _rms(gen, BF16, 32768 + 512, 4096, True, batch=32768),
+            _rms(gen, BF16, 2048 + 256, 896, False, batch=2048),
+            _rms(gen, FP32, 1024 + 128, 8192, True, batch=1024),
+        ]
+        path = [_rms(gen, dt, 4096, 4096, True) for dt in (BF16, FP16, FP32)]
+    return OpCases(acc, inv, path)
+
+
+def _silu(gen: Gen, dt, t: int, i: int, batch: int = 0) -> Case:
+    args = {"x": gen.randn(t, 2 * i, dtype=dt, scale=2.0)}
+    return Case(
+        "silu_and_mul",
+        f"{dtype_name(dt)} T={t} I={i}",
+        dt,
+        args,
+        (gen.randn(t, i, dtype=dt),),
+        ("x",),
+        1,
+        batch,
+    )
+
+
+def silu_and_mul(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_silu(gen, dt, 9, 48) for dt in (BF16, FP16, FP32)] + [_silu(gen, BF16, 4, 20)]
+        inv = [_silu(gen, BF16, 18, 48, batch=12)]
+    else:
+        acc = [_silu(gen, BF16, 257, 4864), _silu(gen, FP16, 100, 11008), _silu(gen, FP32, 64, 896)]
+        inv = [
+            _silu(gen, BF16, 16384 + 256, 4864, batch=16384),
+            _silu(gen, FP32, 1024 + 64, 2048, batch=1024),
+        ]
+    return OpCases(acc, inv)
+
+
+def _rotary(gen: Gen, dt, t: int, h: int, d: int, cos_dt, batch: int = 0) -> Case:
+    pos = gen.randint(0, 4096, t).to(FP32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=gen.device, dtype=FP32) / d))
+    ang = pos[:, None] * inv_freq[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    args = {
+        "x": gen.randn(t, h, d, dtype=dt),
+        "cos": ang.cos().to(cos_dt),
+        "sin": ang.sin().to(cos_dt),
+    }
+    label = f"{dtype_name(dt)} T={t} H={h} D={d} cos {dtype_name(cos_dt)}"
+    return Case(
+        "apply_rotary",
+        label,
+        dt,
+        args,
+        (gen.randn(t, h, d, dtype=dt),),
+        ("x", "cos", "sin"),
+        1,
+        batch,
+    )
+
+
+def apply_rotary(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_rotary(gen, dt, 10, 3, 32, FP32) for dt in (BF16, FP16, FP32)]
+        acc += [_rotary(gen, BF16, 7, 2, 64, BF16)]
+        inv = [_rotary(gen, BF16, 18, 3, 32, FP32, batch=12)]
+    else:
+        acc = [
+            _rotary(gen, BF16, 4096, 32, 128, FP32),
+            _rotary(gen, FP16, 1000, 14, 64, FP16),
+            _rotary(gen, FP32, 512, 8, 128, FP32),
+        ]
+        inv = [_rotary(gen, BF16, 16384 + 256, 16, 128, FP32, batch=16384)]
+    return OpCases(acc, inv)
+
+
+def _logits(gen: Gen, t: int, v: int, dt) -> torch.Tensor:
+    return gen.randn(t, v, dtype=dt, scale=3.0)
+
+
+def _logprobs(gen: Gen, dt, t: int, v: int, temp: float, entropy: bool, batch: int = 0) -> Case:
+    args = {
+        "logits": _logits(gen, t, v, dt),
+        "targets": gen.randint(0, v, t),
+        "temperature": temp,
+        "return_entropy": entropy,
+    }
+    cot = tuple(gen.randn(t) for _ in range(2 if entropy else 1))
+    label = f"{dtype_name(dt)} T={t} V={v} temp={temp}" + (" entropy" if entropy else "")
+    return Case("logprobs", label, dt, args, cot, ("logits", "targets"), 1, batch)
+
+
+def logprobs(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_logprobs(gen, dt, 12, 300, 1.0, True) for dt in (BF16, FP16, FP32)]
+        acc += [_logprobs(gen, BF16, 7, 257, 0.7, False)]
+        inv = [_logprobs(gen, BF16, 18, 300, 1.0, True, batch=12)]
+    else:
+        acc = [
+            _logprobs(gen, BF16, 64, 151936, 1.0, True),
+            _logprobs(gen, FP16, 256, 32000, 0.8, False),
+            _logprobs(gen, FP32, 32, 151936, 1.0, True),
+        ]
+        inv = [
+            _logprobs(gen, BF16, 1024 + 64, 151936, 1.0, True, batch=1024),
+            _logprobs(gen, FP32, 8192 + 256, 32000, 0.7, False, batch=8192),
+        ]
+    return OpCases(acc, inv)
+
+
+def _fused(
+    gen: Gen,
+    dt,
+    t: int,
+    h: int,
+    v: int,
+    bias: bool,
+    temp: float,
+    entropy: bool,
+    logits_dtype=None,
+    batch: int = 0,
+) -> Case:
+    logits_dtype = logits_dtype or dt
+    args = {
+        "hidden": gen.randn(t, h, dtype=dt),
+        "weight": gen.randn(v, h, dtype=dt, scale=3.0 * h**-0.5),
+        "targets": gen.randint(0, v, t),
+        "bias": gen.randn(v, dtype=dt) if bias else None,
+        "temperature": temp,
+        "return_entropy": entropy,
+        "logits_dtype": logits_dtype,
+    }
+    cot = tuple(gen.randn(t) for _ in range(2 if entropy else 1))
+    label = (
+        f"{dtype_name(dt)} T={t} H={h} V={v} temp={temp} logits {dtype_name(logits_dtype)}"
+        + (" bias" if bias else "")
+        + (" entropy" if entropy else "")
+    )
+    return Case("linear_logprobs", label, dt, args, cot, ("hidden", "targets"), 1, batch)
+
+
+def linear_logprobs(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_fused(gen, dt, 10, 64, 300, False, 1.0, True) for dt in (BF16, FP16, FP32)]
+        acc += [_fused(gen, BF16, 5, 48, 257, True, 0.7, False, logits_dtype=FP32)]
+        inv = [_fused(gen, BF16, 15, 64, 300, True, 1.0, True, batch=10)]
+        path = [_fused(gen, dt, 9, 64, 300, True, 0.7, True) for dt in (BF16, FP16, FP32)]
+        path += [_fused(gen, BF16, 6, 48, 257, False, 1.0, True)]
+    else:
+        acc = [
+            _fused(gen, BF16, 256, 896, 151936, False, 1.0, True),
+            _fused(gen, FP16, 128, 4096, 32000, True, 0.8, False),
+            _fused(gen, BF16, 64, 2048, 151936, False, 1.0, False, logits_dtype=FP32),
+            _fused(gen, FP32, 64, 2048, 32000, False, 1.0, True),
+        ]
+        inv = [
+            _fused(gen, BF16, 4096 + 128, 2048, 32000, False, 1.0, True, batch=4096),
+            _fused(gen, BF16, 512 + 32, 896, 151936, True, 0.7, False, batch=512),
+        ]
+        path = [
+            _fused(gen, BF16, 1024, 896, 151936, False, 1.0, True),
+            _fused(gen, FP16, 512, 4096, 32000, True, 0.7, True),
+            _fused(gen, FP32, 256, 2048, 32000, False, 1.0, True),
+        ]
+    return OpCases(acc, inv, path)
+
+
+def _response_mask(gen: Gen, b: int, length: int, empty_row: bool) -> torch.Tensor:
+    start = gen.randint(0, max(1, length // 2), b)
+    end = start + gen.randint(1, length + 1, b)
+    pos = torch.arange(length, device=gen.device)
+    mask = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+    if empty_row:
+        mask[0] = False  # a sequence without response tokens must not count
+    return mask
+
+
+def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
+    old = gen.randn(b, length, scale=0.5, mean=-2.0)
+    new = old + gen.randn(b, length, scale=0.15)
+    # Advantages with a positive mean keep the loss away from 0, so relative errors mean something.
+    adv = (
+        gen.randn(b, dtype=dt, mean=0.5)
+        if variant == "adv[B]"
+        else gen.randn(b, length, dtype=dt, mean=0.5)
+    )
+    mask = _response_mask(gen, b, length, empty_row=variant == "empty row")
+    if variant == "float mask":
+        mask = mask.to(dt)
+    tis = variant == "tis"
+    args = {
+        "logprobs": new.to(dt),
+        "old_logprobs": old.to(dt),
+        "advantages": adv,
+        "mask": mask,
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_c": 3.0 if variant in ("dual clip", "adv[B]") else None,
+        "agg": agg,
+        "rollout_logprobs": (old + gen.randn(b, length, scale=0.1)).to(dt) if tis else None,
+        "tis_cap": 2.0 if tis else None,
+    }
+    label = f"{dtype_name(dt)} B={b} L={length} {agg} {variant}"
+    return Case("policy_loss", label, dt, args, (gen.randn(),))
+
+
+def policy_loss(gen: Gen, quick: bool) -> OpCases:
+    from rlk._ops import AGG_MODES
+
+    b, length = (4, 12) if quick else (256, 4096)
+    variants = ("plain", "dual clip", "tis", "adv[B]", "empty row", "float mask")
+    acc = [_policy(gen, FP32, b, length, agg, variants[i]) for i, agg in enumerate(AGG_MODES)]
+    acc += [_policy(gen, BF16, b, length, "token-mean", v) for v in variants[4:]]
+    acc += [_policy(gen, FP16, b, length, "seq-mean-token-mean", "dual clip")]
+    inv = [_policy(gen, BF16, b, length, "seq-mean-token-mean", "tis")]
+    return OpCases(acc, inv)
+
+
+def _kl(gen: Gen, dt, b: int, length: int, kind: str, batch: int = 0) -> Case:
+    ref = gen.randn(b, length, scale=0.5, mean=-2.0)
+    args = {
+        "logprobs": (ref + gen.randn(b, length, scale=0.7)).to(dt),
+        "ref_logprobs": ref.to(dt),
+        "kind": kind,
+    }
+    label = f"{dtype_name(dt)} B={b} L={length} {kind}"
+    return Case(
+        "kl_penalty",
+        label,
+        dt,
+        args,
+        (gen.randn(b, length),),
+        ("logprobs", "ref_logprobs"),
+        1,
+        batch,
+    )
+
+
+def kl_penalty(gen: Gen, quick: bool) -> OpCases:
+    from rlk._ops import KL_KINDS
+
+    b, length = (4, 12) if quick else (256, 4096)
+    acc = [_kl(gen, FP32, b, length, kind) for kind in KL_KINDS]
+    acc += [_kl(gen, dt, b, length, "k3") for dt in (BF16, FP16)]
+    inv = (
+        [_kl(gen, BF16, 9, 12, "k3", batch=6)] if quick else [_kl(gen, BF16, 264, 4096, "k3", 256)]
+    )
+    return OpCases(acc, inv)
+
+
+def _grpo(gen: Gen, dt, groups: int, size: int, norm_std: bool, batch: int = 0) -> Case:
+    r = gen.randn(groups, size)
+    binary = (gen.rand(groups, size) < 0.5).float()
+    r[1::3] = binary[1::3]  # 0/1 rewards, including groups with no spread
+    r[2] = 1.0
+    args = {"rewards": r.reshape(-1).to(dt), "group_size": size, "norm_std": norm_std, "eps": 1e-6}
+    label = f"{dtype_name(dt)} groups={groups} size={size}" + (" norm_std" if norm_std else "")
+    return Case("grpo_advantages", label, dt, args, (), ("rewards",), size, batch)
+
+
+def grpo_advantages(gen: Gen, quick: bool) -> OpCases:
+    g, s = (6, 4) if quick else (512, 16)
+    acc = [
+        _grpo(gen, FP32, g, s, True),
+        _grpo(gen, FP32, g, s, False),
+        _grpo(gen, BF16, g, s, True),
+    ]
+    inv = [_grpo(gen, FP32, g + 3, s, True, batch=g)]
+    return OpCases(acc, inv)
+
+
+def _sample(gen: Gen, dt, b: int, v: int, batch: int = 0) -> Case:
+    temps = torch.tensor([0.0, 0.7, 1.0, 1.3], device=gen.device)
+    ks = torch.tensor([0, 0, 1, 5, 50], device=gen.device)
+    ps = torch.tensor([1.0, 0.9, 0.5], device=gen.device)
+    i = torch.arange(b, device=gen.device)
+    args = {
+        "logits": _logits(gen, b, v, dt),
+        "seeds": gen.randint(-(2**62), 2**62, b),
+        "offsets": gen.randint(0, 2**40, b),
+        "temperature": temps[i % 4],
+        "top_k": ks[i % 5],
+        "top_p": ps[i % 3],
+    }
+    rows = ("logits", "seeds", "offsets", "temperature", "top_k", "top_p")
+    return Case("sample", f"{dtype_name(dt)} B={b} V={v}", dt, args, (), rows, 1, batch)
+
+
+def sample(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        acc = [_sample(gen, dt, 32, 300) for dt in (BF16, FP16, FP32)]
+        inv = [_sample(gen, BF16, 24, 300, batch=16)]
+    else:
+        acc = [_sample(gen, BF16, 256, 151936), _sample(gen, FP32, 256, 32000)]
+        inv = [_sample(gen, BF16, 64 + 16, 151936, batch=64)]
+    return OpCases(acc, inv)
+
+
+# Attention ----------------------------------------------------------------------------------
+
+
+def _seq(gen: Gen, dt, nq: int, nk: int, hq: int, hk: int, d: int, grad: bool) -> Seq:
+    return Seq(
+        q=gen.randn(nq, hq, d, dtype=dt),
+        k=gen.randn(nk, hk, d, dtype=dt),
+        v=gen.randn(nk, hk, d, dtype=dt),
+        do=gen.randn(nq, hq, d, dtype=dt) if grad else None,
+    )
+
+
+def _attn(gen, dt, shapes, hq, hk, d, causal=True, grad=True, batch=None, op="attention") -> Case:
+    seqs = [_seq(gen, dt, nq, nk, hq, hk, d, grad) for nq, nk in shapes]
+    scale = d**-0.5
+    kind = "train" if all(nq == nk for nq, nk in shapes) else "prefill/decode"
+    label = (
+        f"{dtype_name(dt)} Hq={hq} Hk={hk} D={d} {kind} (nq,nk)="
+        + ",".join(f"({nq},{nk})" if nq != nk else str(nk) for nq, nk in shapes)
+        + ("" if causal else " non-causal")
+    )
+    n = len(seqs) if batch is None else batch
+    args, cot, _ = pack(seqs[:n], causal, scale)
+    return Case(op, label, dt, args, cot, (), 1, n if batch is not None else 0, seqs)
+
+
+@dataclass
+class AttnPath:
+    """Path invariance of attention: full sequences, and the ways of splitting their calls."""
+
+    label: str
+    seqs: list[Seq]  # nq == nk
+    decode: int  # tokens decoded one at a time at the end of each sequence
+    chunks: tuple[int, ...]
+    page_sizes: tuple[int, ...] = (16, 32, 64, 128)
+    scale: float = 1.0
+
+
+def _attn_path(gen, dt, lengths, hq, hk, d, decode, chunks) -> AttnPath:
+    seqs = [_seq(gen, dt, n, n, hq, hk, d, False) for n in lengths]
+    label = f"{dtype_name(dt)} Hq={hq} Hk={hk} D={d} lengths={','.join(map(str, lengths))}"
+    return AttnPath(label, seqs, decode, chunks, scale=d**-0.5)
+
+
+def attention(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        h = (4, 2, 32)
+        acc = [_attn(gen, dt, [(1, 1), (45, 45), (133, 133)], *h) for dt in (BF16, FP16)]
+        acc += [_attn(gen, BF16, [(1, 70), (5, 40), (20, 20)], *h, grad=False)]
+        acc += [_attn(gen, FP16, [(17, 17), (30, 30)], 2, 2, 64, causal=False)]
+        inv = [_attn(gen, BF16, [(45, 45), (133, 133), (1, 1), (20, 20), (70, 70)], *h, batch=3)]
+        path = [_attn_path(gen, BF16, [1, 45, 133], *h, decode=6, chunks=(16, 64))]
+    else:
+        a, b = (32, 8, 128), (14, 2, 64)
+        acc = [
+            _attn(gen, BF16, [(1, 1), (300, 300), (2048, 2048)], *a),
+            _attn(gen, FP16, [(513, 513), (1000, 1000)], *b),
+            _attn(gen, BF16, [(1, 3000), (64, 1024), (1, 1), (200, 700)], *b, grad=False),
+            _attn(gen, FP16, [(100, 100), (700, 700)], 16, 16, 128, causal=False),
+        ]
+        inv = [
+            _attn(
+                gen, BF16, [(100, 100), (2048, 2048), (1, 1), (513, 513), (3000, 3000)], *a, batch=3
+            ),
+            _attn(gen, FP16, [(700, 700), (1, 1), (1500, 1500), (64, 64)], *b, batch=2),
+        ]
+        path = [
+            _attn_path(gen, BF16, [1, 129, 1500], *a, decode=128, chunks=(64, 257, 1024)),
+            _attn_path(gen, FP16, [2000, 77], *b, decode=80, chunks=(128, 1000)),
+        ]
+    return OpCases(acc, inv, path)
+
+
+def _paged(gen, dt, shapes, hq, hk, d, page_size, batch=None) -> Case:
+    case = _attn(gen, dt, shapes, hq, hk, d, grad=False, batch=batch, op="paged_attention")
+    case.paged = paged_cache(case.seqs, page_size, gen)
+    n = case.batch or len(case.seqs)
+    case.args, _ = paged_args(case.seqs, case.paged, range(n), case.args["scale"])
+    case.label += f" page_size={page_size}"
+    return case
+
+
+def paged_attention(gen: Gen, quick: bool) -> OpCases:
+    if quick:
+        h = (4, 2, 32)
+        acc = [_paged(gen, dt, [(1, 70), (5, 40), (33, 33)], *h, 16) for dt in (BF16, FP16)]
+        inv = [_paged(gen, BF16, [(1, 70), (5, 40), (33, 33), (1, 20), (3, 100)], *h, 16, batch=3)]
+        path = [_attn_path(gen, BF16, [1, 45, 133, 20], *h, decode=0, chunks=())]
+    else:
+        a, b = (32, 8, 128), (14, 2, 64)
+        acc = [
+            _paged(gen, BF16, [(1, 3000), (16, 1024), (1, 1), (300, 300)], *a, 16),
+            _paged(gen, FP16, [(1, 777), (1, 2048), (100, 500)], *b, 64),
+        ]
+        inv = [
+            _paged(gen, BF16, [(1, 3000), (1, 1), (64, 700), (1, 200), (1, 1500)], *a, 32, batch=3),
+        ]
+        path = [
+            _attn_path(gen, BF16, [1, 129, 1500, 3000], *a, decode=0, chunks=()),
+            _attn_path(gen, FP16, [2000, 77, 16], *b, decode=0, chunks=()),
+        ]
+    return OpCases(acc, inv, path)
+
+
+BUILDERS: dict[str, Callable[[Gen, bool], OpCases]] = {
+    "linear": linear,
+    "rms_norm": rms_norm,
+    "silu_and_mul": silu_and_mul,
+    "apply_rotary": apply_rotary,
+    "attention": attention,
+    "paged_attention": paged_attention,
+    "logprobs": logprobs,
+    "linear_logprobs": linear_logprobs,
+    "policy_loss": policy_loss,
+    "kl_penalty": kl_penalty,
+    "grpo_advantages": grpo_advantages,
+    "sample": sample,
+}
+
+
+def build(op: str, quick: bool, device: torch.device) -> OpCases:
+    """The inputs of every check of ``op`` (seeded by the op's name)."""
+    return BUILDERS[op](Gen(op, device), quick)
