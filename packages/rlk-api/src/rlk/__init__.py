@@ -29,6 +29,7 @@ from rlk._plugins import (
     hookimpl,
     use_backend,
 )
+from rlk.batch_invariant import batch_invariant
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "BackendSpec",
     "apply_rotary",
     "attention",
+    "batch_invariant",
     "current_backend",
     "grpo_advantages",
     "hookimpl",
