@@ -20,8 +20,9 @@ Why every path gives the same bits (training, prefill, chunked prefill, decode, 
   that row's ``m``, ``l``, ``acc`` untouched through an explicit ``tl.where``.
 * Tiles fully visible to every row of the program run an unmasked loop, the others a masked
   loop; both run the same helper, whose only difference is a ``tl.where`` on the raw dot
-  result *before* the multiply by ``scale * log2(e)``, so the floating-point sequence (and any
-  mul+add contraction the compiler makes) is the same in both for every visible key.
+  result. The scale ``scale * log2(e)`` is applied in fp32 after the dot through explicit
+  ``tl.fma`` (exponent ``fma(s, scale*log2e, -m)``, ``l = fma(l, alpha, rowsum(p))``), so no
+  mul+add is left for the compiler to contract differently in the two loops.
 * GPU instruction kind: on Hopper, ``tl.dot`` is a wgmma when M is a multiple of 64 per
   warpgroup and ``num_warps`` a multiple of 4, otherwise an mma.sync, and the two may round
   differently. Every config here is one of (BLOCK_M=64, 4 warps), (BLOCK_M=128, 4 or 8 warps):
@@ -126,13 +127,14 @@ def _fwd_tile(
 ):
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASK:
-        # Before the scale multiply, so visible keys see the unmasked loop's exact sequence.
         s = tl.where(visible, s, float("-inf"))
-    s = s * qk_scale
-    m_new = tl.maximum(m, tl.max(s, 1))
+    # The row max commutes with the (monotone) scale multiply. The exponent and the l update
+    # are explicit fmas, so the compiler has no mul+add left to contract differently in the
+    # masked and unmasked loops.
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_new = l * alpha + tl.sum(p, 1)
+    p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    l_new = tl.fma(l, alpha, tl.sum(p, 1))
     acc_new = acc * alpha[:, None]
     acc_new = tl.dot(p.to(v.dtype), v, acc_new, input_precision=DOT_PREC)
     if MASK:
@@ -180,7 +182,8 @@ def _fwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // HG
-    pid_m = tl.program_id(0)
+    # Causal: the last query tiles do the most work; start them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     b = tl.program_id(2)
     n_hc = tl.cdiv(GROUP, HG)
@@ -290,8 +293,7 @@ def _dq_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if MASK:
         s = tl.where(visible, s, float("-inf"))
-    s = s * qk_scale
-    p = tl.math.exp2(s - lse[:, None])
+    p = tl.math.exp2(tl.fma(s, qk_scale, -lse[:, None]))
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -326,7 +328,8 @@ def _dq_kernel(
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
-    pid_m = tl.program_id(0)
+    # Causal: the last query tiles do the most work; start them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     b = tl.program_id(2)
     n_hc = tl.cdiv(GROUP, HG)
@@ -469,8 +472,8 @@ def _dkdv_kernel(
             lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
 
-            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale
-            pt = tl.math.exp2(st - lse[None, :])
+            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+            pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
             visible = k_ok[:, None] & row_ok[None, :]
             if CAUSAL:
                 visible = visible & (kpos[:, None] <= pos[None, :])
