@@ -35,8 +35,17 @@ def ceilings() -> dict[str, float]:
     return {"copy_GBps": copy_gbs, "cublas_bf16_TFLOPs": 2 * 8192**3 / ms / 1e9}
 
 
-def row(op: str, shape: str, dtype: str, impl: str, ms: float, *, nbytes: float = 0.0,
-        flops: float = 0.0, **extra) -> dict:
+def row(
+    op: str,
+    shape: str,
+    dtype: str,
+    impl: str,
+    ms: float,
+    *,
+    nbytes: float = 0.0,
+    flops: float = 0.0,
+    **extra,
+) -> dict:
     r = {"op": op, "shape": shape, "dtype": dtype, "impl": impl, "ms": ms}
     if nbytes:
         r["GB/s"] = nbytes / ms / 1e6
@@ -50,9 +59,11 @@ def format_rows(rows: list[dict]) -> str:
     cols = ["op", "shape", "dtype", "impl", "ms", "GB/s", "TFLOP/s"]
     extra = sorted({k for r in rows for k in r} - set(cols))
     cols += extra
+
     def cell(r, c):
         v = r.get(c, "")
         return f"{v:.4g}" if isinstance(v, float) else str(v)
+
     table = [cols] + [[cell(r, c) for c in cols] for r in rows]
     widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(t, widths)) + " |" for t in table]
