@@ -1,0 +1,412 @@
+"""RMSNorm, optionally fused with the residual add before it: Triton kernels and autograd.
+
+Numerics (ARCHITECTURE.md, "The numerics contract"):
+
+- A row is normalised in fp32 and rounded once at the store. With a residual, ``s = x + residual``
+  is rounded to ``x.dtype`` first and the norm reads the rounded ``s``, so the fused op equals
+  ``rms_norm(x + residual)`` bitwise.
+- Row sums (the sum of squares; ``sum(dy * w * x_hat)`` in backward) are *exact*
+  (:func:`_exact_sum`): each fp32 term becomes a 64-bit fixed-point integer scaled to the row's
+  largest term, and integers add associatively. The result is the same whatever tree ``tl.sum``
+  uses, and that tree changes with ``num_warps``, the rows per program and the vector width of the
+  loads. This is what makes those launch parameters safe to tune. Rows longer than ``MAX_BLOCK``
+  are summed in chunks of ``MAX_BLOCK`` columns (exact within a chunk, chunks added in ascending
+  order in fp32).
+- The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of ``DW_ROWS``
+  consecutive rows gives a partial (sub-tiles of ``_bwd_rows(H)`` rows added in ascending order
+  elementwise, then the sub-tile rows summed exactly), and :func:`_sum_partials` adds the
+  partials exactly in groups of ``DW_GROUP``, level after level. The partition is set by these
+  constants and ``H``; never by tuning or the GPU.
+- A row's input gradients depend only on that row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+from rlk_triton.tuning import Rule
+
+#: Longest row held in registers; longer rows are processed in chunks of this many columns.
+MAX_BLOCK = 8192
+#: Rows per weight-gradient partial (the fixed row partition of dweight).
+DW_ROWS = 16
+#: Partials added together per program when combining dweight partials.
+DW_GROUP = 64
+#: Elements of one backward sub-tile; sets the rows per sub-tile from H (part of dweight's order).
+BWD_TILE = 4096
+
+# Fraction bits of the fixed-point terms in _exact_sum: terms below 2^-40 of the row's largest
+# are truncated. A term is < 2^41, so int64 cannot overflow for rows shorter than 2^22.
+_FRAC_BITS = tl.constexpr(40)
+
+
+def _block(H: int) -> int:
+    return min(triton.next_power_of_2(H), MAX_BLOCK)
+
+
+def _bwd_rows(block_h: int) -> int:
+    return min(DW_ROWS, max(1, BWD_TILE // block_h))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def _pow2(k):
+    # 2^k as fp32 for an int32 tensor k in [-126, 127], built from its exponent bits.
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exact_sum(v, AXIS: tl.constexpr):
+    """Sum of fp32 ``v`` along ``AXIS`` whose bits do not depend on the order of the additions.
+
+    Each finite term is scaled by a power of two so that the largest becomes [2^40, 2^41),
+    truncated to int64 and the integers are added (exact, so any tree gives the same total);
+    the total is rounded to fp32 once and scaled back. Infinities and NaNs are summed apart,
+    over the non-finite terms only, which is order-free too (inf, -inf or nan).
+    """
+    finite = (v == v) & (tl.abs(v) != float("inf"))
+    special = tl.sum(tl.where(finite, 0.0, v), axis=AXIS)
+    v = tl.where(finite, v, 0.0)
+    m = tl.max(tl.abs(v), axis=AXIS)
+    # floor(log2(m)) from the exponent bits; -127 for zero and subnormals, which still fit.
+    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    # The shift can exceed fp32's exponent range, so apply it as two exact factors.
+    shift = _FRAC_BITS - e
+    a = shift >> 1
+    b = shift - a
+    up = tl.expand_dims(_pow2(a), AXIS) * v
+    q = (up * tl.expand_dims(_pow2(b), AXIS)).to(tl.int64)
+    total = tl.sum(q, axis=AXIS).to(tl.float32) * _pow2(-a) * _pow2(-b)
+    return tl.where(special == 0.0, total, special)
+
+
+@triton.jit
+def _load_input(X, R, S, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr):
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        if STORE_S:
+            tl.store(S + offs, x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_fwd_kernel(
+    X,
+    R,
+    W,
+    Y,
+    S,
+    RSTD,
+    n_rows,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    base = rows.to(tl.int64)[:, None] * H
+    cols = tl.arange(0, BLOCK_H)
+    if NUM_CHUNKS == 1:
+        mask = row_ok[:, None] & (cols < H)[None, :]
+        offs = base + cols[None, :]
+        x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, True)
+        rstd = tl.rsqrt(_exact_sum(x * x, 1) / H + eps)
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        ss = tl.zeros([ROWS], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_H + cols
+            mask = row_ok[:, None] & (ccols < H)[None, :]
+            x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, True)
+            ss += _exact_sum(x * x, 1)
+        rstd = tl.rsqrt(ss / H + eps)
+        for c in range(NUM_CHUNKS):
+            ccols = c * BLOCK_H + cols
+            mask = row_ok[:, None] & (ccols < H)[None, :]
+            offs = base + ccols[None, :]
+            # Recomputes s from x and residual rather than rereading S that other threads wrote.
+            x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, False)
+            w = tl.load(W + ccols, mask=ccols < H, other=0.0).to(tl.float32)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_c_kernel(DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+    # Long rows only: c = sum(dy * w * x_hat) / H of one row, chunks in ascending order.
+    row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    rstd = tl.load(RSTD + row)
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([1], dtype=tl.float32)
+    for c in range(NUM_CHUNKS):
+        ccols = c * BLOCK_H + cols
+        col_ok = ccols < H
+        offs = row[:, None] * H + ccols[None, :]
+        dy = tl.load(DY + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + ccols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += _exact_sum(dy * w[None, :] * (x * rstd[:, None]), 1)
+    tl.store(C + row, acc / H)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    RSTD,
+    C,
+    DS,
+    DX,
+    DWP,
+    n_rows,
+    H,
+    HAS_DS: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
+    DW_ROWS: tl.constexpr,
+):
+    # Program (block, chunk): rows [block * DW_ROWS, +DW_ROWS), columns of one chunk.
+    block = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for i in range(DW_ROWS // ROWS):
+        rows = block * DW_ROWS + i * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        g = dy * w[None, :]
+        if NUM_CHUNKS == 1:
+            c = _exact_sum(g * x_hat, 1) / H
+        else:
+            c = tl.load(C + rows, mask=row_ok, other=0.0)
+        dx = (g - x_hat * c[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            acc += dy * x_hat
+    if COMPUTE_DW:
+        tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum(acc, 0), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["n_in"])
+def _sum_groups_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+    # OUT[g, cols] = exact sum of IN[g * GROUP : (g + 1) * GROUP, cols].
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = g * GROUP + tl.arange(0, GROUP)
+    mask = (rows < n_in)[:, None] & (cols < H)[None, :]
+    p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+    out = _exact_sum(p, 0)
+    tl.store(OUT + g.to(tl.int64) * H + cols, out.to(OUT.dtype.element_ty), mask=cols < H)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning: launch parameters only. Thanks to _exact_sum none of them changes a bit.
+# --------------------------------------------------------------------------------------------
+
+
+def _choose_fwd(*, rows: int, hidden: int) -> int:
+    block = _block(hidden)
+    if block <= 1024:
+        return 1  # 4096 elements per program, 4 warps
+    if block <= 4096:
+        return 2  # 4096, 8 warps
+    return 4  # 8192, 16 warps
+
+
+def _choose_bwd(*, rows: int, hidden: int) -> int:
+    block = _block(hidden)
+    return 0 if block <= 1024 else (1 if block <= 4096 else 2)
+
+
+def _choose_dw(*, partials: int, hidden: int) -> int:
+    return 0 if hidden <= 2048 else 1
+
+
+TUNING = {
+    # tile: elements per program (rows per program = tile // BLOCK_H, at least one row).
+    "rms_norm.fwd": Rule(
+        configs=(
+            {"tile": 2048, "num_warps": 4},
+            {"tile": 4096, "num_warps": 4},
+            {"tile": 4096, "num_warps": 8},
+            {"tile": 8192, "num_warps": 8},
+            {"tile": 8192, "num_warps": 16},
+        ),
+        choose=_choose_fwd,
+    ),
+    "rms_norm.bwd": Rule(
+        configs=({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}), choose=_choose_bwd
+    ),
+    "rms_norm.dw": Rule(
+        configs=(
+            {"block_c": 32, "num_warps": 4},
+            {"block_c": 64, "num_warps": 8},
+            {"block_c": 16, "num_warps": 2},
+        ),
+        choose=_choose_dw,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _forward(x, weight, eps, residual, table):
+    T, H = x.shape
+    block = _block(H)
+    cfg = tuning.config(table, "rms_norm.fwd", rows=T, hidden=H)
+    rows = max(1, cfg["tile"] // block)
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(T, dtype=torch.float32, device=x.device)
+    if T > 0:
+        _rms_norm_fwd_kernel[(_cdiv(T, rows),)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            y,
+            s if s is not None else y,
+            rstd,
+            T,
+            H,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block,
+            NUM_CHUNKS=_cdiv(H, block),
+            ROWS=rows,
+            num_warps=cfg["num_warps"],
+        )
+    return y, s, rstd
+
+
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype, table) -> torch.Tensor:
+    """Column sums of fp32 ``part [P, H]`` in ``dtype``: exact sums of fixed groups, per level."""
+    H = part.shape[1]
+    while True:
+        n = part.shape[0]
+        groups = _cdiv(n, DW_GROUP)
+        cfg = tuning.config(table, "rms_norm.dw", partials=n, hidden=H)
+        out = torch.empty(
+            groups, H, dtype=dtype if groups == 1 else torch.float32, device=part.device
+        )
+        _sum_groups_kernel[(groups, _cdiv(H, cfg["block_c"]))](
+            part,
+            out,
+            n,
+            H,
+            GROUP=DW_GROUP,
+            BLOCK_C=cfg["block_c"],
+            num_warps=cfg["num_warps"],
+        )
+        if groups == 1:
+            return out[0]
+        part = out
+
+
+def _backward(dy, ds, x, weight, rstd, need_dw, table):
+    T, H = x.shape
+    block = _block(H)
+    chunks = _cdiv(H, block)
+    rows = _bwd_rows(block)
+    cfg = tuning.config(table, "rms_norm.bwd", rows=T, hidden=H)
+    dx = torch.empty_like(x)
+    if T == 0:
+        dw = torch.zeros_like(weight) if need_dw else None
+        return dx, dw
+    blocks = _cdiv(T, DW_ROWS)
+    part = torch.empty(blocks, H, dtype=torch.float32, device=x.device) if need_dw else rstd
+    c = rstd
+    if chunks > 1:
+        c = torch.empty_like(rstd)
+        _rms_norm_bwd_c_kernel[(T,)](
+            dy, x, weight, rstd, c, H, BLOCK_H=block, NUM_CHUNKS=chunks, num_warps=cfg["num_warps"]
+        )
+    _rms_norm_bwd_kernel[(blocks, chunks)](
+        dy,
+        x,
+        weight,
+        rstd,
+        c,
+        ds if ds is not None else dy,
+        dx,
+        part,
+        T,
+        H,
+        HAS_DS=ds is not None,
+        COMPUTE_DW=need_dw,
+        BLOCK_H=block,
+        NUM_CHUNKS=chunks,
+        ROWS=rows,
+        DW_ROWS=DW_ROWS,
+        num_warps=cfg["num_warps"],
+    )
+    dw = _sum_partials(part, weight.dtype, table) if need_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual, table):
+        x = x.contiguous()
+        weight = weight.contiguous()
+        if residual is not None:
+            residual = residual.contiguous()
+        y, s, rstd = _forward(x, weight, eps, residual, table)
+        ctx.has_residual = residual is not None
+        ctx.table = table
+        ctx.save_for_backward(s if s is not None else x, weight, rstd)
+        ctx.set_materialize_grads(False)
+        return y if s is None else (y, s)
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        x, weight, rstd = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy.contiguous()
+        if ds is not None:
+            ds = ds.contiguous()
+        dx, dw = _backward(dy, ds, x, weight, rstd, ctx.needs_input_grad[1], ctx.table)
+        dres = dx if ctx.has_residual and ctx.needs_input_grad[3] else None
+        return dx, dw, None, dres, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of the rows of ``x [T, H]`` with ``weight [H]``; see :func:`rlk.rms_norm`.
+
+    Returns ``y [T, H]`` in ``x.dtype``; with ``residual [T, H]`` returns ``(y, s)`` where
+    ``s = x + residual`` rounded to ``x.dtype`` and ``y = rms_norm(s)``. Differentiable in
+    ``x``, ``weight`` and ``residual``; the weight gradient has ``weight.dtype``.
+    """
+    return RMSNormFunction.apply(x, weight, eps, residual, table)

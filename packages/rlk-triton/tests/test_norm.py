@@ -1,0 +1,208 @@
+"""rlk_triton.norm: accuracy vs float64, batch/tuning/order invariance, fused == unfused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlk_triton import backend, norm, tuning
+
+TABLE = backend.default_table()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (forward atol/rtol, gradient atol/rtol) per dtype, vs float64.
+TOL = {
+    torch.float32: (1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 4e-2),
+    torch.float16: (3e-3, 6e-3),
+}
+EPS = 1e-6
+
+
+def _inputs(T, H, dtype, residual, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * 2).to(device=device, dtype=dtype)
+    w = (1 + 0.5 * torch.randn(H, generator=g)).to(device=device, dtype=dtype)
+    r = torch.randn(T, H, generator=g).to(device=device, dtype=dtype) if residual else None
+    dy = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+    ds = torch.randn(T, H, generator=g).to(device=device, dtype=dtype) if residual else None
+    return x, w, r, dy, ds
+
+
+def _run(x, w, r, dy, ds):
+    """Forward and backward through the public function: (outputs, grads) detached."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())]
+    out = norm.rms_norm(
+        leaves[0], leaves[1], EPS, leaves[2] if r is not None else None, table=TABLE
+    )
+    outs = out if isinstance(out, tuple) else (out,)
+    grads_out = (dy, ds) if r is not None else (dy,)
+    torch.autograd.backward(outs, grads_out)
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _reference(x, w, r, dy, ds):
+    """float64 RMSNorm of x (+ r); the rounding of s is the identity for gradients."""
+    leaves = [
+        t.detach().double().requires_grad_() for t in (x, w) + ((r,) if r is not None else ())
+    ]
+    s = leaves[0] + leaves[2] if r is not None else leaves[0]
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * leaves[1]
+    outs = (y, s) if r is not None else (y,)
+    torch.autograd.backward(outs, (dy.double(), ds.double()) if r is not None else (dy.double(),))
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _close(got, want, atol, rtol, what):
+    torch.testing.assert_close(
+        got.double(), want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("H", [64, 80, 128])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_accuracy(dtype, H, residual):
+    fwd_tol, grad_tol = TOL[dtype]
+    for T in (1, 3, 9):
+        args = _inputs(T, H, dtype, residual, seed=T)
+        outs, grads = _run(*args)
+        ref_outs, ref_grads = _reference(*args)
+        for i, (o, ro) in enumerate(zip(outs, ref_outs)):
+            assert o.dtype == dtype
+            _close(o, ro, fwd_tol, fwd_tol, f"output {i}")
+        # dweight sums T rows: scale its tolerance with the number of rows.
+        for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+            tol = grad_tol * (T if i == 1 else 1)
+            _close(g, rg, tol, grad_tol, f"grad {i}")
+        if residual:
+            assert torch.equal(outs[1], args[0] + args[2])  # s is x + residual rounded once
+
+
+def test_fused_equals_unfused_bitwise():
+    for dtype in DTYPES:
+        for H in (64, 80):
+            x, w, r, _, _ = _inputs(7, H, dtype, True, seed=H)
+            y, s = norm.rms_norm(x, w, EPS, r, table=TABLE)
+            y2 = norm.rms_norm(x + r, w, EPS, None, table=TABLE)
+            assert torch.equal(s, x + r)
+            assert torch.equal(y, y2), (dtype, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_batch_invariance(dtype):
+    T, H = 9, 80
+    args = _inputs(T, H, dtype, True, seed=1)
+    outs, grads = _run(*args)
+    for i in (0, 4, 8):
+        one = [None if t is None else (t if t.dim() == 1 else t[i : i + 1]) for t in args]
+        o1, g1 = _run(*one)
+        assert torch.equal(o1[0], outs[0][i : i + 1]) and torch.equal(o1[1], outs[1][i : i + 1])
+        assert torch.equal(g1[0], grads[0][i : i + 1])  # dx (== dresidual)
+        assert torch.equal(g1[2], grads[2][i : i + 1])
+    # A row's result must not depend on its neighbours either.
+    x, w, r, dy, ds = args
+    x2 = x.clone()
+    x2[1:] = torch.randn(T - 1, H).to(dtype) * 100
+    o2, g2 = _run(x2, w, r, dy, ds)
+    assert torch.equal(o2[0][0], outs[0][0]) and torch.equal(g2[0][0], grads[0][0])
+
+
+def test_reduction_order_free():
+    # Permuting the columns of x and weight permutes y and the gradients bit for bit: the row
+    # sums do not depend on the order of their terms (a plain fp32 tl.sum would).
+    T, H = 6, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, _, dy, _ = _inputs(T, H, dtype, False, seed=5)
+        x = x * torch.logspace(-3, 3, H).to(dtype)  # wide dynamic range
+        perm = torch.randperm(H, generator=torch.Generator().manual_seed(0))
+        outs, grads = _run(x, w, None, dy, None)
+        p_outs, p_grads = _run(x[:, perm], w[perm], None, dy[:, perm], None)
+        assert torch.equal(p_outs[0], outs[0][:, perm])
+        assert torch.equal(p_grads[0], grads[0][:, perm])
+        assert torch.equal(p_grads[1], grads[1][perm])
+
+
+def test_tuning_invariance():
+    args = _inputs(9, 80, torch.bfloat16, True, seed=3)
+    outs, grads = _run(*args)
+    configs = tuning.op_configs(TABLE, "rms_norm")
+    assert len(configs) >= 2
+    for cfg in configs:
+        with tuning.force("rms_norm", cfg):
+            o, g = _run(*args)
+        assert all(torch.equal(a, b) for a, b in zip(o, outs)), cfg
+        assert all(torch.equal(a, b) for a, b in zip(g, grads)), cfg
+
+
+def test_weight_grad_many_blocks_deterministic():
+    # More rows than DW_ROWS * DW_GROUP: two levels of partial sums.
+    T, H = norm.DW_ROWS * norm.DW_GROUP + 3, 64
+    args = _inputs(T, H, torch.float32, False, seed=7)
+    _, g1 = _run(*args)
+    _, g2 = _run(*args)
+    assert torch.equal(g1[1], g2[1])
+    _, ref = _reference(*args)
+    _close(g1[1], ref[1], 1e-3, 1e-4, "dweight")
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_chunked_rows(monkeypatch, residual):
+    # Rows longer than MAX_BLOCK go through the chunked kernels; shrink it to test them here.
+    monkeypatch.setattr(norm, "MAX_BLOCK", 32)
+    args = _inputs(5, 80, torch.float32, residual, seed=11)
+    outs, grads = _run(*args)
+    ref_outs, ref_grads = _reference(*args)
+    for o, ro in zip(outs, ref_outs):
+        _close(o, ro, 1e-5, 1e-5, "output")
+    for g, rg in zip(grads, ref_grads):
+        _close(g, rg, 1e-4, 1e-4, "grad")
+    o1, g1 = _run(*[None if t is None else (t if t.dim() == 1 else t[2:3]) for t in args])
+    assert torch.equal(o1[0], outs[0][2:3]) and torch.equal(g1[0], grads[0][2:3])
+
+
+def test_special_values():
+    H = 64
+    x = torch.randn(3, H)
+    x[0] = 0.0
+    x[1, 3] = float("inf")
+    x[2, 5] = float("nan")
+    w = torch.ones(H)
+    y = norm.rms_norm(x, w, EPS, None, table=TABLE)
+    assert torch.equal(y[0], torch.zeros(H))
+    assert y[1].isnan().any() and y[2].isnan().all()
+    # Extreme but finite rows: the fixed-point scaling must cover fp32's whole exponent range.
+    for scale, eps in ((1e-18, 1e-45), (1e17, 1e-6), (1e19, 1e-6)):
+        x = torch.randn(2, H, dtype=torch.float64) * scale
+        y = norm.rms_norm(x.float(), w, eps, None, table=TABLE)
+        want = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        if scale == 1e19:  # the sum of squares overflows fp32, as in torch: y is 0
+            want = torch.zeros_like(want)
+        torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5, msg=str(scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H", [896, 2048, 4096, 8192, 12288])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_invariance(H, dtype):
+    T = 4096
+    args = _inputs(T, H, dtype, True, seed=H, device="cuda")
+    outs, grads = _run(*args)
+    ref_outs, ref_grads = _reference(*args)
+    _close(outs[0], ref_outs[0], TOL[dtype][0], TOL[dtype][0], "y")
+    for cfg in tuning.op_configs(TABLE, "rms_norm"):
+        with tuning.force("rms_norm", cfg):
+            o, g = _run(*args)
+        assert all(torch.equal(a, b) for a, b in zip(o, outs)), cfg
+        assert all(torch.equal(a, b) for a, b in zip(g, grads)), cfg
+    idx = torch.tensor([0, 1, 777, T - 1], device="cuda")
+    sub = [None if t is None else (t if t.dim() == 1 else t[idx].contiguous()) for t in args]
+    o1, g1 = _run(*sub)
+    assert torch.equal(o1[0], outs[0][idx]) and torch.equal(g1[0], grads[0][idx])
+    # Misaligned views must not change the bits either.
+    x, w, r, _, _ = args
+    xv = x.view(-1)[1 : 1 + 3 * H].view(3, H)
+    rv = r.view(-1)[1 : 1 + 3 * H].view(3, H)
+    y, _ = norm.rms_norm(xv, w, EPS, rv, table=TABLE)
+    assert torch.equal(y, norm.rms_norm(xv.clone() + rv.clone(), w, EPS, None, table=TABLE))
+    assert torch.equal(norm.rms_norm(x + r, w, EPS, None, table=TABLE), outs[0])
