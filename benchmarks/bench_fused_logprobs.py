@@ -8,7 +8,6 @@ per-token RL loss cannot use) and reduction="none" (per-token gradients, what RL
 from __future__ import annotations
 
 import torch
-
 from common import median_ms, require_cuda, row
 
 SHAPES = [(8192, 4096, 151936), (16384, 896, 151936)]

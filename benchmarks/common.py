@@ -24,11 +24,11 @@ def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
 def ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (GB/s, read + write) and cuBLAS bf16 TFLOP/s."""
     n = 1 << 30  # 1 GiB of bf16 each way, far above the 60 MB L2
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
+    bufs = [torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)]
+    bufs.append(torch.empty_like(bufs[0]))
+    ms = median_ms(lambda: bufs[1].copy_(bufs[0]))
     copy_gbs = 2 * n / ms / 1e6
-    del src, dst
+    bufs.clear()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b)
