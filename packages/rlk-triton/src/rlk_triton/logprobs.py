@@ -1,0 +1,338 @@
+"""Log-probabilities (and entropy) of targets from logits: ``[T, V] -> [T]``, read once.
+
+Numerics (the contract of :func:`rlk.logprobs`): ``z = logit / temperature`` is a correctly
+rounded fp32 division. The vocabulary is cut into chunks of :data:`CHUNK` logits. Each chunk
+gives ``(m_c, s_c, t_c)``: its max, ``sum(exp(z - m_c))`` and ``sum(exp(z - m_c) * (z - m_c))``,
+summed by a fixed binary tree (:func:`tree_sum`) so that no layout, warp count or tile shape can
+change the order. The chunk triples are folded into the row's running ``(m, s, t)`` in ascending
+chunk order (:func:`fold`); then ``lse = m + log(s)`` and ``entropy = log(s) - t / s``.
+
+:func:`chunk_stats`, :func:`fold` and :func:`finish` are the whole arithmetic of a row. The fused
+``linear_logprobs`` kernel calls them on the logits tiles it computes in registers (a
+``[rows, CHUNK]`` tile per step, in ascending chunk order), which is what makes it bitwise equal
+to ``logprobs(linear(h, W), t)``. ``CHUNK`` is small enough (a GEMM N-tile) for that.
+
+Backward: ``dlogits = (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature``
+with ``p = exp(z - lse)`` recomputed from the saved per-row ``lse`` and entropy ``H``;
+it is elementwise, so any tiling gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+
+#: Logits per vocabulary chunk: sets the reduction order (tree within a chunk, chunks folded in
+#: ascending order). A constant of the op, never a tuning choice; a power of two.
+CHUNK = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Row arithmetic shared with the fused linear+logprobs kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tree_sum(x, LOG2N: tl.constexpr):
+    """Sum ``x [R, 2**LOG2N]`` along axis 1 by a fixed binary tree of adjacent pairs.
+
+    Every step adds exactly two numbers, and a two-term fp32 sum has one result whatever the
+    order, so the bits do not depend on how Triton lays ``x`` out over threads (``tl.sum``'s
+    order does: it follows num_warps and the layout).
+    """
+    for _ in tl.static_range(LOG2N):
+        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        x = a + b
+    return tl.reshape(x, [x.shape[0]])
+
+
+@triton.jit
+def scale_logits(x, temperature):
+    """``z = x / temperature`` in fp32, correctly rounded (``/`` may be approximate on GPU)."""
+    return tl.math.div_rn(x.to(tl.float32), temperature)
+
+
+@triton.jit
+def chunk_stats(z, valid, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
+    """Statistics of one chunk ``z [R, CHUNK]`` (fp32) where ``valid``: ``(m_c, s_c, t_c)``, each [R].
+
+    ``m_c = max z``, ``s_c = sum exp(z - m_c)``, ``t_c = sum exp(z - m_c) * (z - m_c)`` (0 without
+    ENTROPY). A chunk with no valid (or only -inf) logits gives ``(-inf, 0, 0)``.
+    """
+    zm = tl.where(valid, z, float("-inf"))
+    m_c = tl.max(zm, axis=1)
+    ref = tl.where(m_c == float("-inf"), 0.0, m_c)
+    w = zm - ref[:, None]
+    e = tl.exp(w)
+    s_c = tree_sum(e, LOG2_CHUNK)
+    if ENTROPY:
+        t_c = tree_sum(tl.where(e > 0, e * w, 0.0), LOG2_CHUNK)
+    else:
+        t_c = tl.zeros_like(s_c)
+    return m_c, s_c, t_c
+
+
+@triton.jit
+def fold(m, s, t, m_c, s_c, t_c, ENTROPY: tl.constexpr):
+    """Fold a chunk's ``(m_c, s_c, t_c)`` into the running ``(m, s, t)`` of the rows (next chunk).
+
+    ``s`` and ``t`` are kept relative to the running max ``m``. Start from ``(-inf, 0, 0)``.
+    """
+    m_new = tl.maximum(m, m_c)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m - ref)
+    b = tl.exp(m_c - ref)
+    s_new = s * a + s_c * b
+    if ENTROPY:
+        t_new = tl.where(s > 0, (t + (m - ref) * s) * a, 0.0) + tl.where(
+            s_c > 0, (t_c + (m_c - ref) * s_c) * b, 0.0
+        )
+    else:
+        t_new = t
+    return m_new, s_new, t_new
+
+
+@triton.jit
+def finish(m, s, t):
+    """``(lse, entropy)`` of rows from their folded ``(m, s, t)``."""
+    log_s = tl.log(s)
+    return m + log_s, log_s - t / s
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    lp_ptr,
+    lse_ptr,
+    ent_ptr,
+    T,
+    V,
+    stride_t,
+    temperature,
+    CHUNK: tl.constexpr,
+    LOG2_CHUNK: tl.constexpr,
+    ROWS: tl.constexpr,
+    NSUB: tl.constexpr,
+    ENTROPY: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    row_ptr = logits_ptr + rows.to(tl.int64)[:, None] * stride_t
+    cols = tl.arange(0, CHUNK)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    t = tl.zeros([ROWS], tl.float32)
+    # NSUB chunks per iteration only batches the loads; the fold stays one chunk at a time, and
+    # a chunk past the end folds as an exact no-op, so NSUB never changes a bit.
+    for c0 in range(0, tl.cdiv(V, CHUNK), NSUB):
+        for j in tl.static_range(NSUB):
+            offs = (c0 + j) * CHUNK + cols
+            valid = row_ok[:, None] & (offs < V)[None, :]
+            x = tl.load(row_ptr + offs[None, :], mask=valid, other=0.0)
+            m_c, s_c, t_c = chunk_stats(scale_logits(x, temperature), valid, LOG2_CHUNK, ENTROPY)
+            m, s, t = fold(m, s, t, m_c, s_c, t_c, ENTROPY)
+    lse, ent = finish(m, s, t)
+    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0)
+    x_t = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tgt, mask=row_ok, other=0.0)
+    tl.store(lp_ptr + rows, scale_logits(x_t, temperature) - lse, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if ENTROPY:
+        tl.store(ent_ptr + rows, ent, mask=row_ok)
+
+
+@triton.jit
+def _logprobs_bwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    lse_ptr,
+    ent_ptr,
+    g_lp_ptr,
+    g_ent_ptr,
+    dlogits_ptr,
+    T,
+    V,
+    stride_t,
+    stride_dt,
+    temperature,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(logits_ptr + rows64[:, None] * stride_t + cols[None, :], mask=ok, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_lp = tl.load(g_lp_ptr + rows, mask=row_ok, other=0.0)
+    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
+    log_p = scale_logits(x, temperature) - lse[:, None]
+    p = tl.exp(log_p)
+    onehot = (cols[None, :] == tgt[:, None]).to(tl.float32)
+    dz = g_lp[:, None] * (onehot - p)
+    if ENTROPY:
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+        # d entropy / dz_j = -p_j * (log p_j + entropy), whose limit is 0 where p_j = 0
+        dz = dz - g_ent[:, None] * tl.where(p > 0, p * (log_p + ent[:, None]), 0.0)
+    dx = tl.math.div_rn(dz, temperature)
+    tl.store(
+        dlogits_ptr + rows64[:, None] * stride_dt + cols[None, :],
+        dx.to(dlogits_ptr.dtype.element_ty),
+        mask=ok,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning: launch parameters only (rows per program, loads batched per iteration, warps)
+# --------------------------------------------------------------------------------------------
+
+
+def _choose_fwd(T: int, V: int) -> int:
+    return 0 if T < 2048 else 1
+
+
+def _choose_bwd(T: int, V: int) -> int:
+    return 0 if T < 64 else 1
+
+
+TUNING = {
+    "logprobs.fwd": tuning.Rule(
+        configs=(
+            {"ROWS": 1, "NSUB": 4, "num_warps": 4},
+            {"ROWS": 4, "NSUB": 2, "num_warps": 8},
+            {"ROWS": 2, "NSUB": 1, "num_warps": 2},
+        ),
+        choose=_choose_fwd,
+    ),
+    "logprobs.bwd": tuning.Rule(
+        configs=(
+            {"BLOCK_T": 1, "BLOCK_V": 2048, "num_warps": 4},
+            {"BLOCK_T": 4, "BLOCK_V": 1024, "num_warps": 8},
+            {"BLOCK_T": 2, "BLOCK_V": 128, "num_warps": 2},
+        ),
+        choose=_choose_bwd,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers, autograd, public function
+# --------------------------------------------------------------------------------------------
+
+
+def logprobs_forward(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, table
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel: returns ``(logprobs, lse, entropy or None)``, all fp32 [T]."""
+    T, V = logits.shape
+    lp = torch.empty(T, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(lp)
+    ent = torch.empty_like(lp) if entropy else lp
+    if T:
+        cfg = dict(tuning.config(table, "logprobs.fwd", T=T, V=V))
+        rows = cfg.pop("ROWS")
+        _logprobs_fwd_kernel[(triton.cdiv(T, rows),)](
+            logits,
+            targets,
+            lp,
+            lse,
+            ent,
+            T,
+            V,
+            logits.stride(0),
+            float(temperature),
+            CHUNK=CHUNK,
+            LOG2_CHUNK=CHUNK.bit_length() - 1,
+            ROWS=rows,
+            ENTROPY=entropy,
+            **cfg,
+        )
+    return lp, lse, (ent if entropy else None)
+
+
+def logprobs_backward(
+    logits, targets, lse, ent, g_lp, g_ent, temperature: float, table
+) -> torch.Tensor:
+    """Launch the backward kernel: ``dlogits`` in the dtype of ``logits``."""
+    T, V = logits.shape
+    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if T == 0:
+        return dlogits
+    entropy = ent is not None
+    cfg = dict(tuning.config(table, "logprobs.bwd", T=T, V=V))
+    bt, bv = cfg.pop("BLOCK_T"), cfg.pop("BLOCK_V")
+    _logprobs_bwd_kernel[(triton.cdiv(T, bt), triton.cdiv(V, bv))](
+        logits,
+        targets,
+        lse,
+        ent if entropy else lse,
+        g_lp,
+        g_ent if entropy else g_lp,
+        dlogits,
+        T,
+        V,
+        logits.stride(0),
+        dlogits.stride(0),
+        float(temperature),
+        BLOCK_T=bt,
+        BLOCK_V=bv,
+        ENTROPY=entropy,
+        **cfg,
+    )
+    return dlogits
+
+
+class LogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, return_entropy, table):
+        lp, lse, ent = logprobs_forward(logits, targets, temperature, return_entropy, table)
+        ctx.save_for_backward(logits, targets, lse, ent if return_entropy else lse)
+        ctx.temperature, ctx.entropy, ctx.table = temperature, return_entropy, table
+        return (lp, ent) if return_entropy else lp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        logits, targets, lse, ent = ctx.saved_tensors
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+        if ctx.entropy:
+            g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
+        else:
+            ent = g_ent = None
+        dlogits = logprobs_backward(
+            logits, targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.table
+        )
+        return dlogits, None, None, None, None
+
+
+def logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``targets`` under ``softmax(logits / temperature)``.
+
+    Shapes: ``logits [T, V]`` (bf16/fp16/fp32, rows contiguous), ``targets`` int64 ``[T]`` ->
+    float32 ``[T]``; with ``return_entropy`` also the entropy, float32 ``[T]``. Differentiable
+    with respect to ``logits``.
+
+    Example::
+
+        lp, ent = logprobs(logits, tokens, 1.0, True, table=backend.default_table())
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    targets = targets.contiguous()
+    return LogprobsFunction.apply(logits, targets, float(temperature), bool(return_entropy), table)
