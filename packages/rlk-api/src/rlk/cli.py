@@ -118,13 +118,17 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     from rlk import testing
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
-    report = testing.run_conformance(
-        backend=args.backend,
-        ops=ops,
-        device=args.device,
-        quick=not args.full,
-        progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
-    )
+    try:
+        report = testing.run_conformance(
+            backend=args.backend,
+            ops=ops,
+            device=args.device,
+            quick=not args.full,
+            progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
+        )
+    except ValueError as e:  # an unknown op name
+        print(f"rlk: error: {e}", file=sys.stderr)
+        return 2
     print(testing.format_table(report))
     if args.json:
         with open(args.json, "w") as f:
