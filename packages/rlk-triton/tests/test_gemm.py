@@ -159,6 +159,14 @@ def test_edge_shapes():
     assert torch.equal(we.grad, torch.zeros_like(we)) and torch.equal(be.grad, torch.zeros_like(be))
 
 
+def test_bias_grad_strided_and_exact_order():
+    # fused_logprobs calls _bias_grad directly; a transposed dY must give the same bits.
+    dy = torch.randn(70, 150).to(torch.bfloat16)
+    db = gemm._bias_grad(dy, torch.bfloat16)
+    assert torch.equal(gemm._bias_grad(dy.t().contiguous().t(), torch.bfloat16), db)
+    _close(db, dy.double().sum(0), torch.bfloat16, "db")
+
+
 # --------------------------------------------------------------------------------------------
 # GPU (H200): run on the GPU machine with `pytest -m gpu`.
 # --------------------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def _matmul_kernel(
 
 @triton.jit
 def _bias_grad_kernel(
-    dy_ptr, db_ptr, M, N, stride_m, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
+    dy_ptr, db_ptr, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
 ):
     # One program owns BLOCK_N columns and walks all rows in ascending BLOCK_ROWS steps: a
     # fixed partition and order, no atomics.
@@ -125,7 +125,7 @@ def _bias_grad_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, M, BLOCK_ROWS):
         r = r0 + rows
-        ptrs = dy_ptr + r.to(tl.int64)[:, None] * stride_m + cols[None, :]
+        ptrs = dy_ptr + r.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n
         tile = tl.load(ptrs, mask=(r < M)[:, None] & mask_n[None, :], other=0.0)
         acc += tl.sum(tile.to(tl.float32), axis=0)
     tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=mask_n)
@@ -251,6 +251,7 @@ def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         M,
         N,
         dy.stride(0),
+        dy.stride(1),
         BLOCK_N=_BIAS_BLOCK_N,
         BLOCK_ROWS=_BIAS_BLOCK_ROWS,
         num_warps=_BIAS_WARPS,
