@@ -48,6 +48,44 @@ def default_table() -> dict[str, tuning.Rule]:
     return table
 
 
+#: Vendor tuning tables built on these kernels: (name, module, attribute of overrides).
+VENDOR_TABLES = (("cuda", "rlk_cuda.tables", "NVIDIA"), ("rocm", "rlk_rocm.tables", "CDNA3"))
+
+
+def known_tables() -> dict[str, dict[str, tuning.Rule]]:
+    """The portable table and every installed vendor table (merged over it), by backend name.
+
+    Vendor packages are found by import, not through their backends: the rocm table must be
+    checkable on an NVIDIA GPU or a CPU, where backend ``rocm`` is not available.
+    """
+    base = default_table()
+    tables = {"triton": base}
+    for name, module, attr in VENDOR_TABLES:
+        try:
+            overrides = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError:
+            continue
+        tables[name] = tuning.merge(base, overrides)
+    return tables
+
+
+def all_op_configs(op: str) -> list[dict]:
+    """Config sets covering every candidate of every installed table for ``op``.
+
+    The conformance kit runs them all against one backend's default choice, so the tuning
+    invariance check also proves that the cuda and rocm tables give identical bits, on whatever
+    device the kit runs (the Triton interpreter on CPU included).
+    """
+    seen, out = set(), []
+    for table in known_tables().values():
+        for cfg in tuning.op_configs(table, op):
+            key = repr(sorted((k, sorted(v.items())) for k, v in cfg.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(cfg)
+    return out
+
+
 def make_impl(table: tuning.TuningTable) -> BackendImpl:
     """Every op found in rlk_triton, bound to ``table``; ops not written yet are left out."""
     mods = _modules()
@@ -59,6 +97,6 @@ def make_impl(table: tuning.TuningTable) -> BackendImpl:
     return BackendImpl(
         ops=ops,
         claims=CLAIMS,
-        tuning_configs=lambda op: tuning.op_configs(table, op),
+        tuning_configs=all_op_configs,
         use_config=tuning.force,
     )
