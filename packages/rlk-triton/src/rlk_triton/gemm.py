@@ -154,6 +154,8 @@ _CONFIGS = (
     _cfg(256, 128, 8, 3),  # 7: large M, tall tile
     _cfg(128, 128, 4, 4),  # 8: mid M, fewer warps (fp32 FMA path)
     _cfg(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
+    _cfg(128, 64, 4, 4),  # 10: mid M, narrow N (more programs)
+    _cfg(256, 128, 8, 4),  # 11: large M, tall tile, deeper pipeline
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
