@@ -68,23 +68,31 @@ _FWD_CONFIGS = (
     {"BLOCK_M": 128, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3},
 )
+# Backward: BLOCK_M tiles the dQ kernel's queries, BLOCK_N the dK/dV kernel's keys; both
+# kernels take num_warps, so 8 warps go with BLOCK_M = BLOCK_N = 128 only (same family rule).
 _BWD_CONFIGS = (
-    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
 )
 
 
-def _choose_fwd(rows: int, **_: int) -> int:
+def _choose_fwd(rows: int, head_dim: int, **_: int) -> int:
     # rows = the longest sequence's query rows (tokens x heads of a group).
+    if head_dim > 128:
+        return 1
     return 0 if rows >= 1024 else 1
 
 
-def _choose_paged(rows: int, **_: int) -> int:
+def _choose_paged(rows: int, head_dim: int, **_: int) -> int:
+    if head_dim > 128:
+        return 1
     return 0 if rows >= 1024 else 3
 
 
-def _choose_bwd(rows: int, **_: int) -> int:
+def _choose_bwd(rows: int, head_dim: int, **_: int) -> int:
+    if head_dim > 128:
+        return 2
     return 0 if rows >= 1024 else 2
 
 
@@ -502,6 +510,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _stages(cfg, head_dim: int) -> int:
+    # Shared memory: K/V tiles of D = 256 do not fit three stages deep (launch only, no bits).
+    return min(cfg["num_stages"], 2) if head_dim > 128 else cfg["num_stages"]
+
+
 def _max_len(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
 
@@ -568,7 +581,7 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=_stages(cfg, d),
     )
     return o, lse
 
