@@ -67,7 +67,8 @@ class Row:
     rel_rms: float | None = None
     detail: str = ""
     seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the first few mismatches
+    n_failures: int = 0
 
 
 @dataclass
@@ -207,6 +208,7 @@ def _op_rows(impl: BackendImpl, op: str, device: torch.device, quick: bool) -> l
                 out.detail,
                 round(time.perf_counter() - t0, 3),
                 out.failures,
+                out.n_failures or int(out.status == "fail"),
             )
         )
     return rows
@@ -279,7 +281,11 @@ def format_table(report: Report) -> str:
     if fails:
         lines.append("failures:")
         for r in fails:
-            lines.append(f"  {r.op} / {r.check}: {r.detail}")
+            if r.n_failures <= 1:
+                lines.append(f"  {r.op} / {r.check}: {r.detail}")
+                continue
+            lines.append(f"  {r.op} / {r.check}: {r.n_failures} failures, the first:")
+            lines.extend(f"    {f}" for f in r.failures[:3])
     skips: dict[str, list[str]] = {}
     for r in report.rows:
         if r.status == "skip":

@@ -51,6 +51,9 @@ TOLERANCES: dict[str, dict[str, float]] = {
 #: differently in fp32 and float64.
 SAMPLE_AGREEMENT = 0.99
 
+#: Failure messages kept per check (the count is in the detail).
+MAX_FAILURES = 20
+
 
 @dataclass
 class Outcome:
@@ -58,13 +61,17 @@ class Outcome:
     detail: str = ""
     max_err: float | None = None
     rel_rms: float | None = None
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the first MAX_FAILURES
+    n_failures: int = 0
 
 
 def _finish(failures: list[str], ok_detail: str, **numbers: Any) -> Outcome:
     if failures:
         more = f" (+{len(failures) - 3} more)" if len(failures) > 3 else ""
-        return Outcome("fail", "; ".join(failures[:3]) + more, failures=failures, **numbers)
+        detail = "; ".join(failures[:3]) + more
+        return Outcome(
+            "fail", detail, failures=failures[:MAX_FAILURES], n_failures=len(failures), **numbers
+        )
     return Outcome("pass", ok_detail, **numbers)
 
 
