@@ -8,11 +8,13 @@ import torch
 from rlk_triton import activation, backend, tuning
 
 TABLE = backend.default_table()
+# The small-shape tests run on the GPU when there is one, else under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-def _inputs(T, I, dtype, seed=0, device="cpu"):
+def _inputs(T, I, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, 2 * I, generator=g) * 3).to(device=device, dtype=dtype)
     dy = torch.randn(T, I, generator=g).to(device=device, dtype=dtype)

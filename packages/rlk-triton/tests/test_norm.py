@@ -8,6 +8,8 @@ import torch
 from rlk_triton import backend, norm, tuning
 
 TABLE = backend.default_table()
+# The small-shape tests run on the GPU when there is one, else under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (forward atol/rtol, gradient atol/rtol) per dtype, vs float64.
 TOL = {
@@ -18,7 +20,7 @@ TOL = {
 EPS = 1e-6
 
 
-def _inputs(T, H, dtype, residual, seed=0, device="cpu"):
+def _inputs(T, H, dtype, residual, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(T, H, generator=g) * 2).to(device=device, dtype=dtype)
     w = (1 + 0.5 * torch.randn(H, generator=g)).to(device=device, dtype=dtype)
@@ -102,7 +104,7 @@ def test_batch_invariance(dtype):
     # A row's result must not depend on its neighbours either.
     x, w, r, dy, ds = args
     x2 = x.clone()
-    x2[1:] = torch.randn(T - 1, H).to(dtype) * 100
+    x2[1:] = torch.randn(T - 1, H).to(DEVICE, dtype) * 100
     o2, g2 = _run(x2, w, r, dy, ds)
     assert torch.equal(o2[0][0], outs[0][0]) and torch.equal(g2[0][0], grads[0][0])
 
@@ -113,8 +115,8 @@ def test_reduction_order_free():
     T, H = 6, 128
     for dtype in (torch.float32, torch.bfloat16):
         x, w, _, dy, _ = _inputs(T, H, dtype, False, seed=5)
-        x = x * torch.logspace(-3, 3, H).to(dtype)  # wide dynamic range
-        perm = torch.randperm(H, generator=torch.Generator().manual_seed(0))
+        x = x * torch.logspace(-3, 3, H).to(DEVICE, dtype)  # wide dynamic range
+        perm = torch.randperm(H, generator=torch.Generator().manual_seed(0)).to(DEVICE)
         outs, grads = _run(x, w, None, dy, None)
         p_outs, p_grads = _run(x[:, perm], w[perm], None, dy[:, perm], None)
         assert torch.equal(p_outs[0], outs[0][:, perm])
@@ -162,17 +164,17 @@ def test_chunked_rows(monkeypatch, residual):
 
 def test_special_values():
     H = 64
-    x = torch.randn(3, H)
+    x = torch.randn(3, H, device=DEVICE)
     x[0] = 0.0
     x[1, 3] = float("inf")
     x[2, 5] = float("nan")
-    w = torch.ones(H)
+    w = torch.ones(H, device=DEVICE)
     y = norm.rms_norm(x, w, EPS, None, table=TABLE)
-    assert torch.equal(y[0], torch.zeros(H))
+    assert torch.equal(y[0], torch.zeros_like(y[0]))
     assert y[1].isnan().any() and y[2].isnan().all()
     # Extreme but finite rows: the fixed-point scaling must cover fp32's whole exponent range.
     for scale, eps in ((1e-18, 1e-45), (1e17, 1e-6), (1e19, 1e-6)):
-        x = torch.randn(2, H, dtype=torch.float64) * scale
+        x = torch.randn(2, H, dtype=torch.float64, device=DEVICE) * scale
         y = norm.rms_norm(x.float(), w, eps, None, table=TABLE)
         want = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
         if scale == 1e19:  # the sum of squares overflows fp32, as in torch: y is 0

@@ -1,0 +1,168 @@
+"""Rotary position embedding (NeoX / HF rotate-half): Triton kernels and autograd.
+
+``y = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed in fp32
+and rounded once. Elementwise in ``x``, so no launch parameter changes a bit. The gradients of
+``cos``/``sin`` (only computed when they require grad) sum over heads in ascending order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+from rlk_triton.tuning import Rule
+
+
+@triton.jit
+def _rotary_kernel(
+    X,
+    COS,
+    SIN,
+    Y,
+    n_heads,
+    HALF,
+    BACKWARD: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # Program (token, block of heads). Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
+    # Backward applies the transpose: dx1 = d1 c1 + d2 s2, dx2 = d2 c2 - d1 s1.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_ok = cols < HALF
+    mask = (heads < n_heads)[:, None] & col_ok[None, :]
+    cs = t * (2 * HALF) + cols
+    c1 = tl.load(COS + cs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(COS + cs + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(SIN + cs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(SIN + cs + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    offs = (t * n_heads + heads)[:, None] * (2 * HALF) + cols[None, :]
+    a1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    a2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        o1 = a1 * c1 + a2 * s2
+        o2 = a2 * c2 - a1 * s1
+    else:
+        o1 = a1 * c1 - a2 * s1
+        o2 = a2 * c2 + a1 * s2
+    tl.store(Y + offs, o1.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs + HALF, o2.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_dcos_dsin_kernel(X, DY, DCOS, DSIN, n_heads, HALF, BLOCK_HALF: tl.constexpr):
+    # dcos = sum_h dy * x, dsin = sum_h dy * rotate_half(x), heads in ascending order.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_ok = cols < HALF
+    dc1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    dc2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    ds1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    ds2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+    for h in range(n_heads):
+        offs = (t * n_heads + h) * (2 * HALF) + cols
+        x1 = tl.load(X + offs, mask=col_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(X + offs + HALF, mask=col_ok, other=0.0).to(tl.float32)
+        d1 = tl.load(DY + offs, mask=col_ok, other=0.0).to(tl.float32)
+        d2 = tl.load(DY + offs + HALF, mask=col_ok, other=0.0).to(tl.float32)
+        dc1 += d1 * x1
+        dc2 += d2 * x2
+        ds1 -= d1 * x2
+        ds2 += d2 * x1
+    cs = t * (2 * HALF) + cols
+    tl.store(DCOS + cs, dc1.to(DCOS.dtype.element_ty), mask=col_ok)
+    tl.store(DCOS + cs + HALF, dc2.to(DCOS.dtype.element_ty), mask=col_ok)
+    tl.store(DSIN + cs, ds1.to(DSIN.dtype.element_ty), mask=col_ok)
+    tl.store(DSIN + cs + HALF, ds2.to(DSIN.dtype.element_ty), mask=col_ok)
+
+
+def _choose(*, tokens: int, heads: int, head_dim: int) -> int:
+    return 0 if head_dim >= 128 else 1
+
+
+TUNING = {
+    # heads: heads per program (capped at the next power of two of the head count).
+    "apply_rotary.fwd": Rule(
+        configs=(
+            {"heads": 8, "num_warps": 4},
+            {"heads": 16, "num_warps": 4},
+            {"heads": 4, "num_warps": 2},
+        ),
+        choose=_choose,
+    ),
+    "apply_rotary.bwd": Rule(
+        configs=(
+            {"heads": 8, "num_warps": 4},
+            {"heads": 16, "num_warps": 4},
+            {"heads": 4, "num_warps": 2},
+        ),
+        choose=_choose,
+    ),
+    "apply_rotary.dcos": Rule(configs=({"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4})),
+}
+
+
+def _rotate(x, cos, sin, backward, table):
+    T, NH, D = x.shape
+    y = torch.empty_like(x)
+    key = "apply_rotary.bwd" if backward else "apply_rotary.fwd"
+    cfg = tuning.config(table, key, tokens=T, heads=NH, head_dim=D)
+    block_heads = min(triton.next_power_of_2(NH), cfg["heads"])
+    if T > 0 and NH > 0:
+        _rotary_kernel[(T, triton.cdiv(NH, block_heads))](
+            x,
+            cos,
+            sin,
+            y,
+            NH,
+            D // 2,
+            BACKWARD=backward,
+            BLOCK_HEADS=block_heads,
+            BLOCK_HALF=triton.next_power_of_2(D // 2),
+            num_warps=cfg["num_warps"],
+        )
+    return y
+
+
+class ApplyRotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, table):
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(x, cos, sin)
+        ctx.table = table
+        return _rotate(x, cos, sin, False, table)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _rotate(dy, cos, sin, True, ctx.table) if ctx.needs_input_grad[0] else None
+        dcos = dsin = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            T, NH, D = x.shape
+            dcos, dsin = torch.empty_like(cos), torch.empty_like(sin)
+            cfg = tuning.config(ctx.table, "apply_rotary.dcos", tokens=T, heads=NH, head_dim=D)
+            if T > 0:
+                _rotary_dcos_dsin_kernel[(T,)](
+                    x,
+                    dy,
+                    dcos,
+                    dsin,
+                    NH,
+                    D // 2,
+                    BLOCK_HALF=triton.next_power_of_2(D // 2),
+                    num_warps=cfg["num_warps"],
+                )
+        return dx, dcos, dsin, None
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, table: tuning.TuningTable
+) -> torch.Tensor:
+    """Rotary embedding of ``x [T, H, D]`` with ``cos``/``sin [T, D]``; see :func:`rlk.apply_rotary`.
+
+    Returns ``[T, H, D]`` in ``x.dtype``. Differentiable in ``x``, ``cos`` and ``sin``.
+    """
+    return ApplyRotaryFunction.apply(x, cos, sin, table)

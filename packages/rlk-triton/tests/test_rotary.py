@@ -1,0 +1,111 @@
+"""rlk_triton.rotary: apply_rotary accuracy vs float64, batch and tuning invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlk_triton import backend, rotary, tuning
+
+TABLE = backend.default_table()
+# The small-shape tests run on the GPU when there is one, else under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _inputs(T, NH, D, dtype, cs_dtype, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, NH, D, generator=g).to(device=device, dtype=dtype)
+    pos = torch.arange(T, dtype=torch.float64)[:, None] * 0.37
+    inv_freq = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.cat([pos * inv_freq, pos * inv_freq], dim=-1)
+    cos = ang.cos().to(device=device, dtype=cs_dtype)
+    sin = ang.sin().to(device=device, dtype=cs_dtype)
+    dy = torch.randn(T, NH, D, generator=g).to(device=device, dtype=dtype)
+    return x, cos, sin, dy
+
+
+def _run(x, cos, sin, dy, cs_grad=False):
+    x = x.detach().clone().requires_grad_()
+    cos = cos.detach().clone().requires_grad_(cs_grad)
+    sin = sin.detach().clone().requires_grad_(cs_grad)
+    y = rotary.apply_rotary(x, cos, sin, table=TABLE)
+    y.backward(dy)
+    return y.detach(), x.grad, cos.grad, sin.grad
+
+
+def _reference(x, cos, sin, dy):
+    x, cos, sin = (t.detach().double().requires_grad_() for t in (x, cos, sin))
+    x1, x2 = x.chunk(2, dim=-1)
+    y = x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+    y.backward(dy.double())
+    return y.detach(), x.grad, cos.grad, sin.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cs_fp32", [True, False], ids=["cs_fp32", "cs_xdtype"])
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_accuracy(dtype, cs_fp32, D):
+    tol = TOL[dtype]
+    cs_dtype = torch.float32 if cs_fp32 else dtype
+    for T, NH in ((1, 1), (5, 3), (9, 2)):
+        args = _inputs(T, NH, D, dtype, cs_dtype, seed=T)
+        got = _run(*args, cs_grad=True)
+        want = _reference(*args)
+        for name, g, w in zip(("y", "dx", "dcos", "dsin"), got, want):
+            ref_dtype = cs_dtype if name in ("dcos", "dsin") else dtype
+            assert g.dtype == ref_dtype, name
+            scale = NH if name in ("dcos", "dsin") else 1  # sums over heads
+            torch.testing.assert_close(
+                g.double(), w, atol=tol * scale, rtol=tol, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+def test_matches_torch_formula_fp32():
+    # fp32 in, fp32 out: the kernel computes x * cos + rotate_half(x) * sin.
+    x, cos, sin, _ = _inputs(4, 3, 64, torch.float32, torch.float32, seed=2)
+    y = rotary.apply_rotary(x, cos, sin, table=TABLE)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+    torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-6)
+
+
+def test_batch_and_tuning_invariance():
+    args = _inputs(9, 6, 80, torch.bfloat16, torch.float32, seed=3)
+    out = _run(*args, cs_grad=True)
+    x, cos, sin, dy = args
+    for i in (0, 4, 8):
+        one = _run(x[i : i + 1], cos[i : i + 1], sin[i : i + 1], dy[i : i + 1], cs_grad=True)
+        for a, b in zip(one, out):
+            assert torch.equal(a, b[i : i + 1])
+    configs = tuning.op_configs(TABLE, "apply_rotary")
+    assert len(configs) >= 2
+    for cfg in configs:
+        with tuning.force("apply_rotary", cfg):
+            got = _run(*args, cs_grad=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, out)), cfg
+
+
+def test_no_cos_sin_grad():
+    x, cos, sin, dy = _inputs(3, 2, 64, torch.float32, torch.float32, seed=4)
+    _, dx, dcos, dsin = _run(x, cos, sin, dy, cs_grad=False)
+    assert dx is not None and dcos is None and dsin is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("NH,D", [(14, 64), (16, 128), (32, 128), (40, 128)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_invariance(NH, D, dtype):
+    args = _inputs(4096, NH, D, dtype, torch.float32, seed=NH, device="cuda")
+    out = _run(*args, cs_grad=True)
+    want = _reference(*args)
+    torch.testing.assert_close(out[0].double(), want[0], atol=TOL[dtype], rtol=TOL[dtype])
+    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
+        with tuning.force("apply_rotary", cfg):
+            got = _run(*args, cs_grad=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, out)), cfg
+    x, cos, sin, dy = args
+    one = _run(x[5:6], cos[5:6], sin[5:6], dy[5:6], cs_grad=True)
+    assert all(torch.equal(a, b[5:6]) for a, b in zip(one, out))
