@@ -1,0 +1,264 @@
+"""Seeded per-row sampling: temperature, top-k, top-p, Gumbel-max with Philox-4x32-10 noise.
+
+One program per row; a row's token depends only on its logits, seed, offset and parameters.
+
+- Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
+  seed's two 32-bit words, counter = ``(v, offset_lo, offset_hi, 0)``), ``g = -log(-log(u))``.
+- Filters without sorting: both are thresholds on an order-preserving uint32 key of
+  ``z = logit / temperature``, found by a radix search, :data:`RADIX_BITS` bits per pass over
+  the row. top-k: the largest key with ``count(key >= K) >= k`` (integer counts: exact in any
+  order), i.e. the k-th largest z, ties kept. top-p: the largest key with
+  ``mass(key >= K) >= top_p * mass(all kept)``, masses ``sum exp(z - max)`` added by a fixed
+  tree over blocks of :data:`BLOCK` and the blocks in ascending order. A mass can only shrink
+  as K grows (terms drop to 0), so the search is consistent.
+- Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
+  the lowest-index argmax of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton._triton import tl, triton
+from rlk_triton.logprobs import tree_sum
+
+#: Vocabulary block of a pass; sets the order of the top-p mass sums (a constant of the op).
+BLOCK = 512
+#: Key bits resolved per radix pass (2**RADIX_BITS candidate thresholds counted per pass).
+RADIX_BITS = 4
+
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+
+
+@triton.jit
+def philox_uniform(v, seed, offset):
+    """Uniforms in (0, 1) (fp32, exact) for vocabulary indices ``v`` (int32 tensor) of one row."""
+    zero = tl.zeros(v.shape, tl.uint32)
+    c0 = v.to(tl.uint32)
+    c1 = zero + offset.to(tl.uint32)
+    c2 = zero + (offset >> 32).to(tl.uint32)
+    c3 = zero
+    k0 = zero + seed.to(tl.uint32)
+    k1 = zero + (seed >> 32).to(tl.uint32)
+    m0 = tl.full(v.shape, PHILOX_M0, tl.uint32)
+    m1 = tl.full(v.shape, PHILOX_M1, tl.uint32)
+    w0 = tl.full(v.shape, PHILOX_W0, tl.uint32)
+    w1 = tl.full(v.shape, PHILOX_W1, tl.uint32)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(m0, c0)
+        lo0 = m0 * c0
+        hi1 = tl.umulhi(m1, c2)
+        lo1 = m1 * c2
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + w0
+        k1 = k1 + w1
+    # 2 * (x0 >> 9) + 1 < 2**24: exact in fp32, and the scaling by 2**-24 is exact too.
+    return ((c0 >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def _key(z):
+    """Order-preserving uint32 key of fp32 ``z`` (-0.0 is taken as +0.0)."""
+    bits = tl.where(z == 0.0, 0.0, z).to(tl.uint32, bitcast=True)
+    neg = (bits >> 31) == 1
+    return tl.where(neg, ~bits, bits | 0x80000000)
+
+
+@triton.jit
+def _load_z(row_ptr, offs, V, temperature):
+    ok = offs < V
+    x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    z = tl.math.div_rn(x, temperature)
+    return z, _key(z), ok
+
+
+@triton.jit
+def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
+    """Extend ``prefix`` by the largest digit whose candidate satisfies ``score >= need``."""
+    digits = tl.arange(0, NCAND)
+    best = tl.max(tl.where(score >= need, digits, 0), axis=0)
+    return prefix | (best.to(tl.uint32) << shift)
+
+
+@triton.jit
+def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Key of the k-th largest z of the row (0 keeps everything when k >= V)."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    cols = tl.arange(0, BLOCK)
+    digits = tl.arange(0, NCAND).to(tl.uint32)
+    prefix = tl.zeros([], tl.uint32)
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        cand = prefix | (digits << shift)
+        count = tl.zeros([NCAND], tl.int32)
+        for b0 in range(0, V, BLOCK):
+            _, key, ok = _load_z(row_ptr, b0 + cols, V, temperature)
+            hit = (key[None, :] >= cand[:, None]) & ok[None, :]
+            count += tl.sum(hit.to(tl.int32), axis=1)
+        prefix = _pick_digit(count, k, prefix, shift, NCAND)
+    return prefix
+
+
+@triton.jit
+def _topp_key(
+    row_ptr,
+    V,
+    temperature,
+    p,
+    kept,
+    z_max,
+    BLOCK: tl.constexpr,
+    LOG2_BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
+    """Largest key K with mass(key >= K) >= p * mass(all kept), among tokens with key >= kept."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    cols = tl.arange(0, BLOCK)
+    digits = tl.arange(0, NCAND).to(tl.uint32)
+    prefix = tl.zeros([], tl.uint32)
+    need = tl.zeros([], tl.float32)
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        cand = prefix | (digits << shift)
+        mass = tl.zeros([NCAND], tl.float32)
+        for b0 in range(0, V, BLOCK):
+            z, key, ok = _load_z(row_ptr, b0 + cols, V, temperature)
+            e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
+            mass += tree_sum(tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK)
+        if level == 0:
+            # candidate 0 is key 0: everything kept by top-k, the mass top_p is a fraction of
+            need = p * tl.sum(tl.where(digits == 0, mass, 0.0), axis=0)
+        prefix = _pick_digit(mass, need, prefix, shift, NCAND)
+    return prefix
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    seeds_ptr,
+    offsets_ptr,
+    temp_ptr,
+    topk_ptr,
+    topp_ptr,
+    out_ptr,
+    V,
+    stride,
+    BLOCK: tl.constexpr,
+    LOG2_BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_ptr = logits_ptr + pid.to(tl.int64) * stride
+    temperature = tl.load(temp_ptr + pid)
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.zeros([], tl.int32)
+    if temperature == 0.0:
+        for b0 in range(0, V, BLOCK):
+            offs = b0 + cols
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            bv = tl.max(x, axis=0)
+            bi = tl.min(tl.where(x == bv, offs, V), axis=0)
+            take = bv > best
+            best_i = tl.where(take, bi, best_i)
+            best = tl.where(take, bv, best)
+    else:
+        k = tl.load(topk_ptr + pid)
+        p = tl.load(topp_ptr + pid)
+        seed = tl.load(seeds_ptr + pid)
+        offset = tl.load(offsets_ptr + pid)
+        kept = tl.zeros([], tl.uint32)
+        if (k > 0) & (k < V):
+            kept = _topk_key(row_ptr, V, temperature, k, BLOCK, RADIX_BITS)
+        if p < 1.0:
+            z_max = tl.full([], float("-inf"), tl.float32)
+            for b0 in range(0, V, BLOCK):
+                z, _, ok = _load_z(row_ptr, b0 + cols, V, temperature)
+                z_max = tl.maximum(z_max, tl.max(tl.where(ok, z, float("-inf")), axis=0))
+            kept = tl.maximum(
+                kept,
+                _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS),
+            )
+        for b0 in range(0, V, BLOCK):
+            offs = b0 + cols
+            z, key, ok = _load_z(row_ptr, offs, V, temperature)
+            g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
+            score = tl.where(ok & (key >= kept), z + g, float("-inf"))
+            bv = tl.max(score, axis=0)
+            bi = tl.min(tl.where(score == bv, offs, V), axis=0)
+            take = bv > best
+            best_i = tl.where(take, bi, best_i)
+            best = tl.where(take, bv, best)
+    tl.store(out_ptr + pid, best_i.to(tl.int64))
+
+
+@triton.jit
+def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = philox_uniform(offs, tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid))
+    tl.store(out_ptr + pid.to(tl.int64) * V + offs, u, mask=offs < V)
+
+
+TUNING = {
+    "sample.fwd": tuning.Rule(configs=({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 2})),
+}
+
+
+def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The kernel's Philox uniforms, float32 ``[B, vocab]`` (for checking the RNG bit for bit
+    against :func:`rlk_reference.philox.philox_uniform`)."""
+    b = seeds.shape[0]
+    out = torch.empty(b, vocab, dtype=torch.float32, device=seeds.device)
+    if b and vocab:
+        _uniform_kernel[(b, triton.cdiv(vocab, 1024))](
+            seeds.contiguous(), offsets.contiguous(), out, vocab, BLOCK=1024
+        )
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    table: tuning.TuningTable,
+) -> torch.Tensor:
+    """Seeded per-row sampling (semantics: :func:`rlk.sample`).
+
+    Shapes: ``logits [B, V]`` (bf16/fp16/fp32); int64 ``seeds``, ``offsets``, ``top_k`` ``[B]``;
+    float32 ``temperature`` (0 = greedy), ``top_p`` ``[B]`` -> int64 ``[B]``.
+
+    Example::
+
+        tok = sample(logits, seeds, offsets, temperature=t, top_k=k, top_p=p, table=table)
+    """
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    B, V = logits.shape
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        cfg = tuning.config(table, "sample.fwd", B=B, V=V)
+        _sample_kernel[(B,)](
+            logits,
+            seeds.contiguous(),
+            offsets.contiguous(),
+            temperature.to(torch.float32).contiguous(),
+            top_k.to(torch.int64).contiguous(),
+            top_p.to(torch.float32).contiguous(),
+            out,
+            V,
+            logits.stride(0),
+            BLOCK=BLOCK,
+            LOG2_BLOCK=BLOCK.bit_length() - 1,
+            RADIX_BITS=RADIX_BITS,
+            **cfg,
+        )
+    return out

@@ -1,0 +1,166 @@
+"""logprobs kernels: accuracy and gradients vs float64, batch/tuning invariance, determinism.
+
+V = 300 is above one default chunk (256) and not a multiple of it; the tests that patch CHUNK
+to 64 run the same kernel over five chunks (the last one partial) and, with the NSUB=4 config,
+over chunks past the end of the row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlk_reference as ref
+from rlk_triton import backend, tuning
+from rlk_triton import logprobs as lpmod
+
+TABLE = backend.default_table()
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _inputs(t, v, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(t, v, generator=g) * 4).to(dtype).to(device)
+    targets = torch.randint(0, v, (t,), generator=g).to(device)
+    return logits, targets
+
+
+def _run(logits, targets, temp=1.0, entropy=True, g_lp=None, g_ent=None):
+    x = logits.clone().requires_grad_()
+    out = lpmod.logprobs(x, targets, temp, entropy, table=TABLE)
+    lp, ent = out if entropy else (out, None)
+    if g_lp is not None:
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy else 0)
+        loss.backward()
+    return lp.detach(), None if ent is None else ent.detach(), x.grad
+
+
+@pytest.fixture(params=[256, 64], ids=["chunk256", "chunk64"])
+def chunk(request, monkeypatch):
+    monkeypatch.setattr(lpmod, "CHUNK", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_accuracy_vs_float64(dtype, temp, chunk):
+    logits, targets = _inputs(5, 300, dtype)
+    logits[1, 3] = float("-inf")  # masked vocabulary entries must not poison the row
+    lp, ent, _ = _run(logits, targets, temp)
+    rlp, _ = ref.logprobs(logits, targets, temp, True)
+    # -p log p with its limit 0 where p = 0 (the reference's lse - sum(p z) is NaN at -inf)
+    log_p = torch.log_softmax(logits.double() / temp, -1)
+    rent = -(log_p.exp() * torch.where(torch.isinf(log_p), 0.0, log_p)).sum(-1).float()
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, rlp, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(ent, rent, atol=2e-6, rtol=2e-6)
+    lp2 = lpmod.logprobs(logits, targets, temp, False, table=TABLE)
+    assert torch.equal(lp2, lp)  # entropy on or off: the same log-probabilities
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_vs_float64_autograd(dtype, chunk):
+    temp = 0.8
+    logits, targets = _inputs(4, 300, dtype, seed=1)
+    logits[2, 5] = float("-inf")
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    _, _, grad = _run(logits, targets, temp, True, g_lp, g_ent)
+    assert grad.dtype == dtype
+
+    z = logits.double().requires_grad_()
+    s = z / temp
+    log_p = torch.log_softmax(s, -1)
+    rlp = log_p.gather(1, targets[:, None])[:, 0]
+    rent = -(log_p.exp() * torch.where(torch.isinf(log_p), 0.0, log_p)).sum(-1)
+    ((rlp * g_lp.double()).sum() + (rent * g_ent.double()).sum()).backward()
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 rounding of the gradient
+    torch.testing.assert_close(grad.double(), z.grad, atol=tol, rtol=tol)
+
+
+def test_gradient_of_logprobs_only_and_entropy_only():
+    logits, targets = _inputs(3, 300, torch.float32, seed=3)
+    g = torch.ones(3)
+    _, _, grad = _run(logits, targets, 1.0, False, g_lp=g)
+    p = torch.softmax(logits.double(), -1)
+    expect = torch.nn.functional.one_hot(targets, 300).double() - p
+    torch.testing.assert_close(grad.double(), expect, atol=1e-6, rtol=1e-6)
+    x = logits.clone().requires_grad_()
+    _, ent = lpmod.logprobs(x, targets, 1.0, True, table=TABLE)
+    ent.sum().backward()  # the log-prob output gets no gradient at all
+    log_p = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(
+        x.grad.double(), -p * (log_p + (-(p * log_p).sum(-1, keepdim=True))), atol=1e-6, rtol=1e-6
+    )
+
+
+def test_batch_invariance(chunk):
+    logits, targets = _inputs(8, 300, torch.bfloat16, seed=4)
+    g = torch.randn(8)
+    lp, ent, grad = _run(logits, targets, 0.9, True, g, g)
+    for rows in ([5], [6, 0, 3], [7, 1, 2, 4, 5]):
+        idx = torch.tensor(rows)
+        lps, ents, grads = _run(logits[idx], targets[idx], 0.9, True, g[idx], g[idx])
+        assert torch.equal(lps, lp[idx])
+        assert torch.equal(ents, ent[idx])
+        assert torch.equal(grads, grad[idx])
+
+
+def test_strided_rows_give_the_same_bits():
+    logits, targets = _inputs(4, 300, torch.float32, seed=5)
+    wide = torch.zeros(4, 320)
+    wide[:, :300] = logits
+    a = lpmod.logprobs(logits, targets, 1.0, True, table=TABLE)
+    b = lpmod.logprobs(wide[:, :300], targets, 1.0, True, table=TABLE)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_determinism():
+    logits, targets = _inputs(6, 300, torch.float16, seed=6)
+    g = torch.randn(6)
+    first = _run(logits, targets, 1.3, True, g, g)
+    second = _run(logits, targets, 1.3, True, g, g)
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+
+
+def test_every_tuning_config_gives_identical_bits(monkeypatch):
+    monkeypatch.setattr(lpmod, "CHUNK", 64)  # 5 chunks, so NSUB=4 folds 3 past the end
+    configs = tuning.op_configs(TABLE, "logprobs")
+    assert len(configs) >= 2 and {"logprobs.fwd", "logprobs.bwd"} <= set(configs[0])
+    logits, targets = _inputs(7, 300, torch.bfloat16, seed=7)
+    g = torch.randn(7)
+    results = []
+    for cfg in configs:
+        with tuning.force("logprobs", cfg):
+            results.append(_run(logits, targets, 0.7, True, g, g))
+    for other in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(results[0], other))
+
+
+def test_empty_rows():
+    lp = lpmod.logprobs(
+        torch.empty(0, 300), torch.empty(0, dtype=torch.int64), 1.0, False, table=TABLE
+    )
+    assert lp.shape == (0,) and lp.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", [32000, 151936])
+def test_gpu_accuracy_and_tuning_invariance(dtype, v):
+    logits, targets = _inputs(64, v, dtype, device="cuda")
+    g = torch.randn(64, device="cuda")
+    rlp, rent = ref.logprobs(logits, targets, 0.9, True)
+    results = []
+    for cfg in tuning.op_configs(TABLE, "logprobs"):
+        with tuning.force("logprobs", cfg):
+            results.append(_run(logits, targets, 0.9, True, g, g))
+    lp, ent, _ = results[0]
+    torch.testing.assert_close(lp, rlp.to(lp.device), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ent, rent.to(ent.device), atol=2e-5, rtol=2e-5)
+    for other in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(results[0], other))
+    idx = torch.tensor([63, 0, 17], device="cuda")
+    sub = _run(logits[idx], targets[idx], 0.9, True, g[idx], g[idx])
+    assert all(torch.equal(x, y[idx]) for x, y in zip(sub, results[0]))
