@@ -49,6 +49,14 @@ def test_accuracy(dtype, I):
         torch.testing.assert_close(dx.double(), rdx, atol=2 * tol, rtol=2 * tol)
 
 
+def test_matches_rlk_reference():
+    ref = pytest.importorskip("rlk_reference")
+    for dtype in DTYPES:
+        x, _ = _inputs(5, 80, dtype, seed=2)
+        y = activation.silu_and_mul(x, table=TABLE)
+        torch.testing.assert_close(y, ref.silu_and_mul(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_batch_and_tuning_invariance():
     x, dy = _inputs(9, 80, torch.bfloat16, seed=3)
     y, dx = _run(x, dy)

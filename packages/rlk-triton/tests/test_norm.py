@@ -80,6 +80,17 @@ def test_accuracy(dtype, H, residual):
             assert torch.equal(outs[1], args[0] + args[2])  # s is x + residual rounded once
 
 
+def test_matches_rlk_reference():
+    ref = pytest.importorskip("rlk_reference")
+    for dtype in DTYPES:
+        x, w, r, _, _ = _inputs(5, 80, dtype, True, seed=2)
+        y, s = norm.rms_norm(x, w, EPS, r, table=TABLE)
+        ry, rs = ref.rms_norm(x, w, EPS, r)
+        assert torch.equal(s, rs)  # s is rounded once, like the reference
+        tol = TOL[dtype][0]
+        torch.testing.assert_close(y.double(), ry.double(), atol=tol, rtol=tol)
+
+
 def test_fused_equals_unfused_bitwise():
     for dtype in DTYPES:
         for H in (64, 80):

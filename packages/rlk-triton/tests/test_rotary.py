@@ -71,6 +71,15 @@ def test_matches_torch_formula_fp32():
     torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-6)
 
 
+def test_matches_rlk_reference():
+    ref = pytest.importorskip("rlk_reference")
+    for dtype in DTYPES:
+        x, cos, sin, _ = _inputs(5, 3, 80, dtype, torch.float32, seed=2)
+        y = rotary.apply_rotary(x, cos, sin, table=TABLE)
+        want = ref.apply_rotary(x, cos, sin)
+        torch.testing.assert_close(y, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_batch_and_tuning_invariance():
     args = _inputs(9, 6, 80, torch.bfloat16, torch.float32, seed=3)
     out = _run(*args, cs_grad=True)
