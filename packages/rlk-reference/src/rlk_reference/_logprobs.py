@@ -22,7 +22,11 @@ def _logprobs(
     lp = z.gather(-1, targets.long()[:, None])[:, 0] - lse
     if not return_entropy:
         return lp.to(out_dtype)
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    # -sum p log p, with p log p = 0 where p = 0 (a -inf logit), not 0 * -inf = NaN
+    log_p = z - lse[:, None]
+    p = log_p.exp()
+    safe_log_p = torch.where(p > 0, log_p, torch.zeros_like(log_p))  # keeps the gradient finite
+    entropy = -(p * safe_log_p).sum(-1)
     return lp.to(out_dtype), entropy.to(out_dtype)
 
 
@@ -36,7 +40,7 @@ def logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, V]``, int64 ``targets [T]`` -> float32 ``[T]`` log-probabilities
     ``z[target] - logsumexp(z)`` with ``z = logits / temperature``; with ``return_entropy`` also
-    the entropy ``logsumexp(z) - sum(softmax(z) * z)``."""
+    the entropy ``-sum(p * log p)`` of ``p = softmax(z)`` (terms with ``p = 0`` count 0)."""
     return _logprobs(logits, targets, temperature, return_entropy, result_dtype(logits))
 
 
