@@ -1,0 +1,19 @@
+"""Engines running on rlk ops.
+
+- :mod:`rlk.integrations.transformers`: patch a transformers Llama/Qwen2/Qwen3 model so every op
+  of its decoder runs through rlk (``patch_model`` / ``unpatch_model``).
+- :mod:`rlk.integrations.rollout`: batched generation with ``rlk.sample`` and the rollout's
+  log-probabilities.
+- :mod:`rlk.integrations.training`: recompute the same log-probabilities in packed micro-batches
+  with ``rlk.linear_logprobs``, and a GRPO step.
+- :mod:`rlk.integrations.models`: built-in random-init configs (``tiny``, ``qwen2-0.5b``, ...).
+
+Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``.
+"""
+
+import contextlib
+
+# Triton picks interpreted or compiled execution when triton.language is first imported, and
+# transformers imports triton: let rlk_triton choose first (the interpreter on CPU machines).
+with contextlib.suppress(ImportError):
+    import rlk_triton._triton  # noqa: F401

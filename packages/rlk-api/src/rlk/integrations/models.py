@@ -1,0 +1,129 @@
+"""Built-in random-init model configs, and loading a local transformers checkpoint.
+
+``tiny`` (and ``tiny-llama``, ``tiny-qwen3``) are small enough for the Triton interpreter on a
+CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes of the real models
+(random weights, nothing downloaded) for GPU runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+_TINY = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("qwen2", dict(_TINY, tie_word_embeddings=True)),
+    "tiny-llama": ("llama", dict(_TINY, tie_word_embeddings=False)),
+    "tiny-qwen3": ("qwen3", dict(_TINY, tie_word_embeddings=True)),
+    "qwen2-0.5b": (
+        "qwen2",
+        dict(
+            num_hidden_layers=24,
+            hidden_size=896,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            num_hidden_layers=28,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=3072,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama3-8b-4layers": (
+        "llama",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def make_config(name: str) -> Any:
+    """The transformers config of a built-in name."""
+    from transformers import AutoConfig
+
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}: built-ins are {', '.join(CONFIGS)}")
+    model_type, kw = CONFIGS[name]
+    kw = dict(kw)
+    rope = dict(rope_type="default", rope_theta=kw.pop("rope_theta"))
+    rope.update(kw.pop("rope_scaling", {}))
+    cfg = AutoConfig.for_model(model_type, **kw)
+    cfg.rope_parameters = rope
+    return cfg
+
+
+def load_model(
+    name_or_dir: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """A built-in config with seeded random weights, or a local checkpoint directory
+    (``config.json`` + safetensors; never downloads)."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(name_or_dir):
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_dir,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
+        ).to(device)
+    else:
+        cfg = make_config(name_or_dir)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                cfg, dtype=dtype, attn_implementation=attn_implementation
+            )
+    return model.eval()

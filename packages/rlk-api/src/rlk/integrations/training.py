@@ -1,0 +1,150 @@
+"""Training side: recompute the rollout's log-probabilities in packed micro-batches.
+
+A micro-batch packs whole sequences (prompt + response) into one ``[1, T]`` row whose
+``position_ids`` restart at 0 for each sequence (no padding). With a model patched by
+:func:`rlk.integrations.transformers.patch_model`, the decoder runs on rlk ops and the
+log-probabilities come from :func:`rlk.linear_logprobs` on the final hidden states and the
+``lm_head`` weight, so they equal the rollout's bit for bit whatever the micro-batch composition.
+The stock path (``use_rlk=False``) takes ``model(...).logits`` and an fp32 ``log_softmax``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import rlk
+from rlk.integrations.rollout import Sample
+
+
+def micro_batches(n: int, size: int, order: list[int] | None = None) -> list[list[int]]:
+    """Split sample indices (in ``order``, default ``0..n-1``) into groups of ``size``."""
+    order = list(range(n)) if order is None else list(order)
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _pack(samples: list[Sample], device: torch.device):
+    ids, pos, rows, targets = [], [], [], []
+    offset = 0
+    for s in samples:
+        toks = s.tokens
+        ids += toks
+        pos += list(range(len(toks)))
+        p = len(s.prompt)
+        # The hidden state at position j predicts the token at j + 1.
+        rows += range(offset + p - 1, offset + len(toks) - 1)
+        targets += s.response
+        offset += len(toks)
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return as_long(ids)[None], as_long(pos)[None], as_long(rows), as_long(targets)
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    samples: list[Sample],
+    *,
+    temperature: float = 1.0,
+    use_rlk: bool = True,
+    logits_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """Log-probabilities of each sample's response tokens from one packed forward.
+
+    Returns one float32 tensor ``[len(response)]`` per sample (differentiable when grad is on).
+    ``logits_dtype``: the dtype the rollout's logits had (default: the model's dtype).
+    """
+    device = next(model.parameters()).device
+    ids, pos, rows, targets = _pack(samples, device)
+    temperature = temperature if temperature > 0 else 1.0
+    if use_rlk:
+        from rlk.integrations.transformers import decoder
+
+        hidden = decoder(model)(input_ids=ids, position_ids=pos).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        lp = rlk.linear_logprobs(
+            hidden.index_select(0, rows),
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=temperature,
+            logits_dtype=logits_dtype,
+        )
+    else:
+        logits = model(input_ids=ids, position_ids=pos).logits[0]
+        logp = torch.log_softmax(logits.index_select(0, rows).float() / temperature, dim=-1)
+        lp = logp.gather(1, targets[:, None]).reshape(-1)
+    return list(lp.split([len(s.response) for s in samples]))
+
+
+def recompute_logprobs(
+    model: torch.nn.Module,
+    samples: list[Sample],
+    micro_batch_size: int,
+    *,
+    order: list[int] | None = None,
+    temperature: float = 1.0,
+    use_rlk: bool = True,
+    logits_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:
+    """:func:`packed_logprobs` over micro-batches of ``micro_batch_size`` samples taken in
+    ``order``; returns the per-sample tensors in the samples' original order."""
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for group in micro_batches(len(samples), micro_batch_size, order):
+        lps = packed_logprobs(
+            model,
+            [samples[i] for i in group],
+            temperature=temperature,
+            use_rlk=use_rlk,
+            logits_dtype=logits_dtype,
+        )
+        for i, lp in zip(group, lps):
+            out[i] = lp
+    return out  # type: ignore[return-value]
+
+
+def pad_rows(
+    rows: list[torch.Tensor], width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D tensors into ``[B, L]`` (zero padded) and a bool mask of the real entries."""
+    width = max((r.numel() for r in rows), default=0) if width is None else width
+    out = torch.stack([torch.nn.functional.pad(r.float(), (0, width - r.numel())) for r in rows])
+    idx = torch.arange(width, device=out.device)
+    mask = torch.stack([idx < r.numel() for r in rows])
+    return out, mask
+
+
+def grpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    rewards: torch.Tensor,
+    group_size: int,
+    micro_batch_size: int,
+    *,
+    order: list[int] | None = None,
+    temperature: float = 1.0,
+    logits_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """One GRPO update on rlk: recompute log-probs in packed micro-batches (with grad),
+    ``grpo_advantages`` per group, ``policy_loss`` against the rollout's log-probs, backward,
+    optimizer step. Gradients of the micro-batches are accumulated (each scaled by its share of
+    the tokens, so the sum is the token mean over the whole batch).
+
+    Returns ``loss``, ``max_abs_dlogp`` (rollout vs the recompute, 0 with rlk) and metrics.
+    """
+    device = next(model.parameters()).device
+    adv_all = rlk.grpo_advantages(rewards.to(device=device, dtype=torch.float32), group_size)
+    total_tokens = sum(len(s.response) for s in samples)
+    optimizer.zero_grad(set_to_none=True)
+    max_d, loss_sum = 0.0, 0.0
+    width = max(len(s.response) for s in samples)
+    for group in micro_batches(len(samples), micro_batch_size, order):
+        batch = [samples[i] for i in group]
+        new = packed_logprobs(model, batch, temperature=temperature, logits_dtype=logits_dtype)
+        new_p, mask = pad_rows(new, width)
+        old_p, _ = pad_rows([s.logprobs.to(device) for s in batch], width)
+        max_d = max(max_d, float(((new_p.detach() - old_p).abs() * mask).max()))
+        loss, _ = rlk.policy_loss(new_p, old_p, adv_all[group], mask, agg="token-mean")
+        share = int(mask.sum()) / max(total_tokens, 1)
+        (loss * share).backward()
+        loss_sum += float(loss) * share
+    optimizer.step()
+    return {"loss": loss_sum, "max_abs_dlogp": max_d}

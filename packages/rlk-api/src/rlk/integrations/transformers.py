@@ -1,0 +1,387 @@
+"""Run a transformers Llama / Qwen2 / Qwen3 causal LM on rlk ops.
+
+:func:`patch_model` rebinds ``forward`` on the model's own module instances (no new classes, no
+weight copies, the state dict is unchanged) so that:
+
+- every ``nn.Linear`` of the decoder and ``lm_head`` calls :func:`rlk.linear`;
+- every RMSNorm (input, post-attention, final, Qwen3's per-head q/k norm) calls
+  :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it;
+- the MLP is ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
+- rotary embeddings: cos/sin come from a table built in fixed chunks of positions (so a
+  position's values never depend on how many positions were asked for), and are applied by
+  :func:`rlk.apply_rotary`;
+- attention is the function registered as ``"rlk"`` in transformers' ``AttentionInterface``
+  (``model.config._attn_implementation = "rlk"``). It turns transformers' padded
+  ``[B, H, S, D]`` tensors into :func:`rlk.attention`'s packed varlen form, dropping pad tokens,
+  for: padded batches (a 2-D ``attention_mask``, left or right padding), packed sequences
+  (``position_ids`` that restart, or ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs) and the
+  dynamic / static KV caches (the cache's update returns all the keys; the new queries are a
+  sequence's last tokens, rlk.attention's bottom-right convention).
+
+The residual add at the end of a decoder layer stays a plain elementwise ``torch`` add (it is
+batch-invariant by nature). Embedding lookups stay ``nn.Embedding`` (a gather).
+
+:func:`unpatch_model` restores the original forwards and attention implementation.
+
+Example::
+
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    patch_model(model)
+    h = model.model(input_ids, position_ids=pos).last_hidden_state   # [1, T, H], packed
+    lp = rlk.linear_logprobs(h[0, :-1], model.lm_head.weight, input_ids[0, 1:])
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+import rlk
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+ATTN_NAME = "rlk"
+# Positions per chunk of the rotary table: a chunk is always computed with this shape, so the
+# cos/sin of a position are the same bits whatever the longest sequence seen so far.
+ROTARY_CHUNK = 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Attention through transformers' AttentionInterface
+# --------------------------------------------------------------------------------------------
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu
+
+
+def _packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens [N + 1] of packed sequences in one row (positions restart), else None."""
+    pos = position_ids.reshape(-1)
+    if pos.numel() == 0:
+        return None
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    if int(starts.sum()) <= 1:
+        return None
+    idx = torch.nonzero(starts).reshape(-1)
+    cu = torch.empty(idx.numel() + 1, dtype=torch.int32, device=pos.device)
+    cu[:-1] = idx
+    cu[-1] = pos.numel()
+    return cu
+
+
+def rlk_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function backed by :func:`rlk.attention`.
+
+    Shapes: ``query [B, Hq, S, D]``, ``key``/``value [B, Hk, Skv, D]`` (transformers' layout,
+    after the cache update); ``attention_mask``: None or the 2-D ``[B, L]`` padding mask
+    (``L <= Skv``, True/1 = real token; a static cache holds its first ``L`` slots) that the
+    ``"rlk"`` mask function passes through. Returns ``([B, S, Hq, D], None)``; the rows of pad
+    queries are zero.
+
+    Which tokens are real: with a mask, the ones it marks (the queries are the last ``S``
+    columns of the mask); without one, all of them, except that ``B == 1`` rows whose
+    ``position_ids`` restart (or that come with ``cu_seq_lens_q``/``cu_seq_lens_k``) are split
+    into packed sequences; a static cache without a mask is cut at the last position + 1.
+    """
+    if dropout:
+        raise NotImplementedError("rlk attention has no dropout (attention_dropout must be 0)")
+    b, hq, s, d = query.shape
+    skv = key.shape[2]
+    if sliding_window is not None and skv > sliding_window:
+        raise NotImplementedError(
+            f"rlk attention has no sliding window (window {sliding_window} < {skv} keys)"
+        )
+    q = query.transpose(1, 2)  # [B, S, Hq, D]
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    position_ids = kwargs.get("position_ids")
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "rlk attention takes a 2-D padding mask; got a "
+            f"{attention_mask.dim()}-D mask (set the model's attention to 'rlk' before masks "
+            "are built, e.g. with rlk.integrations.transformers.patch_model)"
+        )
+    if (
+        attention_mask is None
+        and b == 1
+        and s == skv
+        and (cu_q is not None or position_ids is not None)
+    ):
+        if cu_q is None:
+            cu_q = _packed_cu_seqlens(position_ids)
+            cu_k = cu_q
+        if cu_q is not None:  # packed sequences in one row
+            out = rlk.attention(
+                q[0].contiguous(),
+                k[0].contiguous(),
+                v[0].contiguous(),
+                cu_q.to(torch.int32),
+                (cu_k if cu_k is not None else cu_q).to(torch.int32),
+                causal=True,
+                scale=scaling,
+            )
+            return out.unsqueeze(0), None
+    if attention_mask is None:
+        if position_ids is not None and s < skv and b >= 1:
+            # A static cache hands over all its slots: the real keys end at the last position.
+            nk = position_ids.reshape(b if position_ids.shape[0] == b else 1, -1)[:, -1] + 1
+            nk = nk.expand(b).to(torch.int64)
+        else:
+            nk = torch.full((b,), skv, dtype=torch.int64, device=query.device)
+        kmask = torch.arange(skv, device=query.device)[None, :] < nk[:, None]
+        qmask = torch.ones(b, s, dtype=torch.bool, device=query.device)
+    else:
+        m = attention_mask.to(device=query.device, dtype=torch.bool)
+        length = m.shape[1]
+        if length > skv or length < s:
+            raise ValueError(f"attention_mask covers {length} tokens but there are {skv} keys")
+        kmask = torch.zeros(b, skv, dtype=torch.bool, device=query.device)
+        kmask[:, :length] = m
+        qmask = m[:, length - s :]
+    out_flat = rlk.attention(
+        q[qmask],
+        k[kmask],
+        v[kmask],
+        _cu(qmask.sum(1)),
+        _cu(kmask.sum(1)),
+        causal=True,
+        scale=scaling,
+    )
+    out = query.new_zeros(b, s, hq, d)
+    out[qmask] = out_flat
+    return out, None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(ATTN_NAME, rlk_attention_forward)
+    # Like flash attention, rlk attention is unpadded: it wants the 2-D padding mask or None.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, flash_attention_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Module forwards (bound to the model's own instances)
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return rlk.linear(x.contiguous(), self.weight, self.bias)
+
+
+def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return rlk.rms_norm(x.contiguous(), self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # cat(gate(x), up(x)) == linear(x, cat(Wg, Wu)) bit for bit: each output column is its own
+    # K-reduction, so concatenating activations is the same math as a fused gate_up weight.
+    gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+    return self.down_proj(rlk.silu_and_mul(gate_up))
+
+
+class _RotaryTable:
+    """fp32 cos/sin rows by position, built with the model's own rotary module in fixed chunks."""
+
+    def __init__(self, rotary: nn.Module, original_forward: Any) -> None:
+        self.rotary = rotary
+        self.forward = original_forward
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def gather(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        have = 0 if self.cos is None else self.cos.shape[0]
+        device = position_ids.device
+        if self.cos is not None and self.cos.device != device:
+            self.cos, self.sin, have = None, None, 0
+        while have < need:
+            pos = torch.arange(have, have + ROTARY_CHUNK, device=device)[None, :]
+            dummy = torch.empty(1, dtype=torch.float32, device=device)
+            cos, sin = self.forward(dummy, pos)
+            cos, sin = cos[0].float(), sin[0].float()
+            self.cos = cos if self.cos is None else torch.cat([self.cos, cos])
+            self.sin = sin if self.sin is None else torch.cat([self.sin, sin])
+            have += ROTARY_CHUNK
+        return self.cos[position_ids], self.sin[position_ids]
+
+
+def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    """Returns fp32 ``(cos, sin)`` ``[B, S, D]`` for ``position_ids [B, S]``."""
+    return self._rlk_table.gather(position_ids)
+
+
+def _attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    b, s, _ = hidden_states.shape
+    hidden_shape = (b, s, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+    cos, sin = position_embeddings
+    cos = cos.expand(b, s, -1).reshape(b * s, -1).contiguous()
+    sin = sin.expand(b, s, -1).reshape(b * s, -1).contiguous()
+    if cos.dtype != torch.float32:
+        raise RuntimeError("rotary tables are not rlk's: patch the whole model with patch_model")
+    q = rlk.apply_rotary(q.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
+    k = rlk.apply_rotary(k.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    out, _ = attn(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),
+        **kwargs,
+    )
+    out = out.reshape(b, s, -1).contiguous()
+    return self.o_proj(out), None
+
+
+def _decoder_layer_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The HF pre-norm decoder layer with the post-attention RMSNorm fused with its residual add."""
+    h = self.input_layernorm(hidden_states)
+    h, _ = self.self_attn(
+        hidden_states=h,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    norm = self.post_attention_layernorm
+    h, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=hidden_states)
+    return residual + self.mlp(h)
+
+
+# --------------------------------------------------------------------------------------------
+# patch / unpatch
+# --------------------------------------------------------------------------------------------
+
+
+def _check_supported(model: nn.Module) -> None:
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"rlk's transformers integration supports {SUPPORTED_MODEL_TYPES}, "
+            f"not model_type={cfg.model_type!r}"
+        )
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"rlk MLP needs hidden_act='silu', got {cfg.hidden_act!r}")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        raise NotImplementedError("pretraining_tp > 1 is not supported")
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope!r} depends on the sequence length")
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        raise NotImplementedError("sliding-window layers are not supported by rlk attention")
+
+
+def _bind(module: nn.Module, fn: Any, patched: list[nn.Module]) -> None:
+    module.forward = types.MethodType(fn, module)
+    patched.append(module)
+
+
+def patch_model(model: nn.Module) -> nn.Module:
+    """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (or
+    its base model) run every decoder op on rlk. In place; returns ``model``. Idempotent.
+
+    Works with ``model(...)``, ``model.generate(...)`` and transformers' dynamic and static KV
+    caches; inputs may be padded (``attention_mask``) or packed (``position_ids`` restarting at
+    0 in a ``[1, T]`` row). Undo with :func:`unpatch_model`.
+    """
+    if getattr(model, "_rlk_patched", None) is not None:
+        return model
+    _check_supported(model)
+    _register_attention()
+    patched: list[nn.Module] = []
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, nn.Linear):
+            _bind(module, _linear_forward, patched)
+        elif name.endswith("RMSNorm"):
+            _bind(module, _rms_norm_forward, patched)
+        elif name.endswith("MLP"):
+            _bind(module, _mlp_forward, patched)
+        elif name.endswith("RotaryEmbedding"):
+            module._rlk_table = _RotaryTable(module, module.forward)
+            _bind(module, _rotary_forward, patched)
+        elif name.endswith("Attention"):
+            _bind(module, _attention_forward, patched)
+        elif name.endswith("DecoderLayer"):
+            _bind(module, _decoder_layer_forward, patched)
+    model._rlk_patched = (patched, model.config._attn_implementation)
+    model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: the class forwards and the previous attention come back."""
+    state = getattr(model, "_rlk_patched", None)
+    if state is None:
+        return model
+    patched, attn_impl = state
+    for module in patched:
+        del module.forward
+        if hasattr(module, "_rlk_table"):
+            del module._rlk_table
+    model.config._attn_implementation = attn_impl
+    model._rlk_patched = None
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, "_rlk_patched", None) is not None
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The base model (``model.model``) of a ``*ForCausalLM``."""
+    return getattr(model, model.base_model_prefix, model)
