@@ -195,8 +195,11 @@ def test_triton_op_passes_every_claimed_check(op):
 
 
 @pytest.mark.gpu
-def test_full_conformance_of_the_selected_gpu_backend():
+@pytest.mark.parametrize("quick", [True, False], ids=["quick", "full"])
+def test_gpu_backend_conformance(quick):
+    """The vendor backend on real shapes (full) and on the CI shapes (quick), all ops."""
     _plugins.reset_registry()
-    r = testing.run_conformance(device="cuda", quick=False, progress=print)
+    backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    r = testing.run_conformance(backend=backend, device="cuda", quick=quick, progress=print)
     print(testing.format_table(r))
     assert r.ok, testing.format_table(r)
