@@ -182,8 +182,10 @@ def test_quick_shapes_are_small():
                     assert v.numel() <= 64 * 1024, (op, case.label)
 
 
-@pytest.mark.parametrize("op", ["linear"])
+@pytest.mark.parametrize("op", ["linear", "rms_norm", "kl_penalty", "grpo_advantages"])
 def test_triton_op_passes_every_claimed_check(op):
+    """Real kernels (under the interpreter) pass: the invariance checks can pass, not only fail.
+    (The whole triton backend: ``rlk conformance --backend triton``, about a minute here.)"""
     _plugins.reset_registry()
     impl = _plugins.registry().load("triton", complete=False)
     if op not in impl.ops:
@@ -203,3 +205,14 @@ def test_gpu_backend_conformance(quick):
     r = testing.run_conformance(backend=backend, device="cuda", quick=quick, progress=print)
     print(testing.format_table(r))
     assert r.ok, testing.format_table(r)
+
+
+def test_sample_accuracy_catches_wrong_draws():
+    oc = cases.build("sample", True, torch.device("cpu"))
+    ref = fake_backends.REF_OPS["sample"]
+    argmax = lambda logits, seeds, offsets, **kw: logits.argmax(-1)  # ignores the sampling
+    out = checks.accuracy(argmax, ref, oc.accuracy[:1], None)
+    assert out.status == "fail" and "rows agree with the reference" in out.detail
+    assert "greedy" not in out.detail  # greedy rows are right
+    argmin = lambda logits, seeds, offsets, **kw: logits.argmin(-1)
+    assert "greedy rows" in checks.accuracy(argmin, ref, oc.accuracy[:1], None).detail
