@@ -230,7 +230,7 @@ def run_conformance(
     device = torch.device(device if device is not None else _plugins._device_type(None))
     name = backend or _plugins.current_backend(device)
     impl = _plugins.registry().load(name, complete=False)
-    ops = list(OPS if ops is None else ops)
+    ops = list(OPS if ops is None else [ops] if isinstance(ops, str) else ops)
     unknown = [o for o in ops if o not in OPS]
     if unknown:
         raise ValueError(f"unknown ops {unknown}; the ops are {', '.join(OPS)}")
