@@ -1,4 +1,4 @@
-"""The ``rlk`` command: ``rlk info`` and ``rlk conformance``."""
+"""The ``rlk`` command: ``rlk info``, ``rlk conformance`` and ``rlk consistency``."""
 
 from __future__ import annotations
 
@@ -136,6 +136,34 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_consistency(args: argparse.Namespace) -> int:
+    import torch
+
+    from rlk import consistency
+
+    lo, _, hi = args.prompt_len.partition(":")
+    report = consistency.run(
+        args.model,
+        backend=args.backend,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        prompt_len=(int(lo), int(hi or lo)),
+        micro_batch=args.micro_batch,
+        seed=args.seed,
+        temperature=args.temperature,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
+    )
+    print(consistency.format_table(report))
+    if args.json:
+        consistency.write_json(report, args.json)
+    ok = consistency.ok(report)
+    if not ok:
+        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rlk", description="Deterministic, batch-invariant ops for RL."
@@ -152,6 +180,27 @@ def main(argv: list[str] | None = None) -> int:
     pc.add_argument("--full", action="store_true", help="real shapes (GPU) instead of quick ones")
     pc.add_argument("--quiet", action="store_true", help="no progress lines")
     pc.set_defaults(fn=_cmd_conformance)
+    pk = sub.add_parser(
+        "consistency", help="rollout vs training log-prob mismatch, stock transformers vs rlk"
+    )
+    pk.add_argument(
+        "--model",
+        default="tiny",
+        help="built-in config (tiny, tiny-llama, tiny-qwen3, qwen2-0.5b, qwen3-0.6b, "
+        "llama3-8b-4layers; random weights) or a local checkpoint directory (default: tiny)",
+    )
+    pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
+    pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
+    pk.add_argument("--new-tokens", type=int, default=16, help="tokens sampled per prompt (16)")
+    pk.add_argument("--prompt-len", default="4:12", help="prompt lengths MIN:MAX (default 4:12)")
+    pk.add_argument("--micro-batch", type=int, default=3, help="sequences per training micro-batch")
+    pk.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
+    pk.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    pk.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    pk.add_argument("--quiet", action="store_true", help="no progress lines")
+    pk.set_defaults(fn=_cmd_consistency)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

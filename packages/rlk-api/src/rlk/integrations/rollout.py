@@ -12,6 +12,7 @@ stock path: softmax + ``torch.multinomial`` and ``log_softmax`` in fp32.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -74,12 +75,14 @@ def generate(
     sampler: str = "rlk",
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> RolloutResult:
     """Sample ``max_new_tokens`` for each prompt in one left-padded batch.
 
     ``prompts``: token id lists (any lengths). ``seeds[i]`` keys request ``i``'s RNG (default
     ``i``); the token at position ``p`` of a sequence uses RNG offset ``p``. A response stops
-    after ``eos_token_id``. Returns a :class:`RolloutResult` whose samples hold the response
+    after ``eos_token_id``. ``progress`` gets a line every quarter of the steps.
+    Returns a :class:`RolloutResult` whose samples hold the response
     tokens and their float32 log-probabilities under ``softmax(logits / temperature)``.
     """
     if sampler not in ("rlk", "torch"):
@@ -117,6 +120,8 @@ def generate(
             lp = rlk.logprobs(logits, tok, temperature=temperature if temperature > 0 else 1.0)
         else:
             tok, lp = _sample_torch(logits, temperature, gen)
+        if progress is not None and (step + 1) % max(1, max_new_tokens // 4) == 0:
+            progress(f"  decode step {step + 1}/{max_new_tokens}")
         out_tokens.append(tok)
         out_lps.append(lp.float())
         ids = tok[:, None]

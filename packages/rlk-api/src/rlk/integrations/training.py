@@ -57,7 +57,8 @@ def packed_logprobs(
     if use_rlk:
         from rlk.integrations.transformers import decoder
 
-        hidden = decoder(model)(input_ids=ids, position_ids=pos).last_hidden_state[0]
+        hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden = hidden.last_hidden_state[0]
         head = model.get_output_embeddings()
         lp = rlk.linear_logprobs(
             hidden.index_select(0, rows),
@@ -68,7 +69,7 @@ def packed_logprobs(
             logits_dtype=logits_dtype,
         )
     else:
-        logits = model(input_ids=ids, position_ids=pos).logits[0]
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         logp = torch.log_softmax(logits.index_select(0, rows).float() / temperature, dim=-1)
         lp = logp.gather(1, targets[:, None]).reshape(-1)
     return list(lp.split([len(s.response) for s in samples]))

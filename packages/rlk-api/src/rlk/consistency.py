@@ -1,0 +1,241 @@
+"""``rlk consistency``: rollout vs training log-probability mismatch, stock transformers vs rlk.
+
+For each side the same model (same weights) samples responses to a batch of random prompts
+(left-padded batch, KV cache, one decode step per token) and records the log-probability of each
+sampled token; then a training pass recomputes those log-probabilities on packed micro-batches of
+another composition (another order and size) with gradients on, and runs backward.
+
+- stock: transformers as shipped (SDPA attention, torch ops), ``torch.multinomial`` sampling,
+  ``log_softmax`` of the logits on both sides;
+- rlk: the model patched by :func:`rlk.integrations.transformers.patch_model`, ``rlk.sample``
+  and ``rlk.logprobs`` in the rollout, ``rlk.linear_logprobs`` in training.
+
+The report has one row per side: tokens compared, max and mean ``|dlogp|``, the fraction of
+tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
+rollout and training (forward + backward) tokens per second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+SIDES = ("stock", "rlk")
+
+
+@dataclass
+class SideResult:
+    side: str
+    tokens: int
+    max_abs_dlogp: float
+    mean_abs_dlogp: float
+    frac_differ: float
+    k3_kl: float
+    rollout_tok_s: float
+    train_tok_s: float
+
+
+def compare(rollout_lps: list[torch.Tensor], train_lps: list[torch.Tensor]) -> dict[str, float]:
+    """Mismatch metrics over all tokens; k3 = mean(r - 1 - log r) with r = p_train / p_rollout."""
+    a = torch.cat([x.detach().double().cpu() for x in rollout_lps])
+    b = torch.cat([x.detach().double().cpu() for x in train_lps])
+    if a.numel() == 0:
+        return dict(tokens=0, max_abs_dlogp=0.0, mean_abs_dlogp=0.0, frac_differ=0.0, k3_kl=0.0)
+    log_r = b - a
+    return dict(
+        tokens=a.numel(),
+        max_abs_dlogp=float(log_r.abs().max()),
+        mean_abs_dlogp=float(log_r.abs().mean()),
+        frac_differ=float((log_r != 0).double().mean()),
+        k3_kl=float((log_r.exp() - 1 - log_r).mean()),
+    )
+
+
+def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in lens]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_side(
+    side: str,
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    micro_batch: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    progress: Callable[[str], None] | None = None,
+) -> SideResult:
+    """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
+    unpatched by the caller to match ``side``."""
+    from rlk.integrations import rollout, training
+
+    use_rlk = side == "rlk"
+    say = progress or (lambda msg: None)
+    device = next(model.parameters()).device
+    seeds = [seed * 100003 + i for i in range(len(prompts))]
+    say(f"[{side}] rollout: {len(prompts)} prompts x {new_tokens} new tokens")
+    ro = rollout.generate(
+        model,
+        prompts,
+        new_tokens,
+        seeds=seeds,
+        temperature=temperature,
+        sampler="rlk" if use_rlk else "torch",
+        progress=progress,
+    )
+    # Training sees the samples in another order and another batch composition.
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    groups = training.micro_batches(len(prompts), micro_batch, order)
+    say(f"[{side}] training: {len(groups)} packed micro-batches of <= {micro_batch} sequences")
+    model.zero_grad(set_to_none=True)
+    train_lps: list[torch.Tensor | None] = [None] * len(prompts)
+    train_tokens = 0
+    _sync(device)
+    start = time.perf_counter()
+    with torch.enable_grad():
+        for group in groups:
+            batch = [ro.samples[i] for i in group]
+            lps = training.packed_logprobs(
+                model,
+                batch,
+                temperature=temperature,
+                use_rlk=use_rlk,
+                logits_dtype=ro.logits_dtype,
+            )
+            loss = -torch.cat(lps).sum() / max(ro.new_tokens, 1)
+            loss.backward()
+            train_tokens += sum(len(s.tokens) for s in batch)
+            for i, lp in zip(group, lps):
+                train_lps[i] = lp.detach()
+    _sync(device)
+    train_s = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
+    return SideResult(
+        side=side,
+        rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
+        train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
+        **m,
+    )
+
+
+def run(
+    model_name: str = "tiny",
+    *,
+    backend: str | None = None,
+    prompts: int = 8,
+    new_tokens: int = 16,
+    prompt_len: tuple[int, int] = (4, 12),
+    micro_batch: int = 3,
+    seed: int = 0,
+    temperature: float = 1.0,
+    device: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: bool | None = None,
+    sides: tuple[str, ...] = SIDES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run both sides on one model; returns the report (``rows`` holds a dict per side)."""
+    import rlk
+    from rlk.integrations import models
+    from rlk.integrations.transformers import patch_model, unpatch_model
+
+    say = progress or (lambda msg: None)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    warmup = dev.type == "cuda" if warmup is None else warmup
+    say(f"loading {model_name} ({dtype}, {dev})")
+    model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
+    vocab = model.config.vocab_size
+    batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
+    rows = []
+    chosen = None
+    for side in sides:
+        ctx = rlk.use_backend(backend) if (side == "rlk" and backend) else contextlib.nullcontext()
+        with ctx:
+            if side == "rlk":
+                patch_model(model)
+                chosen = rlk.current_backend(dev.type)
+            else:
+                unpatch_model(model)
+            if warmup:
+                say(f"[{side}] warm-up")
+                run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7)
+            rows.append(
+                run_side(
+                    side,
+                    model,
+                    batch,
+                    new_tokens,
+                    micro_batch=micro_batch,
+                    seed=seed,
+                    temperature=temperature,
+                    progress=say,
+                )
+            )
+    unpatch_model(model)
+    return {
+        "model": model_name,
+        "model_type": model.config.model_type,
+        "backend": chosen,
+        "device": str(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "prompt_len": list(prompt_len),
+        "micro_batch": micro_batch,
+        "seed": seed,
+        "temperature": temperature,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def ok(report: dict[str, Any]) -> bool:
+    """True when the rlk row exists, compared tokens, and shows exactly zero mismatch."""
+    rows = [r for r in report["rows"] if r["side"] == "rlk"]
+    return bool(rows) and all(
+        r["tokens"] > 0 and r["max_abs_dlogp"] == 0.0 and r["frac_differ"] == 0.0 for r in rows
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (
+        f"model {report['model']} ({report['model_type']}, {report['dtype']}) on "
+        f"{report['device']}, rlk backend {report['backend']}; {report['prompts']} prompts x "
+        f"{report['new_tokens']} new tokens, training micro-batches of {report['micro_batch']}"
+    )
+    cols = (
+        f"{'side':<6} {'tokens':>7} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'differ':>7} "
+        f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
+    )
+    lines = [head, cols, "-" * len(cols)]
+    for r in report["rows"]:
+        lines.append(
+            f"{r['side']:<6} {r['tokens']:>7d} {_num(r['max_abs_dlogp']):>11} "
+            f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
+            f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3e}"
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
