@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlk
+import rlk_reference
 from rlk import _plugins
 from rlk_ascend import portable
 from rlk_ascend.backend import make_impl
@@ -158,3 +159,18 @@ def test_conformance_quick_on_cpu(ascend_on_cpu):
         assert status[(op, "tuning_invariance")] == "pass", op
     for op in ("attention", "paged_attention", "linear_logprobs", "rms_norm"):
         assert status[(op, "path_invariance")] == "pass", op
+
+
+def test_logprobs_with_masked_logits_are_finite():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 50, generator=g)
+    logits[:, 10:20] = -torch.inf
+    logits = logits.requires_grad_()
+    t = torch.tensor([0, 5, 30, 49])
+    lp, ent = portable.logprobs(logits, t, 1.3, True)
+    lp_ref, ent_ref = rlk_reference.logprobs(logits.detach(), t, 1.3, True)
+    assert torch.allclose(lp, lp_ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ent, ent_ref, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad((lp.sum() + ent.sum(),), (logits,))
+    assert torch.isfinite(grad).all()
+    assert (grad[:, 10:20] == 0).all()

@@ -341,11 +341,14 @@ def paged_attention(
 def _lp_rows(z: torch.Tensor, targets: torch.Tensor):
     """fp32 ``z [T, V]`` (already divided by the temperature) -> (logprob, lse, entropy) [T]."""
     m = z.amax(-1)
-    e = torch.exp(z - m[:, None])
+    d = z - m[:, None]
+    e = torch.exp(d)
     s = fixed_sum(e, ROW_CHUNK)
-    lse = m + torch.log(s)
+    log_s = torch.log(s)
+    lse = m + log_s
     lp = z.gather(1, targets[:, None])[:, 0] - lse
-    entropy = lse - fixed_sum(e * z, ROW_CHUNK) / s
+    # -sum p log p = log s - sum(e d) / s, with p log p = 0 where p = 0 (a -inf logit).
+    entropy = log_s - fixed_sum(e * torch.where(e > 0, d, 0.0), ROW_CHUNK) / s
     return lp, lse, entropy
 
 
@@ -355,7 +358,8 @@ def _dz(z, targets, lse, entropy, g_lp, g_ent) -> torch.Tensor:
     p = torch.exp(logp)
     dz = -p * g_lp[:, None]
     dz = dz.scatter_add(1, targets[:, None], g_lp[:, None])
-    return dz - p * (logp + entropy[:, None]) * g_ent[:, None]
+    safe_logp = torch.where(p > 0, logp, 0.0)  # p = 0 at a -inf logit: no 0 * -inf
+    return dz - p * (safe_logp + entropy[:, None]) * g_ent[:, None]
 
 
 class _Logprobs(torch.autograd.Function):
