@@ -146,6 +146,6 @@ def grpo_step(
         loss, _ = rlk.policy_loss(new_p, old_p, adv_all[group], mask, agg="token-mean")
         share = int(mask.sum()) / max(total_tokens, 1)
         (loss * share).backward()
-        loss_sum += float(loss) * share
+        loss_sum += float(loss.detach()) * share
     optimizer.step()
     return {"loss": loss_sum, "max_abs_dlogp": max_d}

@@ -1,0 +1,131 @@
+"""transformers integration: patched Llama/Qwen2/Qwen3 match HF, and rollout == training bitwise.
+
+Structure/accuracy checks run on the reference backend (fast); bitwise checks run on the
+backend that auto-selection picks (triton under the interpreter on CPU, a GPU backend on GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import rlk  # noqa: E402
+from rlk.integrations import models, rollout, training  # noqa: E402
+from rlk.integrations import transformers as rt  # noqa: E402
+
+VOCAB = 512
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny", "tiny-qwen3"])
+def test_patched_matches_hf(name):
+    model = models.load_model(name, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, :2] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, position_ids=pos).logits
+        rt.patch_model(model)
+        assert model.config._attn_implementation == "rlk"
+        with rlk.use_backend("reference"):
+            out = model(ids, attention_mask=mask, position_ids=pos).logits
+        rt.unpatch_model(model)
+        assert model.config._attn_implementation == "eager"
+        again = model(ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-5)
+    assert torch.equal(again, ref)  # unpatch restores the stock forwards
+
+
+def test_packed_and_cached_paths_match_padded():
+    """Packed rows (position_ids restart), and prefill + decode with a DynamicCache, give the
+    padded forward's logits (reference backend, fp32)."""
+    from transformers import DynamicCache
+
+    model = rt.patch_model(models.load_model("tiny-qwen3", dtype=torch.float32))
+    a, b = _prompts([5, 3], seed=2)
+    with torch.no_grad(), rlk.use_backend("reference"):
+        la = model(torch.tensor([a])).logits[0]
+        lb = model(torch.tensor([b])).logits[0]
+        packed = model(
+            torch.tensor([a + b]), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+        ).logits[0]
+        torch.testing.assert_close(packed, torch.cat([la, lb]), rtol=1e-5, atol=1e-6)
+        cache = DynamicCache(config=model.config)
+        pre = model(torch.tensor([a[:3]]), past_key_values=cache, use_cache=True).logits[0]
+        step = model(torch.tensor([a[3:4]]), past_key_values=cache, use_cache=True).logits[0]
+        torch.testing.assert_close(torch.cat([pre, step]), la[:4], rtol=1e-5, atol=1e-6)
+
+
+def test_rollout_equals_training_bitwise():
+    """Padded-batch rollout log-probs == packed recompute (other composition), bit for bit,
+    and a request's tokens are the same alone and in a batch (auto backend)."""
+    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16))
+    prompts = _prompts([5, 8, 3], seed=3)
+    seeds = [7, 8, 9]
+    ro = rollout.generate(model, prompts, 4, seeds=seeds)
+    assert ro.logits_dtype == torch.bfloat16
+    train = training.recompute_logprobs(model, ro.samples, 2, order=[2, 0, 1])
+    for s, lp in zip(ro.samples, train):
+        assert len(s.response) == 4
+        assert torch.equal(s.logprobs, lp), (s.logprobs, lp)
+    alone = rollout.generate(model, prompts[1:2], 4, seeds=seeds[1:2]).samples[0]
+    assert alone.response == ro.samples[1].response
+    assert torch.equal(alone.logprobs, ro.samples[1].logprobs)
+
+
+def test_grpo_step_updates_and_stays_exact():
+    model = rt.patch_model(models.load_model("tiny", dtype=torch.float32))
+    model.train()
+    prompts = _prompts([4, 4], seed=4)
+    ro = rollout.generate(model, [prompts[0]] * 2 + [prompts[1]] * 2, 3, seeds=[1, 2, 3, 4])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    before = model.lm_head.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    out = training.grpo_step(model, opt, ro.samples, rewards, 2, 3, order=[3, 2, 1, 0])
+    assert out["max_abs_dlogp"] == 0.0
+    assert torch.isfinite(torch.tensor(out["loss"]))
+    assert not torch.equal(model.lm_head.weight, before)
+
+
+def test_unsupported_model_raises():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(NotImplementedError, match="supports"):
+        rt.patch_model(model)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_hf_generate_with_transformers_caches(cache):
+    """model.generate on the patched model (left padding, dynamic or static KV cache) scores
+    like the stock model."""
+    model = models.load_model("tiny-qwen3", dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation=cache,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    ref = model.generate(ids, **kw)
+    rt.patch_model(model)
+    with rlk.use_backend("reference"):
+        out = model.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(
+        torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-5
+    )
