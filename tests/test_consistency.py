@@ -41,3 +41,16 @@ def test_ok_and_compare():
     assert not consistency.ok({"rows": [dict(row, max_abs_dlogp=1e-9, frac_differ=0.5)]})
     assert not consistency.ok({"rows": [dict(row, tokens=0)]})
     assert not consistency.ok({"rows": []})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["qwen2-0.5b", "qwen3-0.6b"])
+def test_gpu_configs_rlk_row_zero(model):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    report = consistency.run(model, prompts=16, new_tokens=32, micro_batch=5)
+    rows = {r["side"]: r for r in report["rows"]}
+    assert consistency.ok(report), consistency.format_table(report)
+    assert rows["stock"]["max_abs_dlogp"] > 0.0
