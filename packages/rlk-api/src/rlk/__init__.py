@@ -5,7 +5,25 @@ same log-probability on both sides. Ops dispatch to a backend chosen per device 
 or :func:`use_backend`; see ``rlk info``).
 """
 
-from rlk._ops import (
+import os as _os
+import sys as _sys
+
+
+def _choose_triton_mode() -> None:
+    # Triton picks compiled or interpreted execution when it is first imported. On a machine
+    # without a GPU rlk's kernels need the interpreter, so choose it now, before any other
+    # library (transformers, ...) imports triton.
+    if "TRITON_INTERPRET" in _os.environ or "triton" in _sys.modules:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        _os.environ["TRITON_INTERPRET"] = "1"
+
+
+_choose_triton_mode()
+
+from rlk._ops import (  # noqa: E402
     apply_rotary,
     attention,
     grpo_advantages,
@@ -19,7 +37,7 @@ from rlk._ops import (
     sample,
     silu_and_mul,
 )
-from rlk._plugins import (
+from rlk._plugins import (  # noqa: E402
     GUARANTEES,
     OPS,
     BackendError,
@@ -29,7 +47,7 @@ from rlk._plugins import (
     hookimpl,
     use_backend,
 )
-from rlk.batch_invariant import batch_invariant
+from rlk.batch_invariant import batch_invariant  # noqa: E402
 
 __version__ = "0.1.0"
 

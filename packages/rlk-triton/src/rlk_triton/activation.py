@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 from rlk_triton.tuning import Rule
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def _silu_and_mul_fwd_kernel(X, Y, n_rows, I, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -26,7 +26,7 @@ def _silu_and_mul_fwd_kernel(X, Y, n_rows, I, BLOCK_I: tl.constexpr, ROWS: tl.co
     tl.store(Y + y_offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def _silu_and_mul_bwd_kernel(X, DY, DX, n_rows, I, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)

@@ -50,7 +50,7 @@ import math
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 
 #: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
 BLOCK_N = 64
@@ -108,7 +108,7 @@ TUNING = {
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _kv_rows(
     b,
     kpos,
@@ -129,7 +129,7 @@ def _kv_rows(
         return (k_start + kpos).to(tl.int64) * stride_kt
 
 
-@triton.jit
+@jit
 def _fwd_tile(
     acc, m, l, q, k, v, qk_scale, visible, active, MASK: tl.constexpr, DOT_PREC: tl.constexpr
 ):
@@ -153,7 +153,7 @@ def _fwd_tile(
     return acc_new, m_new, l_new
 
 
-@triton.jit
+@jit
 def _fwd_kernel(
     Q,
     K,
@@ -283,7 +283,7 @@ def _fwd_kernel(
         tl.store(LSE + (q_start + tok).to(tl.int64) * Hq + h, lse, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
@@ -294,7 +294,7 @@ def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.const
     tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
 
 
-@triton.jit
+@jit
 def _dq_tile(
     dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr
 ):
@@ -307,7 +307,7 @@ def _dq_tile(
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
 
-@triton.jit
+@jit
 def _dq_kernel(
     Q,
     K,
@@ -399,7 +399,7 @@ def _dq_kernel(
     tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
 
-@triton.jit
+@jit
 def _dkdv_kernel(
     Q,
     K,

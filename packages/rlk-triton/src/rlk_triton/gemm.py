@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 
 #: Reduction tile per input dtype. Fixed: it sets the order of the fp32 accumulation over K
 #: (under the interpreter each tile is one partial sum; on GPUs the tile's 16-wide MMA steps).
@@ -40,7 +40,7 @@ _BIAS_BLOCK_ROWS = 32
 _BIAS_WARPS = 4
 
 
-@triton.jit
+@jit
 def _matmul_kernel(
     a_ptr,
     b_ptr,
@@ -112,7 +112,7 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@jit
 def _bias_grad_kernel(
     dy_ptr, db_ptr, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
 ):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 
 #: Logits per vocabulary chunk: sets the reduction order (tree within a chunk, chunks folded in
 #: ascending order). A constant of the op, never a tuning choice; a power of two.
@@ -34,7 +34,7 @@ CHUNK = 256
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def tree_sum(x, LOG2N: tl.constexpr):
     """Sum ``x [R, 2**LOG2N]`` along axis 1 by a fixed binary tree of adjacent pairs.
 
@@ -48,13 +48,13 @@ def tree_sum(x, LOG2N: tl.constexpr):
     return tl.reshape(x, [x.shape[0]])
 
 
-@triton.jit
+@jit
 def scale_logits(x, temperature):
     """``z = x / temperature`` in fp32, correctly rounded (``/`` may be approximate on GPU)."""
     return tl.math.div_rn(x.to(tl.float32), temperature)
 
 
-@triton.jit
+@jit
 def chunk_stats(z, valid, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
     """Statistics of one chunk ``z [R, CHUNK]`` (fp32) where ``valid``: ``(m_c, s_c, t_c)``, each [R].
 
@@ -74,7 +74,7 @@ def chunk_stats(z, valid, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
     return m_c, s_c, t_c
 
 
-@triton.jit
+@jit
 def fold(m, s, t, m_c, s_c, t_c, ENTROPY: tl.constexpr):
     """Fold a chunk's ``(m_c, s_c, t_c)`` into the running ``(m, s, t)`` of the rows (next chunk).
 
@@ -94,7 +94,7 @@ def fold(m, s, t, m_c, s_c, t_c, ENTROPY: tl.constexpr):
     return m_new, s_new, t_new
 
 
-@triton.jit
+@jit
 def finish(m, s, t):
     """``(lse, entropy)`` of rows from their folded ``(m, s, t)``."""
     log_s = tl.log(s)
@@ -106,7 +106,7 @@ def finish(m, s, t):
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _logprobs_fwd_kernel(
     logits_ptr,
     targets_ptr,
@@ -148,7 +148,7 @@ def _logprobs_fwd_kernel(
         tl.store(ent_ptr + rows, ent, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _logprobs_bwd_kernel(
     logits_ptr,
     targets_ptr,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 from rlk_triton.logprobs import tree_sum
 
 #: Tokens per block of a sequence's sums (lanes of the fixed-order accumulation).
@@ -47,7 +47,7 @@ def _log2(n: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _pg_terms(
     lp,
     old,
@@ -81,7 +81,7 @@ def _pg_terms(
     return ratio, pg, dpg, was_clipped, dual
 
 
-@triton.jit
+@jit
 def _load_tokens(
     lp_ptr,
     old_ptr,
@@ -112,7 +112,7 @@ def _load_tokens(
     return m, lp, old, adv, roll
 
 
-@triton.jit
+@jit
 def _policy_seq_kernel(
     lp_ptr,
     old_ptr,
@@ -190,12 +190,12 @@ def _policy_seq_kernel(
     tl.store(i + 2, n_dual, mask=seq_ok)
 
 
-@triton.jit
+@jit
 def _safe_div(num, den):
     return tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1.0)), 0.0)
 
 
-@triton.jit
+@jit
 def _policy_batch_kernel(
     seqf_ptr,
     seqi_ptr,
@@ -256,7 +256,7 @@ def _policy_batch_kernel(
     tl.store(tot_ptr + 1 + one, n_seq)
 
 
-@triton.jit
+@jit
 def _policy_bwd_kernel(
     g_ptr,
     lp_ptr,
@@ -332,7 +332,7 @@ def _policy_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _kl_terms(d, KIND: tl.constexpr):
     """``(kl, d kl / d d)`` per token for ``d = logprobs - ref_logprobs``."""
     if KIND == 0:
@@ -351,7 +351,7 @@ def _kl_terms(d, KIND: tl.constexpr):
     return kl, dkl
 
 
-@triton.jit
+@jit
 def _kl_fwd_kernel(lp_ptr, ref_ptr, out_ptr, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -362,7 +362,7 @@ def _kl_fwd_kernel(lp_ptr, ref_ptr, out_ptr, N, KIND: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + offs, kl, mask=ok)
 
 
-@triton.jit
+@jit
 def _kl_bwd_kernel(lp_ptr, ref_ptr, g_ptr, dlp_ptr, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -379,7 +379,7 @@ def _kl_bwd_kernel(lp_ptr, ref_ptr, g_ptr, dlp_ptr, N, KIND: tl.constexpr, BLOCK
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _grpo_kernel(
     r_ptr,
     out_ptr,

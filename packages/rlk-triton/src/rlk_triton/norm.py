@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 from rlk_triton.tuning import Rule
 
 #: Longest row held in registers; longer rows are processed in chunks of this many columns.
@@ -54,13 +54,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@triton.jit
+@jit
 def _pow2(k):
     # 2^k as fp32 for an int32 tensor k in [-126, 127], built from its exponent bits.
     return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def _exact_sum(v, AXIS: tl.constexpr):
     """Sum of fp32 ``v`` along ``AXIS`` whose bits do not depend on the order of the additions.
 
@@ -85,7 +85,7 @@ def _exact_sum(v, AXIS: tl.constexpr):
     return tl.where(special == 0.0, total, special)
 
 
-@triton.jit
+@jit
 def _load_input(X, R, S, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr):
     x = tl.load(X + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -96,7 +96,7 @@ def _load_input(X, R, S, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.con
     return x.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def _rms_norm_fwd_kernel(
     X,
     R,
@@ -144,7 +144,7 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
 
-@triton.jit
+@jit
 def _rms_norm_bwd_c_kernel(DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr):
     # Long rows only: c = sum(dy * w * x_hat) / H of one row, chunks in ascending order.
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
@@ -162,7 +162,7 @@ def _rms_norm_bwd_c_kernel(DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUN
     tl.store(C + row, acc / H)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@jit(do_not_specialize=["n_rows"])
 def _rms_norm_bwd_kernel(
     DY,
     X,
@@ -211,7 +211,7 @@ def _rms_norm_bwd_kernel(
         tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum(acc, 0), mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["n_in"])
+@jit(do_not_specialize=["n_in"])
 def _sum_groups_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
     # OUT[g, cols] = exact sum of IN[g * GROUP : (g + 1) * GROUP, cols].
     g = tl.program_id(0)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 from rlk_triton.tuning import Rule
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
     X,
     COS,
@@ -51,7 +51,7 @@ def _rotary_kernel(
     tl.store(Y + offs + HALF, o2.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rotary_dcos_dsin_kernel(X, DY, DCOS, DSIN, n_heads, HALF, BLOCK_HALF: tl.constexpr):
     # dcos = sum_h dy * x, dsin = sum_h dy * rotate_half(x), heads in ascending order.
     t = tl.program_id(0).to(tl.int64)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import tl, triton
+from rlk_triton._triton import jit, tl, triton
 from rlk_triton.logprobs import tree_sum
 
 #: Vocabulary block of a pass; sets the order of the top-p mass sums (a constant of the op).
@@ -28,13 +28,13 @@ BLOCK = 512
 #: Key bits resolved per radix pass (2**RADIX_BITS candidate thresholds counted per pass).
 RADIX_BITS = 4
 
-PHILOX_M0 = 0xD2511F53
-PHILOX_M1 = 0xCD9E8D57
-PHILOX_W0 = 0x9E3779B9
-PHILOX_W1 = 0xBB67AE85
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
 
 
-@triton.jit
+@jit
 def philox_uniform(v, seed, offset):
     """Uniforms in (0, 1) (fp32, exact) for vocabulary indices ``v`` (int32 tensor) of one row."""
     zero = tl.zeros(v.shape, tl.uint32)
@@ -60,7 +60,7 @@ def philox_uniform(v, seed, offset):
     return ((c0 >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
 
 
-@triton.jit
+@jit
 def _key(z):
     """Order-preserving uint32 key of fp32 ``z`` (-0.0 is taken as +0.0)."""
     bits = tl.where(z == 0.0, 0.0, z).to(tl.uint32, bitcast=True)
@@ -68,7 +68,7 @@ def _key(z):
     return tl.where(neg, ~bits, bits | 0x80000000)
 
 
-@triton.jit
+@jit
 def _load_z(row_ptr, offs, V, temperature):
     ok = offs < V
     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -76,7 +76,7 @@ def _load_z(row_ptr, offs, V, temperature):
     return z, _key(z), ok
 
 
-@triton.jit
+@jit
 def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
     """Extend ``prefix`` by the largest digit whose candidate satisfies ``score >= need``."""
     digits = tl.arange(0, NCAND)
@@ -84,7 +84,7 @@ def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
     return prefix | (best.to(tl.uint32) << shift)
 
 
-@triton.jit
+@jit
 def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Key of the k-th largest z of the row (0 keeps everything when k >= V)."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
@@ -92,7 +92,7 @@ def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.co
     digits = tl.arange(0, NCAND).to(tl.uint32)
     prefix = tl.zeros([], tl.uint32)
     for level in tl.static_range(32 // RADIX_BITS):
-        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        shift = 32 - RADIX_BITS * (level + 1)
         cand = prefix | (digits << shift)
         count = tl.zeros([NCAND], tl.int32)
         for b0 in range(0, V, BLOCK):
@@ -103,7 +103,7 @@ def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.co
     return prefix
 
 
-@triton.jit
+@jit
 def _topp_key(
     row_ptr,
     V,
@@ -122,7 +122,7 @@ def _topp_key(
     prefix = tl.zeros([], tl.uint32)
     need = tl.zeros([], tl.float32)
     for level in tl.static_range(32 // RADIX_BITS):
-        shift: tl.constexpr = 32 - RADIX_BITS * (level + 1)
+        shift = 32 - RADIX_BITS * (level + 1)
         cand = prefix | (digits << shift)
         mass = tl.zeros([NCAND], tl.float32)
         for b0 in range(0, V, BLOCK):
@@ -136,7 +136,7 @@ def _topp_key(
     return prefix
 
 
-@triton.jit
+@jit
 def _sample_kernel(
     logits_ptr,
     seeds_ptr,
@@ -196,7 +196,7 @@ def _sample_kernel(
     tl.store(out_ptr + pid, best_i.to(tl.int64))
 
 
-@triton.jit
+@jit
 def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -10,10 +10,3 @@
 
 Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``.
 """
-
-import contextlib
-
-# Triton picks interpreted or compiled execution when triton.language is first imported, and
-# transformers imports triton: let rlk_triton choose first (the interpreter on CPU machines).
-with contextlib.suppress(ImportError):
-    import rlk_triton._triton  # noqa: F401
