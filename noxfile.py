@@ -34,7 +34,7 @@ def _install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit, cross-package and conformance tests on CPU (Triton kernels under the interpreter)."""
-    _install(session, "pytest", "pytest-xdist")
+    _install(session, "transformers", "pytest", "pytest-xdist")
     session.run("rlk", "info")
     session.run(
         "pytest",
@@ -64,11 +64,14 @@ def conformance(session: nox.Session, backend: str) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Set up and run the main job: backends, then the conformance kit on this machine."""
-    _install(session)
+    """The main job: backends, then rollout vs training recompute with stock ops and with rlk.
+
+    On a CPU machine `rlk consistency` uses the tiny model under Triton's interpreter (a few
+    minutes); on a GPU pass a bigger built-in config after --, e.g. `-- --model qwen2-0.5b`.
+    """
+    _install(session, "transformers")
     session.run("rlk", "info")
-    session.run("rlk", "conformance", "--backend", "reference")
-    session.run("python", "examples/batch_invariance.py")
+    session.run("rlk", "consistency", *session.posargs)
 
 
 @nox.session

@@ -33,7 +33,6 @@ if INTERPRET:
     _interpreter.patch()
 
 
-
 def jit(fn=None, **kwargs):
     """``triton.jit`` for rlk kernels: their launches default to ``enable_fp_fusion=False``.
 

@@ -54,9 +54,17 @@ def config(table: TuningTable, key: str, **shape: int) -> Config:
     return rule.configs[rule.choose(**shape)]
 
 
+#: Ops built from other ops' kernels: their tuning is the tuning of those kernels.
+COMPOSED = {"linear_logprobs": ("linear", "logprobs")}
+
+
+def _owners(op: str) -> tuple[str, ...]:
+    return COMPOSED.get(op, (op,))
+
+
 def op_configs(table: TuningTable, op: str) -> list[dict[str, Config]]:
     """Config sets covering every candidate of every kernel of ``op`` (keys ``op.*``)."""
-    keys = sorted(k for k in table if k.split(".")[0] == op)
+    keys = sorted(k for k in table if k.split(".")[0] in _owners(op))
     if not keys:
         return []
     n = max(len(table[k].configs) for k in keys)
@@ -68,7 +76,7 @@ def op_configs(table: TuningTable, op: str) -> list[dict[str, Config]]:
 def force(op: str, configs: Mapping[str, Config]) -> Iterator[None]:
     """Force the configs of ``op``'s kernels (as given by :func:`op_configs`) in this context."""
     for k in configs:
-        if k.split(".")[0] != op:
+        if k.split(".")[0] not in _owners(op):
             raise KeyError(f"config key {k!r} does not belong to op {op!r}")
     token = _forced.set({**(_forced.get() or {}), **configs})
     try:
