@@ -1,8 +1,8 @@
 """logprobs kernels: accuracy and gradients vs float64, batch/tuning invariance, determinism.
 
-V = 300 is above one default chunk (256) and not a multiple of it; the tests that patch CHUNK
-to 64 run the same kernel over five chunks (the last one partial) and, with the NSUB=4 config,
-over chunks past the end of the row.
+V = 300 spans several chunks: the fixture runs each test with CHUNK patched to 256 and to 64
+(the same kernel, which takes CHUNK as a constexpr); with 64 the row is five chunks, the last
+one partial, and the NSUB=4 config reads chunks past the end of the row.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Log-probabilities (and entropy) of targets from logits: ``[T, V] -> [T]``, read once.
 
 Numerics (the contract of :func:`rlk.logprobs`): ``z = logit / temperature`` is a correctly
-rounded fp32 division. The vocabulary is cut into chunks of :data:`CHUNK` logits. Each chunk
-gives ``(m_c, s_c, t_c)``: its max, ``sum(exp(z - m_c))`` and ``sum(exp(z - m_c) * (z - m_c))``,
-summed by a fixed binary tree (:func:`tree_sum`) so that no layout, warp count or tile shape can
-change the order. The chunk triples are folded into the row's running ``(m, s, t)`` in ascending
-chunk order (:func:`fold`); then ``lse = m + log(s)`` and ``entropy = log(s) - t / s``.
-
-:func:`chunk_stats`, :func:`fold` and :func:`finish` are the whole arithmetic of a row. The fused
-``linear_logprobs`` kernel calls them on the logits tiles it computes in registers (a
-``[rows, CHUNK]`` tile per step, in ascending chunk order), which is what makes it bitwise equal
-to ``logprobs(linear(h, W), t)``. ``CHUNK`` is small enough (a GEMM N-tile) for that.
+rounded fp32 division. The vocabulary is read in chunks of :data:`CHUNK` logits, in ascending
+order. A block of rows keeps its running max ``m`` and, per column of the chunk, running sums of
+``exp(z - m)`` and ``exp(z - m) * (z - m)`` (rescaled when ``m`` grows): elementwise work whose
+order is fixed by the chunk sequence alone (:func:`accumulate`). At the end one fixed binary tree
+(:func:`tree_sum`) adds the columns; then ``lse = m + log(s)`` and ``entropy = log(s) - t / s``.
+No ``tl.sum`` is used: its order follows num_warps and the layout, so it would let a launch
+config change bits. ``linear_logprobs`` runs this same kernel on slices of rows.
 
 Backward: ``dlogits = (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature``
 with ``p = exp(z - lse)`` recomputed from the saved per-row ``lse`` and entropy ``H``;
@@ -24,9 +21,10 @@ import torch
 from rlk_triton import tuning
 from rlk_triton._triton import jit, tl, triton
 
-#: Logits per vocabulary chunk: sets the reduction order (tree within a chunk, chunks folded in
-#: ascending order). A constant of the op, never a tuning choice; a power of two.
-CHUNK = 256
+#: Logits per vocabulary chunk: sets the reduction order (each column adds its chunks in
+#: ascending order, one tree over the columns at the end). A constant of the op, never a tuning
+#: choice; a power of two.
+CHUNK = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,50 +53,40 @@ def scale_logits(x, temperature):
 
 
 @jit
-def chunk_stats(z, valid, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
-    """Statistics of one chunk ``z [R, CHUNK]`` (fp32) where ``valid``: ``(m_c, s_c, t_c)``, each [R].
+def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
+    """Add one chunk ``z [R, CHUNK]`` (fp32, where ``valid``) to a block of rows' running state.
 
-    ``m_c = max z``, ``s_c = sum exp(z - m_c)``, ``t_c = sum exp(z - m_c) * (z - m_c)`` (0 without
-    ENTROPY). A chunk with no valid (or only -inf) logits gives ``(-inf, 0, 0)``.
+    ``m [R]`` is the running row max. ``sv``/``tv [R, CHUNK]`` hold, per column of the chunk, the
+    sums over the chunks seen so far of ``exp(z - m)`` and ``exp(z - m) * (z - m)``. Each column
+    adds its chunks in ascending order and all of this is elementwise, so the bits cannot depend
+    on how Triton lays the tile out over threads; only the row max crosses columns, and a max is
+    exact in any order. A chunk with no valid logit leaves the state bitwise unchanged.
     """
     zm = tl.where(valid, z, float("-inf"))
-    m_c = tl.max(zm, axis=1)
-    ref = tl.where(m_c == float("-inf"), 0.0, m_c)
+    m_new = tl.maximum(m, tl.max(zm, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = (m - ref)[:, None]  # <= 0; -inf before the first finite logit
+    a = tl.exp(d)
     w = zm - ref[:, None]
     e = tl.exp(w)
-    s_c = tree_sum(e, LOG2_CHUNK)
     if ENTROPY:
-        t_c = tree_sum(tl.where(e > 0, e * w, 0.0), LOG2_CHUNK)
-    else:
-        t_c = tl.zeros_like(s_c)
-    return m_c, s_c, t_c
+        # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s).
+        tv = tl.where(d == 0.0, tv, tl.where(sv > 0, (tv + d * sv) * a, 0.0))
+        tv = tl.where(e > 0, tv + e * w, tv)
+    sv = sv * a + e
+    return m_new, sv, tv
 
 
 @jit
-def fold(m, s, t, m_c, s_c, t_c, ENTROPY: tl.constexpr):
-    """Fold a chunk's ``(m_c, s_c, t_c)`` into the running ``(m, s, t)`` of the rows (next chunk).
-
-    ``s`` and ``t`` are kept relative to the running max ``m``. Start from ``(-inf, 0, 0)``.
-    """
-    m_new = tl.maximum(m, m_c)
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    a = tl.exp(m - ref)
-    b = tl.exp(m_c - ref)
-    s_new = s * a + s_c * b
-    if ENTROPY:
-        t_new = tl.where(s > 0, (t + (m - ref) * s) * a, 0.0) + tl.where(
-            s_c > 0, (t_c + (m_c - ref) * s_c) * b, 0.0
-        )
-    else:
-        t_new = t
-    return m_new, s_new, t_new
-
-
-@jit
-def finish(m, s, t):
-    """``(lse, entropy)`` of rows from their folded ``(m, s, t)``."""
+def finish(m, sv, tv, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
+    """``(lse, entropy)`` of rows from their state: columns summed by one fixed tree."""
+    s = tree_sum(sv, LOG2_CHUNK)
     log_s = tl.log(s)
-    return m + log_s, log_s - t / s
+    if ENTROPY:
+        ent = log_s - tree_sum(tv, LOG2_CHUNK) / s
+    else:
+        ent = log_s
+    return m + log_s, ent
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,18 +116,17 @@ def _logprobs_fwd_kernel(
     row_ptr = logits_ptr + rows.to(tl.int64)[:, None] * stride_t
     cols = tl.arange(0, CHUNK)
     m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    t = tl.zeros([ROWS], tl.float32)
-    # NSUB chunks per iteration only batches the loads; the fold stays one chunk at a time, and
-    # a chunk past the end folds as an exact no-op, so NSUB never changes a bit.
+    sv = tl.zeros([ROWS, CHUNK], tl.float32)
+    tv = tl.zeros([ROWS, CHUNK], tl.float32)
+    # NSUB chunks per iteration only batches the loads; chunks are still added one at a time, and
+    # a chunk past the end is an exact no-op, so NSUB never changes a bit.
     for c0 in range(0, tl.cdiv(V, CHUNK), NSUB):
         for j in tl.static_range(NSUB):
             offs = (c0 + j) * CHUNK + cols
             valid = row_ok[:, None] & (offs < V)[None, :]
             x = tl.load(row_ptr + offs[None, :], mask=valid, other=0.0)
-            m_c, s_c, t_c = chunk_stats(scale_logits(x, temperature), valid, LOG2_CHUNK, ENTROPY)
-            m, s, t = fold(m, s, t, m_c, s_c, t_c, ENTROPY)
-    lse, ent = finish(m, s, t)
+            m, sv, tv = accumulate(m, sv, tv, scale_logits(x, temperature), valid, ENTROPY)
+    lse, ent = finish(m, sv, tv, LOG2_CHUNK, ENTROPY)
     tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0)
     x_t = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tgt, mask=row_ok, other=0.0)
     tl.store(lp_ptr + rows, scale_logits(x_t, temperature) - lse, mask=row_ok)
