@@ -16,20 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_rows, median_ms, require_cuda, row  # noqa: E402
+from common import cuda_table, format_rows, median_ms, require_cuda, row  # noqa: E402
 
 DT = torch.bfloat16
-
-
-def _table():
-    from rlk_triton import backend, tuning
-
-    table = backend.default_table()
-    try:
-        from rlk_cuda.tables import NVIDIA
-    except ImportError:
-        return table
-    return tuning.merge(table, NVIDIA)
 
 
 def _flash_attn():
@@ -169,7 +158,7 @@ def _decode_rows(b, h, hk, ctx, d, page, table, fa) -> list[dict]:
 
 def run(quick: bool = False) -> list[dict]:
     require_cuda()
-    table = _table()
+    table = cuda_table()
     fa = _flash_attn()
     prefill = [(8, 32, 32, 4096, 128), (16, 14, 14, 2048, 64)]
     if not quick:

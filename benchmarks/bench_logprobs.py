@@ -16,22 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_rows, median_ms, require_cuda, row  # noqa: E402
+from common import cuda_table, format_rows, median_ms, require_cuda, row  # noqa: E402
 
 SHAPES = [(4096, 32000), (16384, 32000), (32768, 32000), (4096, 151936), (16384, 151936)]
 QUICK = [(16384, 151936)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _table():
-    from rlk_triton import backend, tuning
-
-    table = backend.default_table()
-    try:
-        from rlk_cuda.tables import NVIDIA
-    except ImportError:
-        return table
-    return tuning.merge(table, {k: v for k, v in NVIDIA.items() if k in table})
 
 
 def _liger():
@@ -112,7 +101,7 @@ def _rows_for(t, v, dname, table, liger) -> list[dict]:
 def run(quick: bool = False) -> list[dict]:
     """Benchmark rows (op, shape, dtype, impl, ms, GB/s) for every shape and dtype."""
     require_cuda()
-    table, liger = _table(), _liger()
+    table, liger = cuda_table(), _liger()
     rows = []
     for t, v in QUICK if quick else SHAPES:
         for dname in ("bf16",) if quick else DTYPES:

@@ -17,20 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_rows, median_ms, require_cuda, row  # noqa: E402
+from common import cuda_table, format_rows, median_ms, require_cuda, row  # noqa: E402
 
 EPS = 1e-6
-
-
-def _table():
-    from rlk_triton import backend, tuning
-
-    table = backend.default_table()
-    try:
-        from rlk_cuda.tables import NVIDIA
-    except ImportError:
-        return table
-    return tuning.merge(table, NVIDIA)
 
 
 def _liger(name):
@@ -173,7 +162,7 @@ def _rotary_rows(T, NH, D, dtype, table) -> list[dict]:
 
 def run(quick: bool) -> list[dict]:
     require_cuda()
-    table = _table()
+    table = cuda_table()
     bf16 = torch.bfloat16
     rows: list[dict] = []
     if quick:

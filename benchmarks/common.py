@@ -35,6 +35,14 @@ def ceilings() -> dict[str, float]:
     return {"copy_GBps": copy_gbs, "cublas_bf16_TFLOPs": 2 * 8192**3 / ms / 1e9}
 
 
+def cuda_table():
+    """The tuning table backend ``cuda`` runs with (the portable one if rlk-cuda is absent)."""
+    from rlk_triton import backend
+
+    tables = backend.known_tables()
+    return tables.get("cuda", tables["triton"])
+
+
 def row(
     op: str,
     shape: str,
