@@ -257,6 +257,12 @@ def _attention_forward(
         raise RuntimeError("rotary tables are not rlk's: patch the whole model with patch_model")
     q = rlk.apply_rotary(q.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
     k = rlk.apply_rotary(k.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
+    if getattr(past_key_values, "rlk_paged", False):
+        # rlk.integrations.paged: one packed row, K/V into pages, rlk.paged_attention.
+        if b != 1:
+            raise ValueError(f"the paged KV cache takes one packed row, got a batch of {b}")
+        out = past_key_values.attend(self.layer_idx, q[0], k[0], v[0], self.scaling)
+        return self.o_proj(out.reshape(b, s, -1)), None
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)

@@ -1,0 +1,383 @@
+"""Rollout with a paged KV cache and continuous batching, attention by :func:`rlk.paged_attention`.
+
+:func:`generate_paged` is the second rollout mode beside the padded batch of
+:func:`rlk.integrations.rollout.generate`, with the same result type and the same sampling
+(request seed, RNG offset = the token's position), so a request gets the very same tokens and
+log-probabilities in either mode, alone or with any other requests, and the training recompute
+(:mod:`rlk.integrations.training`) equals them bit for bit.
+
+Pieces:
+
+- :class:`PageAllocator`: a free list of page ids (lowest id first).
+- :class:`PagedKVCache`: per layer, ``k``/``v`` caches ``[pages, page_size, Hk, D]`` and the
+  metadata of the current step (``slots``, ``block_table``, ``seq_lens``, ``cu_seqlens_q``).
+  The patched attention (:mod:`rlk.integrations.transformers`) sees it as ``past_key_values``
+  and hands it the layer's new ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]``; :meth:`attend` writes
+  ``k``/``v`` into their slots and calls :func:`rlk.paged_attention`. Nothing in it reads a
+  device value on the host.
+- :func:`generate_paged`: the scheduler. Requests wait in FIFO order and join the running set
+  when a batch slot and all the pages the request can need are free (so no request is ever
+  preempted); each step packs, for every running request, either its next prompt chunk
+  (chunked prefill) or its last sampled token (decode) into one ``[1, T]`` row of varlen
+  queries, runs the decoder layers on it, samples one token for every request whose known
+  tokens are now all cached, and retires requests that reached ``max_new_tokens`` or EOS,
+  freeing their pages for the queue.
+
+Why the bits match the padded mode: every op but attention is row-wise and batch-invariant;
+:func:`rlk.paged_attention` gives :func:`rlk.attention`'s bits whatever the page size, the page
+placement, the chunking or the batch; ``lm_head``, :func:`rlk.sample` and :func:`rlk.logprobs`
+see one row per request with that request's seed and offset.
+
+Example::
+
+    model = patch_model(load_model("tiny"))
+    ro = generate_paged(model, prompts, 16, seeds=seeds, max_batch=8, page_size=16)
+    ro.samples[i].response, ro.samples[i].logprobs      # as rollout.generate(...) gives
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import rlk
+from rlk.integrations.rollout import RolloutResult, Sample
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageAllocator:
+    """Page ids ``0..num_pages-1``; :meth:`alloc` hands out the lowest free ids."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages))  # a heap (sorted is a valid heap)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} pages, {len(self._free)} free")
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            heapq.heappush(self._free, p)
+
+
+class PagedKVCache:
+    """K/V pages of every layer plus the current step's metadata.
+
+    Shapes: ``k[layer]``/``v[layer] [num_pages, page_size, Hk, D]``. Per step (set by
+    :meth:`set_step`): ``slots`` int64 ``[T]`` (flat slot ``page * page_size + offset`` of each
+    new token), ``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]`` (cached tokens
+    including the new ones), ``cu_seqlens_q`` int32 ``[B + 1]`` (the new tokens of each sequence,
+    packed in order).
+    """
+
+    # Duck-typed marker read by the patched attention forward.
+    rlk_paged = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.page_size = page_size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.slots: torch.Tensor | None = None
+        self.block_table: torch.Tensor | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.cu_seqlens_q: torch.Tensor | None = None
+
+    def set_step(
+        self,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+    ) -> None:
+        self.slots, self.block_table = slots, block_table
+        self.seq_lens, self.cu_seqlens_q = seq_lens, cu_seqlens_q
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Store the step's ``k``/``v [T, Hk, D]`` of layer ``layer_idx`` in their slots, then
+        attend ``q [T, Hq, D]`` to each sequence's cached tokens. Returns ``[T, Hq, D]``."""
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
+        _, _, hk, d = kc.shape
+        kc.view(-1, hk, d).index_copy_(0, self.slots, k)
+        vc.view(-1, hk, d).index_copy_(0, self.slots, v)
+        return rlk.paged_attention(
+            q, kc, vc, self.block_table, self.seq_lens, self.cu_seqlens_q, scale=scale
+        )
+
+
+@dataclass
+class _Request:
+    idx: int
+    tokens: list[int]  # prompt + sampled so far
+    prompt_len: int
+    seed: int
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V are in the cache
+    lp_refs: list[tuple[int, int]] = field(default_factory=list)  # (step, row) of each logprob
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache):
+    """The decoder layers on one packed row: ``ids``/``positions`` int64 ``[T]`` -> ``[T, H]``
+    final hidden states (after the last norm). The rotary rows are taken from the patched rotary
+    table (already built up to the largest position, so no lookup reads the device)."""
+    table = base.rotary_emb._rlk_table
+    cos, sin = table.cos[positions][None], table.sin[positions][None]
+    h = base.embed_tokens(ids[None])
+    pos = positions[None]
+    for layer in base.layers:
+        h = layer(
+            h,
+            attention_mask=None,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=(cos, sin),
+        )
+    return base.norm(h)[0]
+
+
+@torch.no_grad()
+def generate_paged(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    seeds: list[int] | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | None = None,
+    page_size: int = 16,
+    max_batch: int = 64,
+    num_pages: int | None = None,
+    max_step_tokens: int = 2048,
+    prefill_chunk: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RolloutResult:
+    """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
+
+    ``model``: a causal LM patched by :func:`rlk.integrations.transformers.patch_model`.
+    ``seeds`` as in :func:`rlk.integrations.rollout.generate` (default ``i``); the token at
+    position ``p`` uses RNG offset ``p``. A response stops after ``eos_token_id``.
+
+    Scheduling: at most ``max_batch`` requests run at once; ``num_pages`` pages of
+    ``page_size`` tokens are shared (default: enough for ``max_batch`` of the longest
+    requests); a request joins (FIFO) once a slot and ``ceil((prompt + max_new - 1) /
+    page_size)`` pages are free. A step carries at most ``max_step_tokens`` new tokens: every
+    decode first (one token each), then prompt chunks of at most ``prefill_chunk`` tokens
+    (default ``max_step_tokens``) in arrival order.
+
+    Returns a :class:`~rlk.integrations.rollout.RolloutResult` (samples in prompt order);
+    ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
+    decodes together) and ``prefill_chunks``.
+    """
+    from rlk.integrations.transformers import decoder, is_patched
+
+    if not is_patched(model):
+        raise ValueError("generate_paged needs a model patched by rlk's patch_model")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if page_size < 1 or max_batch < 1:
+        raise ValueError(f"page_size and max_batch must be >= 1, got {page_size}, {max_batch}")
+    if max_step_tokens < max_batch:
+        raise ValueError(
+            f"max_step_tokens ({max_step_tokens}) must be >= max_batch ({max_batch}) so that "
+            "every running request can decode in each step"
+        )
+    prefill_chunk = max_step_tokens if prefill_chunk is None else prefill_chunk
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+
+    base = decoder(model)
+    cfg = model.config
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    n = len(prompts)
+    seeds = list(range(n)) if seeds is None else list(seeds)
+    if len(seeds) != n:
+        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+    lp_temperature = temperature if temperature > 0 else 1.0
+
+    # The last sampled token never enters the cache: a request caches prompt + new - 1 tokens.
+    need = [_cdiv(len(p) + max(max_new_tokens - 1, 0), page_size) for p in prompts]
+    if num_pages is None:
+        num_pages = max(1, max_batch * max(need, default=1))
+    if need and max(need) > num_pages:
+        raise ValueError(
+            f"a request needs {max(need)} pages of {page_size} tokens but the cache has {num_pages}"
+        )
+    allocator = PageAllocator(num_pages)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = PagedKVCache(
+        len(base.layers),
+        num_pages,
+        page_size,
+        cfg.num_key_value_heads,
+        head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    # Build the rotary table once up to the largest position (one host read, here).
+    longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+    base.rotary_emb._rlk_table.gather(torch.tensor([longest], device=device))
+
+    waiting = deque(
+        _Request(i, list(p), len(p), seeds[i]) for i, p in enumerate(prompts) if max_new_tokens
+    )
+    running: list[_Request] = []
+    done: list[_Request] = []
+    step_lps: list[torch.Tensor] = []  # float32 logprobs per step, on the device
+    stats = dict(steps=0, max_running=0, mixed_steps=0, prefill_chunks=0)
+    logits_dtype = dtype
+    pin = device.type == "cuda"
+    start = time.perf_counter()
+    while waiting or running:
+        # Admit in arrival order while a slot and the request's pages are free.
+        while waiting and len(running) < max_batch and allocator.free >= need[waiting[0].idx]:
+            req = waiting.popleft()
+            req.pages = allocator.alloc(need[req.idx])
+            running.append(req)
+        if not running:
+            raise RuntimeError("no request fits the KV cache")  # unreachable: checked above
+        stats["max_running"] = max(stats["max_running"], len(running))
+
+        # This step's new tokens: decodes first, then prompt chunks within the token budget.
+        budget = max_step_tokens - sum(r.cached >= r.prompt_len for r in running)
+        batch: list[tuple[_Request, int]] = []
+        for r in running:
+            if r.cached >= r.prompt_len:
+                batch.append((r, 1))
+            elif budget > 0:
+                take = min(r.prompt_len - r.cached, prefill_chunk, budget)
+                budget -= take
+                batch.append((r, take))
+        n_pre = sum(r.cached < r.prompt_len for r, _ in batch)
+        stats["prefill_chunks"] += n_pre
+        stats["mixed_steps"] += int(0 < n_pre < len(batch))
+
+        # Host-side metadata, moved to the device in two copies.
+        ids, pos, slots, cu, lens, rows, offsets, row_seeds = [], [], [], [0], [], [], [], []
+        sampled: list[_Request] = []
+        for r, take in batch:
+            for p in range(r.cached, r.cached + take):
+                ids.append(r.tokens[p])
+                pos.append(p)
+                slots.append(r.pages[p // page_size] * page_size + p % page_size)
+            cu.append(cu[-1] + take)
+            lens.append(r.cached + take)
+            if r.cached + take == len(r.tokens):  # all known tokens cached: sample the next
+                sampled.append(r)
+                rows.append(cu[-1] - 1)
+                offsets.append(len(r.tokens))
+                row_seeds.append(r.seed)
+        width = max(len(r.pages) for r, _ in batch)
+        table = [r.pages + [0] * (width - len(r.pages)) for r, _ in batch]
+        i64 = torch.tensor(ids + pos + slots + rows + offsets + row_seeds, dtype=torch.int64)
+        i32 = torch.tensor(cu + lens + [p for t in table for p in t], dtype=torch.int32)
+        if pin:
+            i64, i32 = i64.pin_memory(), i32.pin_memory()
+        i64 = i64.to(device, non_blocking=True)
+        i32 = i32.to(device, non_blocking=True)
+        t, b, m = len(ids), len(batch), len(sampled)
+        ids_d, pos_d, slots_d, rows_d, off_d, seeds_d = i64.split([t, t, t, m, m, m])
+        cu_d, lens_d, table_d = i32.split([b + 1, b, b * width])
+        cache.set_step(slots_d, table_d.view(b, width), lens_d, cu_d)
+
+        hidden = _forward_packed(base, ids_d, pos_d, cache)
+        new_tok: list[int] = []
+        if sampled:
+            logits = model.get_output_embeddings()(hidden.index_select(0, rows_d)).contiguous()
+            logits_dtype = logits.dtype
+            tok = rlk.sample(
+                logits, seeds_d, off_d, temperature=temperature, top_k=top_k, top_p=top_p
+            )
+            lp = rlk.logprobs(logits, tok, temperature=lp_temperature)
+            step_lps.append(lp.float())
+            new_tok = tok.tolist()  # the scheduler's one device read per step
+        s = stats["steps"]
+        stats["steps"] += 1
+
+        for r, take in batch:
+            r.cached += take
+        still: list[_Request] = []
+        sampled_ids = {id(r): j for j, r in enumerate(sampled)}
+        for r in running:
+            j = sampled_ids.get(id(r))
+            if j is not None:
+                r.tokens.append(new_tok[j])
+                r.lp_refs.append((len(step_lps) - 1, j))
+            finished = r.generated >= max_new_tokens or (
+                j is not None and eos_token_id is not None and new_tok[j] == eos_token_id
+            )
+            if finished:
+                allocator.release(r.pages)
+                r.pages = []
+                done.append(r)
+            else:
+                still.append(r)
+        running = still
+        if progress is not None and s % 16 == 15:
+            progress(f"  paged step {s + 1}: {len(running)} running, {len(waiting)} waiting")
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    all_lps = torch.cat(step_lps).cpu() if step_lps else torch.zeros(0)
+    base_row = [0]
+    for x in step_lps:
+        base_row.append(base_row[-1] + x.numel())
+    by_idx = {r.idx: r for r in done}
+    samples = []
+    for i, p in enumerate(prompts):
+        r = by_idx.get(i)
+        if r is None:  # max_new_tokens == 0
+            samples.append(Sample(list(p), [], torch.zeros(0), seeds[i]))
+            continue
+        lps = all_lps[[base_row[st] + j for st, j in r.lp_refs]]
+        samples.append(Sample(list(p), r.tokens[r.prompt_len :], lps, seeds[i]))
+    return RolloutResult(
+        samples,
+        seconds,
+        sum(len(s.response) for s in samples),
+        logits_dtype=logits_dtype,
+        extra=stats,
+    )
