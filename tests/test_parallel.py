@@ -1,0 +1,230 @@
+"""rlk.parallel: tree-ordered linear and TP-invariant row/column-parallel linears.
+
+One-device tests check the tree's accuracy, order, batch invariance and errors. Distributed
+tests spawn 2 (and 4) CPU processes with gloo: every rank's row-parallel / column-parallel
+result, forward and backward, must equal the one-device tree ops bitwise. Shapes are tiny: the
+kernels run under Triton's interpreter here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rlk
+import rlk.parallel as P
+
+DTYPES = (torch.bfloat16, torch.float32)
+# Max error vs float64 relative to the output's RMS (rounding of the output dominates).
+TOL = {torch.bfloat16: 2e-2, torch.float32: 2e-5}
+
+
+def _inputs(M, K, N, dtype, seed=0, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    return x, w, b
+
+
+def _rel_err(y, ref):
+    return ((y.double() - ref).abs().max() / ref.pow(2).mean().sqrt()).item()
+
+
+# --------------------------------------------------------------------------------------------
+# One device
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_linear_accuracy(dtype):
+    x, w, b = _inputs(5, 96, 40, dtype, lead=(2,))
+    y = P.tree_linear(x, w, b, leaves=4)
+    assert y.shape == (2, 5, 40) and y.dtype == dtype
+    ref = x.double() @ w.double().T + b.double()
+    assert _rel_err(y, ref) < TOL[dtype]
+
+
+def test_tree_linear_is_the_documented_tree():
+    # The leaf partials (fp32, the backend's GEMM) added as ((p0+p1)+(p2+p3)), bias, round once.
+    from rlk_triton import gemm
+    from rlk_triton.backend import default_table
+
+    x, w, b = _inputs(3, 64, 24, torch.bfloat16)
+    table = default_table()
+    p = [
+        gemm._matmul(x[:, i * 16 : (i + 1) * 16], w[:, i * 16 : (i + 1) * 16].t(), None,
+                     torch.float32, table, "linear.fwd")
+        for i in range(4)
+    ]  # fmt: skip
+    expected = (((p[0] + p[1]) + (p[2] + p[3])) + b.float()).to(torch.bfloat16)
+    assert torch.equal(P.tree_linear(x, w, b, leaves=4), expected)
+    # One leaf is the plain batch-invariant linear.
+    assert torch.equal(P.tree_linear(x, w, b, leaves=1), rlk.linear(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_linear_batch_invariance(dtype):
+    x, w, b = _inputs(7, 64, 24, dtype, seed=1)
+    full = P.tree_linear(x, w, b, leaves=8)
+    for rows in ([3], [0, 6], [1, 2, 4, 5]):
+        assert torch.equal(P.tree_linear(x[rows], w, b, leaves=8), full[rows])
+
+
+def test_tree_linear_backward_is_linear_backward():
+    x, w, b = _inputs(4, 64, 24, torch.bfloat16, seed=2)
+    g = torch.randn(4, 24).to(torch.bfloat16)
+    grads = []
+    for fn in (P.tree_linear, rlk.linear):
+        xs, ws, bs = (t.clone().requires_grad_(True) for t in (x, w, b))
+        kw = {"leaves": 4} if fn is P.tree_linear else {}
+        (fn(xs, ws, bs, **kw).float() * g.float()).sum().backward()
+        grads.append((xs.grad, ws.grad, bs.grad))
+    for a, c in zip(*grads):
+        assert torch.equal(a, c)
+
+
+def test_column_tree_linear():
+    x, w, b = _inputs(4, 32, 64, torch.float32, seed=3)
+    g = torch.randn(4, 64)
+    xs = x.clone().requires_grad_(True)
+    y = P.column_tree_linear(xs, w, b, leaves=4)
+    assert torch.equal(y.detach(), rlk.linear(x, w, b))
+    (y * g).sum().backward()
+    ref = g.double() @ w.double()
+    assert _rel_err(xs.grad, ref) < TOL[torch.float32]
+    # dX reduces N by the 4-leaf tree of fp32 partials.
+    from rlk_triton import gemm
+    from rlk_triton.backend import default_table
+
+    p = [
+        gemm._matmul(g[:, i * 16 : (i + 1) * 16], w[i * 16 : (i + 1) * 16], None,
+                     torch.float32, default_table(), "linear.bwd_dx")
+        for i in range(4)
+    ]  # fmt: skip
+    assert torch.equal(xs.grad, (p[0] + p[1]) + (p[2] + p[3]))
+
+
+def test_errors():
+    x, w, b = _inputs(2, 48, 16, torch.float32)
+    with pytest.raises(ValueError, match="leaves = 32 must divide K = x.shape"):
+        P.tree_linear(x, w, b, leaves=32)
+    with pytest.raises(ValueError, match="leaves must be a power of two"):
+        P.tree_linear(x, w, b, leaves=3)
+    with pytest.raises(TypeError, match="leaves must be an int"):
+        P.tree_linear(x, w, b, leaves=True)
+    with pytest.raises(ValueError, match="weight must be"):
+        P.tree_linear(x, w[:, :32], b, leaves=4)
+    with pytest.raises(ValueError, match="leaves = 32 must divide N"):
+        P.column_tree_linear(x, w, b, leaves=32)
+    with pytest.raises(ValueError, match="group was given"):
+        P.row_parallel_linear(x, w, b, leaves=4, group=object())
+    with pytest.raises(TypeError, match="gather_output"):
+        P.column_parallel_linear(x, w, b, gather_output=1)
+    with rlk.use_backend("reference"), pytest.raises(rlk.BackendError, match="no tree-ordered"):
+        P.tree_linear(x, w, b, leaves=4)
+    with pytest.raises(ValueError, match="world_size = 3 must divide"):
+        P.shard(w, 0, rank=0, world_size=3)
+
+
+def test_no_process_group_is_one_rank():
+    x, w, b = _inputs(3, 64, 16, torch.bfloat16)
+    assert torch.equal(P.row_parallel_linear(x, w, b), P.tree_linear(x, w, b))
+    assert torch.equal(P.column_parallel_linear(x, w, b, gather_output=True), rlk.linear(x, w, b))
+
+
+# --------------------------------------------------------------------------------------------
+# gloo, several processes
+# --------------------------------------------------------------------------------------------
+
+
+def _grads(fn, tensors, g):
+    ts = [t.clone().requires_grad_(True) for t in tensors]
+    y = fn(*ts)
+    (y.float() * g.float()).sum().backward()
+    return y.detach(), [t.grad for t in ts]
+
+
+def _worker(rank, world, init_file, dtypes, backward):
+    os.environ.setdefault("RLK_BACKEND", "triton")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        sh = lambda t, d: P.shard(t, d, rank=rank, world_size=world)  # noqa: E731
+        for dtype in dtypes:
+            x, w, b = _inputs(3, 64, 32, dtype, seed=7, lead=(1,))
+            g = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(8))
+            tag = f"rank {rank}/{world} {dtype}"
+
+            # Row-parallel == tree_linear (8 leaves), forward and backward.
+            def one_row(x, w, b):
+                return P.tree_linear(x, w, b, leaves=8)
+
+            def tp_row(xs, ws, b):
+                return P.row_parallel_linear(xs, ws, b, leaves=8)
+
+            row_in = (sh(x, -1), sh(w, 1), b)
+            if backward:
+                y1, (dx1, dw1, db1) = _grads(one_row, (x, w, b), g)
+                yt, (dxt, dwt, dbt) = _grads(tp_row, row_in, g)
+                assert torch.equal(dxt, sh(dx1, -1)), f"{tag}: row-parallel dX"
+                assert torch.equal(dwt, sh(dw1, 1)), f"{tag}: row-parallel dW"
+                assert torch.equal(dbt, db1), f"{tag}: row-parallel dbias"
+            else:
+                y1, yt = one_row(x, w, b), tp_row(*row_in)
+            assert torch.equal(yt, y1), f"{tag}: row-parallel forward"
+            # bf16 outputs rarely show a last-bit change of the fp32 sum (at these sizes never),
+            # so compare the fp32 root too: the rank's subtree, gathered and topped by the tree.
+            from rlk_triton import tree_gemm
+            from rlk_triton.backend import default_table
+
+            xr, xs = x.reshape(-1, 64), sh(x, -1).reshape(-1, 64 // world)
+            root1 = tree_gemm.subtree_sum(xr, w, 8, table=default_table())
+            local = tree_gemm.subtree_sum(xs, sh(w, 1), 8 // world, table=default_table())
+            parts = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(parts, local)
+            assert torch.equal(tree_gemm.tree_combine(parts), root1), f"{tag}: fp32 root"
+            if dtype == torch.float32:
+                # Negative control: a stock all-reduce of the ranks' plain linears differs, so
+                # the equalities above are not vacuous at this size.
+                stock = rlk.linear(*row_in[:2])
+                dist.all_reduce(stock)
+                assert not torch.equal(stock + b, y1), f"{tag}: stock all-reduce agreed"
+
+            # Column-parallel == column_tree_linear / rlk.linear, forward and backward.
+            def one_col(x, w, b):
+                return P.column_tree_linear(x, w, b, leaves=8)
+
+            def tp_col(x, ws, bs):
+                return P.column_parallel_linear(x, ws, bs, leaves=8, gather_output=True)
+
+            col_in = (x, sh(w, 0), sh(b, 0))
+            if backward:
+                y1, (dx1, dw1, db1) = _grads(one_col, (x, w, b), g)
+                yt, (dxt, dwt, dbt) = _grads(tp_col, col_in, g)
+                assert torch.equal(dxt, dx1), f"{tag}: column-parallel dX"
+                assert torch.equal(dwt, sh(dw1, 0)), f"{tag}: column-parallel dW"
+                assert torch.equal(dbt, sh(db1, 0)), f"{tag}: column-parallel dbias"
+            else:
+                y1, yt = one_col(x, w, b), tp_col(*col_in)
+            assert torch.equal(yt, y1), f"{tag}: column-parallel forward"
+            local = P.column_parallel_linear(x, sh(w, 0), sh(b, 0), leaves=8)
+            assert torch.equal(local, sh(rlk.linear(x, w, b), -1)), f"{tag}: column slice"
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world, dtypes, backward):
+    init_file = tmp_path / f"pg_{world}"
+    mp.spawn(_worker, args=(world, str(init_file), dtypes, backward), nprocs=world, join=True)
+
+
+def test_tp2_equals_one_device(tmp_path):
+    _spawn(tmp_path, 2, DTYPES, backward=True)
+
+
+def test_tp4_equals_one_device(tmp_path):
+    _spawn(tmp_path, 4, (torch.float32,), backward=False)
