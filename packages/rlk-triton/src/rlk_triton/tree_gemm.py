@@ -19,10 +19,12 @@ give the single-process bits (``rlk.parallel.row_parallel_linear``). The fp32 ad
 torch adds: IEEE addition is correctly rounded (and commutative), so any device adds the same
 two fp32 numbers to the same bits.
 
-Backward needs no tree: dX = dY @ W reduces over N, which no rank splits, so each K-column of
-dX is computed from that column of W alone, and dW = dY.T @ X is per (n, k). Both are the
-plain batch-invariant GEMM of ``linear``, and a rank's K-slice of them equals the slice of the
-single-process gradient.
+Backward of ``tree_linear`` needs no tree: dX = dY @ W reduces N, which no rank of a
+row-parallel layer splits, so each K-column of dX depends on that column of W alone, and
+dW = dY.T @ X is per (n, k). Both are the plain batch-invariant GEMM of ``linear``, and a rank's
+K-slice of them equals the slice of the single-process gradient. A column-parallel layer splits
+N, so its dX is a sum over ranks: ``column_tree_linear`` keeps ``linear``'s forward and reduces
+dX's N by the leaf tree (:func:`tree_matmul`).
 
 Cost: the partials are fp32 ``[M, N]`` tensors written and read back (at most
 ``log2(leaves) + 1`` alive at a time); see docs/parallel.md.
