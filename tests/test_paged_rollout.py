@@ -159,3 +159,17 @@ def test_gpu_paged_equals_padded_and_training(name):
         f"{name}: padded {pad.new_tokens / pad.seconds:.0f} tok/s, "
         f"paged {ro.new_tokens / ro.seconds:.0f} tok/s"
     )
+
+
+def test_consistency_cli_paged_row_zero(tmp_path):
+    import json
+
+    from rlk import cli
+
+    out = tmp_path / "c.json"
+    argv = ["consistency", "--prompts", "3", "--new-tokens", "3", "--micro-batch", "2"]
+    argv += ["--rollout-mode", "paged", "--page-size", "4", "--max-batch", "2"]
+    assert cli.main([*argv, "--json", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["side"], r["rollout_mode"]) for r in rows] == [("stock", "padded"), ("rlk", "paged")]
+    assert rows[1]["tokens"] == 9 and rows[1]["max_abs_dlogp"] == 0.0

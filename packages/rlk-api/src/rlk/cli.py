@@ -153,6 +153,11 @@ def _cmd_consistency(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         device=args.device,
         dtype=getattr(torch, args.dtype),
+        rollout_modes=consistency.ROLLOUT_MODES
+        if args.rollout_mode == "both"
+        else (args.rollout_mode,),
+        page_size=args.page_size,
+        max_batch=args.max_batch,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
     print(consistency.format_table(report))
@@ -197,6 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
     pk.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     pk.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    pk.add_argument(
+        "--rollout-mode",
+        default="both",
+        choices=("padded", "paged", "both"),
+        help="rlk rollout: left-padded batch, paged KV cache with continuous batching, or a row "
+        "for each (default: both; the stock side is always padded)",
+    )
+    pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
+    pk.add_argument(
+        "--max-batch", type=int, default=None, help="paged mode: running requests (default: all)"
+    )
     pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     pk.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -10,6 +10,11 @@ another composition (another order and size) with gradients on, and runs backwar
 - rlk: the model patched by :func:`rlk.integrations.transformers.patch_model`, ``rlk.sample``
   and ``rlk.logprobs`` in the rollout, ``rlk.linear_logprobs`` in training.
 
+Rollout modes (``rollout_modes``/``--rollout-mode``): ``padded`` is the left-padded batch above;
+``paged`` is :func:`rlk.integrations.paged.generate_paged` (paged KV cache, continuous batching,
+``rlk.paged_attention``), rlk only: the stock side always runs the padded batch. The rlk side
+gets one row per mode, each with its own rollout and training recompute.
+
 The report has one row per side: tokens compared, max and mean ``|dlogp|``, the fraction of
 tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
 rollout and training (forward + backward) tokens per second.
@@ -28,11 +33,13 @@ from typing import Any
 import torch
 
 SIDES = ("stock", "rlk")
+ROLLOUT_MODES = ("padded", "paged")
 
 
 @dataclass
 class SideResult:
     side: str
+    rollout_mode: str
     tokens: int
     max_abs_dlogp: float
     mean_abs_dlogp: float
@@ -78,26 +85,49 @@ def run_side(
     micro_batch: int,
     seed: int = 0,
     temperature: float = 1.0,
+    rollout_mode: str = "padded",
+    page_size: int = 16,
+    max_batch: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
-    unpatched by the caller to match ``side``."""
-    from rlk.integrations import rollout, training
+    unpatched by the caller to match ``side``. ``rollout_mode="paged"`` (rlk only) samples with
+    continuous batching on a paged KV cache of ``page_size`` tokens per page, at most
+    ``max_batch`` requests at once (default: all)."""
+    from rlk.integrations import paged, rollout, training
+
+    if rollout_mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
 
     use_rlk = side == "rlk"
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
-    say(f"[{side}] rollout: {len(prompts)} prompts x {new_tokens} new tokens")
-    ro = rollout.generate(
-        model,
-        prompts,
-        new_tokens,
-        seeds=seeds,
-        temperature=temperature,
-        sampler="rlk" if use_rlk else "torch",
-        progress=progress,
-    )
+    say(f"[{side}] {rollout_mode} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
+    if rollout_mode == "paged":
+        if not use_rlk:
+            raise ValueError("the paged rollout mode runs on rlk only (the stock side is padded)")
+        ro = paged.generate_paged(
+            model,
+            prompts,
+            new_tokens,
+            seeds=seeds,
+            temperature=temperature,
+            page_size=page_size,
+            max_batch=max_batch or max(1, len(prompts)),
+            max_step_tokens=max(2048, max_batch or len(prompts)),
+            progress=progress,
+        )
+    else:
+        ro = rollout.generate(
+            model,
+            prompts,
+            new_tokens,
+            seeds=seeds,
+            temperature=temperature,
+            sampler="rlk" if use_rlk else "torch",
+            progress=progress,
+        )
     # Training sees the samples in another order and another batch composition.
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     groups = training.micro_batches(len(prompts), micro_batch, order)
@@ -128,6 +158,7 @@ def run_side(
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
     return SideResult(
         side=side,
+        rollout_mode=rollout_mode,
         rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
         train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
         **m,
@@ -148,9 +179,14 @@ def run(
     dtype: torch.dtype = torch.bfloat16,
     warmup: bool | None = None,
     sides: tuple[str, ...] = SIDES,
+    rollout_modes: tuple[str, ...] = ROLLOUT_MODES,
+    page_size: int = 16,
+    max_batch: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run both sides on one model; returns the report (``rows`` holds a dict per side)."""
+    """Run both sides on one model; returns the report (``rows`` holds a dict per side and
+    rollout mode: the stock side once, padded; the rlk side once per mode of
+    ``rollout_modes``)."""
     import rlk
     from rlk.integrations import models
     from rlk.integrations.transformers import patch_model, unpatch_model
@@ -172,21 +208,24 @@ def run(
                 chosen = rlk.current_backend(dev.type)
             else:
                 unpatch_model(model)
-            if warmup:
-                say(f"[{side}] warm-up")
-                run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7)
-            rows.append(
-                run_side(
-                    side,
-                    model,
-                    batch,
-                    new_tokens,
-                    micro_batch=micro_batch,
-                    seed=seed,
-                    temperature=temperature,
-                    progress=say,
+            for mode in rollout_modes if side == "rlk" else ("padded",):
+                kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
+                if warmup:
+                    say(f"[{side}] warm-up")
+                    run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **kw)
+                rows.append(
+                    run_side(
+                        side,
+                        model,
+                        batch,
+                        new_tokens,
+                        micro_batch=micro_batch,
+                        seed=seed,
+                        temperature=temperature,
+                        progress=say,
+                        **kw,
+                    )
                 )
-            )
     unpatch_model(model)
     return {
         "model": model_name,
@@ -198,6 +237,9 @@ def run(
         "new_tokens": new_tokens,
         "prompt_len": list(prompt_len),
         "micro_batch": micro_batch,
+        "rollout_modes": list(rollout_modes),
+        "page_size": page_size,
+        "max_batch": max_batch,
         "seed": seed,
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
@@ -219,13 +261,15 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['new_tokens']} new tokens, training micro-batches of {report['micro_batch']}"
     )
     cols = (
-        f"{'side':<6} {'tokens':>7} {'max|dlogp|':>11} {'mean|dlogp|':>12} {'differ':>7} "
+        f"{'side':<6} {'rollout':<7} {'tokens':>7} {'max|dlogp|':>11} {'mean|dlogp|':>12} "
+        f"{'differ':>7} "
         f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
     )
     lines = [head, cols, "-" * len(cols)]
     for r in report["rows"]:
         lines.append(
-            f"{r['side']:<6} {r['tokens']:>7d} {_num(r['max_abs_dlogp']):>11} "
+            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<7} {r['tokens']:>7d} "
+            f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
         )
