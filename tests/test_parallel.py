@@ -228,3 +228,32 @@ def test_tp2_equals_one_device(tmp_path):
 
 def test_tp4_equals_one_device(tmp_path):
     _spawn(tmp_path, 4, (torch.float32,), backward=False)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (one device; the ranks simulated by contiguous shards)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("M", [1, 64, 512])
+def test_gpu_shards_equal_one_device(M):
+    # What TP relies on, at a real size (Qwen2-0.5B down_proj): a rank's contiguous K-shard
+    # gives the same fp32 subtree bits as the strided leaves of the full input, and rows are
+    # batch-invariant. The ranks are simulated on one GPU (no NCCL here).
+    from rlk_triton import tree_gemm
+
+    x, w, b = (t.cuda() for t in _inputs(512, 4864, 896, torch.bfloat16, seed=5))
+    x = x[:M].contiguous()
+    table = P._tree_backend(x.device, "test")
+    full = P.tree_linear(x, w, b, leaves=8)
+    assert torch.equal(P.tree_linear(x[:1], w, b, leaves=8), full[:1])
+    for t in (2, 4, 8):
+        parts = [
+            tree_gemm.subtree_sum(P.shard(x, 1, rank=r, world_size=t),
+                                  P.shard(w, 1, rank=r, world_size=t), 8 // t, table=table)
+            for r in range(t)
+        ]  # fmt: skip
+        y = tree_gemm.finish(tree_gemm.tree_combine(parts), b, x.dtype)
+        assert torch.equal(y, full), f"TP={t} shards differ from one device"
