@@ -4,6 +4,8 @@
   of its decoder runs through rlk (``patch_model`` / ``unpatch_model``).
 - :mod:`rlk.integrations.rollout`: batched generation with ``rlk.sample`` and the rollout's
   log-probabilities.
+- :mod:`rlk.integrations.paged`: the same rollout with continuous batching on a paged KV cache
+  (``generate_paged``, attention by ``rlk.paged_attention``); the same bits as the padded batch.
 - :mod:`rlk.integrations.training`: recompute the same log-probabilities in packed micro-batches
   with ``rlk.linear_logprobs``, and a GRPO step.
 - :mod:`rlk.integrations.models`: built-in random-init configs (``tiny``, ``qwen2-0.5b``, ...).

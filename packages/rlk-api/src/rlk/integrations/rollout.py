@@ -7,6 +7,9 @@ the RNG offset, and its log-probability is :func:`rlk.logprobs` of the same logi
 request's tokens and log-probabilities do not depend on the rest of the batch (when the model is
 patched with :func:`rlk.integrations.transformers.patch_model`). ``sampler="torch"`` is the
 stock path: softmax + ``torch.multinomial`` and ``log_softmax`` in fp32.
+
+The other rollout mode, continuous batching on a paged KV cache, is
+:func:`rlk.integrations.paged.generate_paged` (rlk only; same samples, same bits).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ weight copies, the state dict is unchanged) so that:
   (``position_ids`` that restart, or ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs) and the
   dynamic / static KV caches (the cache's update returns all the keys; the new queries are a
   sequence's last tokens, rlk.attention's bottom-right convention).
+- a :class:`rlk.integrations.paged.PagedKVCache` passed as ``past_key_values`` takes the
+  attention over instead: one packed ``[1, T]`` row, K/V written into its pages,
+  :func:`rlk.paged_attention` (the continuous-batching rollout drives it).
 
 The residual add at the end of a decoder layer stays a plain elementwise ``torch`` add (it is
 batch-invariant by nature). Embedding lookups stay ``nn.Embedding`` (a gather).
