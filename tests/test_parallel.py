@@ -8,12 +8,10 @@ kernels run under Triton's interpreter here.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from parallel_workers import _inputs, _worker
 
 import rlk
 import rlk.parallel as P
@@ -21,14 +19,6 @@ import rlk.parallel as P
 DTYPES = (torch.bfloat16, torch.float32)
 # Max error vs float64 relative to the output's RMS (rounding of the output dominates).
 TOL = {torch.bfloat16: 2e-2, torch.float32: 2e-5}
-
-
-def _inputs(M, K, N, dtype, seed=0, lead=()):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*lead, M, K, generator=g).to(dtype)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
-    b = torch.randn(N, generator=g).to(dtype)
-    return x, w, b
 
 
 def _rel_err(y, ref):
@@ -140,81 +130,6 @@ def test_no_process_group_is_one_rank():
 # --------------------------------------------------------------------------------------------
 # gloo, several processes
 # --------------------------------------------------------------------------------------------
-
-
-def _grads(fn, tensors, g):
-    ts = [t.clone().requires_grad_(True) for t in tensors]
-    y = fn(*ts)
-    (y.float() * g.float()).sum().backward()
-    return y.detach(), [t.grad for t in ts]
-
-
-def _worker(rank, world, init_file, dtypes, backward):
-    os.environ.setdefault("RLK_BACKEND", "triton")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        sh = lambda t, d: P.shard(t, d, rank=rank, world_size=world)  # noqa: E731
-        for dtype in dtypes:
-            x, w, b = _inputs(3, 64, 32, dtype, seed=7, lead=(1,))
-            g = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(8))
-            tag = f"rank {rank}/{world} {dtype}"
-
-            # Row-parallel == tree_linear (8 leaves), forward and backward.
-            def one_row(x, w, b):
-                return P.tree_linear(x, w, b, leaves=8)
-
-            def tp_row(xs, ws, b):
-                return P.row_parallel_linear(xs, ws, b, leaves=8)
-
-            row_in = (sh(x, -1), sh(w, 1), b)
-            if backward:
-                y1, (dx1, dw1, db1) = _grads(one_row, (x, w, b), g)
-                yt, (dxt, dwt, dbt) = _grads(tp_row, row_in, g)
-                assert torch.equal(dxt, sh(dx1, -1)), f"{tag}: row-parallel dX"
-                assert torch.equal(dwt, sh(dw1, 1)), f"{tag}: row-parallel dW"
-                assert torch.equal(dbt, db1), f"{tag}: row-parallel dbias"
-            else:
-                y1, yt = one_row(x, w, b), tp_row(*row_in)
-            assert torch.equal(yt, y1), f"{tag}: row-parallel forward"
-            # bf16 outputs rarely show a last-bit change of the fp32 sum (at these sizes never),
-            # so compare the fp32 root too: the rank's subtree, gathered and topped by the tree.
-            from rlk_triton import tree_gemm
-            from rlk_triton.backend import default_table
-
-            xr, xs = x.reshape(-1, 64), sh(x, -1).reshape(-1, 64 // world)
-            root1 = tree_gemm.subtree_sum(xr, w, 8, table=default_table())
-            local = tree_gemm.subtree_sum(xs, sh(w, 1), 8 // world, table=default_table())
-            parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local)
-            assert torch.equal(tree_gemm.tree_combine(parts), root1), f"{tag}: fp32 root"
-            if dtype == torch.float32:
-                # Negative control: a stock all-reduce of the ranks' plain linears differs, so
-                # the equalities above are not vacuous at this size.
-                stock = rlk.linear(*row_in[:2])
-                dist.all_reduce(stock)
-                assert not torch.equal(stock + b, y1), f"{tag}: stock all-reduce agreed"
-
-            # Column-parallel == column_tree_linear / rlk.linear, forward and backward.
-            def one_col(x, w, b):
-                return P.column_tree_linear(x, w, b, leaves=8)
-
-            def tp_col(x, ws, bs):
-                return P.column_parallel_linear(x, ws, bs, leaves=8, gather_output=True)
-
-            col_in = (x, sh(w, 0), sh(b, 0))
-            if backward:
-                y1, (dx1, dw1, db1) = _grads(one_col, (x, w, b), g)
-                yt, (dxt, dwt, dbt) = _grads(tp_col, col_in, g)
-                assert torch.equal(dxt, dx1), f"{tag}: column-parallel dX"
-                assert torch.equal(dwt, sh(dw1, 0)), f"{tag}: column-parallel dW"
-                assert torch.equal(dbt, sh(db1, 0)), f"{tag}: column-parallel dbias"
-            else:
-                y1, yt = one_col(x, w, b), tp_col(*col_in)
-            assert torch.equal(yt, y1), f"{tag}: column-parallel forward"
-            local = P.column_parallel_linear(x, sh(w, 0), sh(b, 0), leaves=8)
-            assert torch.equal(local, sh(rlk.linear(x, w, b), -1)), f"{tag}: column slice"
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(tmp_path, world, dtypes, backward):
