@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rlk", description="Deterministic, batch-invariant ops for RL."
     )
+    from rlk import __version__
+
+    p.add_argument("--version", action="version", version=f"rlk {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info", help="installed backends, availability, selection, versions")
     pi.add_argument("--json", action="store_true", help="machine-readable output")
