@@ -34,7 +34,7 @@ def _install(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit, cross-package and conformance tests on CPU (Triton kernels under the interpreter)."""
-    _install(session, "transformers", "pytest", "pytest-xdist")
+    _install(session, "transformers", "megatron-core", "pytest", "pytest-xdist")
     session.run("rlk", "info")
     session.run(
         "pytest",
