@@ -520,7 +520,10 @@ def _make_mlp():
 
     class RlkMLP(MLP):
         """Megatron's ``MLP`` with the gated activation on :func:`rlk.silu_and_mul` (fc1's
-        output is ``[gate | up]`` on each rank, Megatron's own layout)."""
+        output is ``[gate | up]`` on each rank, Megatron's own layout).
+
+        mcore API (0.16): ``TransformerLayer`` passes ``tp_group`` only to the exact ``MLP``
+        class, so this subclass takes Megatron's default TP group (parallel_state)."""
 
         def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
             h, bias = self.linear_fc1(hidden_states)
