@@ -158,6 +158,8 @@ def _cmd_consistency(args: argparse.Namespace) -> int:
         else (args.rollout_mode,),
         page_size=args.page_size,
         max_batch=args.max_batch,
+        train_engine=args.train_engine,
+        leaves=args.leaves,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
     print(consistency.format_table(report))
@@ -215,6 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
     pk.add_argument(
         "--max-batch", type=int, default=None, help="paged mode: running requests (default: all)"
+    )
+    pk.add_argument(
+        "--train-engine",
+        default="transformers",
+        choices=("transformers", "megatron"),
+        help="training recompute of the rlk rows: the transformers integration or Megatron-core's "
+        "GPTModel with rlk's layer spec (default: transformers; the stock row is always stock "
+        "transformers)",
+    )
+    pk.add_argument(
+        "--leaves",
+        type=int,
+        default=None,
+        help="rlk side: o_proj/down_proj (and Megatron's parallel linears) on the tree-ordered "
+        "linear with this many K-leaves, a power of two (default: plain rlk.linear)",
     )
     pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")

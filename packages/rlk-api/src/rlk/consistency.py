@@ -15,6 +15,17 @@ Rollout modes (``rollout_modes``/``--rollout-mode``): ``padded`` is the left-pad
 ``rlk.paged_attention``), rlk only: the stock side always runs the padded batch. The rlk side
 gets one row per mode, each with its own rollout and training recompute.
 
+Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
+same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
+``GPTModel`` built with rlk's layer spec (:mod:`rlk.integrations.megatron`, weights converted by
+``hf_to_megatron``; Megatron's process groups are set up in this process and torn down after),
+while the rollout stays transformers + rlk. The stock row always trains with stock transformers.
+
+``leaves`` (``--leaves N``): the rlk side runs ``o_proj``/``down_proj`` (the row-parallel
+linears) on :func:`rlk.parallel.tree_linear` with ``N`` K-leaves in the rollout and the
+transformers recompute, and Megatron's row/column-parallel linears on :mod:`rlk.parallel`'s
+tree-ordered linears with the same ``N``: the bits that tensor parallelism keeps.
+
 The report has one row per side: tokens compared, max and mean ``|dlogp|``, the fraction of
 tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
 rollout and training (forward + backward) tokens per second.
@@ -34,12 +45,14 @@ import torch
 
 SIDES = ("stock", "rlk")
 ROLLOUT_MODES = ("padded", "paged")
+TRAIN_ENGINES = ("transformers", "megatron")
 
 
 @dataclass
 class SideResult:
     side: str
     rollout_mode: str
+    train_engine: str
     tokens: int
     max_abs_dlogp: float
     mean_abs_dlogp: float
@@ -88,18 +101,25 @@ def run_side(
     rollout_mode: str = "padded",
     page_size: int = 16,
     max_batch: int | None = None,
+    train_model: torch.nn.Module | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
     unpatched by the caller to match ``side``. ``rollout_mode="paged"`` (rlk only) samples with
     continuous batching on a paged KV cache of ``page_size`` tokens per page, at most
-    ``max_batch`` requests at once (default: all)."""
+    ``max_batch`` requests at once (default: all). ``train_model``: an rlk Megatron
+    ``GPTModel`` with ``model``'s weights (rlk only) that does the training recompute instead
+    of ``model``."""
     from rlk.integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
 
     use_rlk = side == "rlk"
+    if train_model is not None and not use_rlk:
+        raise ValueError("the Megatron training recompute runs on rlk only")
+    trainer = model if train_model is None else train_model
+    engine = "transformers" if train_model is None else "megatron"
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
@@ -131,8 +151,11 @@ def run_side(
     # Training sees the samples in another order and another batch composition.
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     groups = training.micro_batches(len(prompts), micro_batch, order)
-    say(f"[{side}] training: {len(groups)} packed micro-batches of <= {micro_batch} sequences")
-    model.zero_grad(set_to_none=True)
+    say(
+        f"[{side}] training ({engine}): {len(groups)} packed micro-batches of <= {micro_batch} "
+        "sequences"
+    )
+    trainer.zero_grad(set_to_none=True)
     train_lps: list[torch.Tensor | None] = [None] * len(prompts)
     train_tokens = 0
     _sync(device)
@@ -140,13 +163,20 @@ def run_side(
     with torch.enable_grad():
         for group in groups:
             batch = [ro.samples[i] for i in group]
-            lps = training.packed_logprobs(
-                model,
-                batch,
-                temperature=temperature,
-                use_rlk=use_rlk,
-                logits_dtype=ro.logits_dtype,
-            )
+            if train_model is None:
+                lps = training.packed_logprobs(
+                    model,
+                    batch,
+                    temperature=temperature,
+                    use_rlk=use_rlk,
+                    logits_dtype=ro.logits_dtype,
+                )
+            else:
+                from rlk.integrations import megatron
+
+                lps = megatron.packed_logprobs(
+                    train_model, batch, temperature=temperature, logits_dtype=ro.logits_dtype
+                )
             loss = -torch.cat(lps).sum() / max(ro.new_tokens, 1)
             loss.backward()
             train_tokens += sum(len(s.tokens) for s in batch)
@@ -154,11 +184,12 @@ def run_side(
                 train_lps[i] = lp.detach()
     _sync(device)
     train_s = time.perf_counter() - start
-    model.zero_grad(set_to_none=True)
+    trainer.zero_grad(set_to_none=True)
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
     return SideResult(
         side=side,
         rollout_mode=rollout_mode,
+        train_engine=engine,
         rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
         train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
         **m,
@@ -182,11 +213,69 @@ def run(
     rollout_modes: tuple[str, ...] = ROLLOUT_MODES,
     page_size: int = 16,
     max_batch: int | None = None,
+    train_engine: str = "transformers",
+    leaves: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both sides on one model; returns the report (``rows`` holds a dict per side and
     rollout mode: the stock side once, padded; the rlk side once per mode of
-    ``rollout_modes``)."""
+    ``rollout_modes``). ``train_engine="megatron"``: the rlk side's training recompute runs in
+    Megatron-core (see the module docstring); ``leaves``: tree-ordered row-parallel linears on
+    the rlk side."""
+    if train_engine not in TRAIN_ENGINES:
+        raise ValueError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
+    teardown = None
+    if train_engine == "megatron" and "rlk" in sides:
+        from rlk.integrations import megatron
+
+        teardown = megatron.init_single_process()
+    try:
+        return _run(
+            model_name,
+            backend=backend,
+            prompts=prompts,
+            new_tokens=new_tokens,
+            prompt_len=prompt_len,
+            micro_batch=micro_batch,
+            seed=seed,
+            temperature=temperature,
+            device=device,
+            dtype=dtype,
+            warmup=warmup,
+            sides=sides,
+            rollout_modes=rollout_modes,
+            page_size=page_size,
+            max_batch=max_batch,
+            train_engine=train_engine,
+            leaves=leaves,
+            progress=progress,
+        )
+    finally:
+        if teardown is not None:
+            teardown()
+
+
+def _run(
+    model_name: str,
+    *,
+    backend: str | None,
+    prompts: int,
+    new_tokens: int,
+    prompt_len: tuple[int, int],
+    micro_batch: int,
+    seed: int,
+    temperature: float,
+    device: str | None,
+    dtype: torch.dtype,
+    warmup: bool | None,
+    sides: tuple[str, ...],
+    rollout_modes: tuple[str, ...],
+    page_size: int,
+    max_batch: int | None,
+    train_engine: str,
+    leaves: int | None,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
     import rlk
     from rlk.integrations import models
     from rlk.integrations.transformers import patch_model, unpatch_model
@@ -198,18 +287,28 @@ def run(
     model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
     vocab = model.config.vocab_size
     batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
+    train_model = None
+    if train_engine == "megatron" and "rlk" in sides:
+        from rlk.integrations import megatron
+
+        say(f"building the Megatron-core GPTModel (rlk spec, leaves={leaves})")
+        train_model = megatron.build_gpt_model(model.config, dtype=dtype, leaves=leaves)
+        megatron.load_hf_weights(train_model, model.state_dict(), model.config)
+        train_model.to(dev)
     rows = []
     chosen = None
     for side in sides:
         ctx = rlk.use_backend(backend) if (side == "rlk" and backend) else contextlib.nullcontext()
         with ctx:
             if side == "rlk":
-                patch_model(model)
+                patch_model(model, leaves=leaves)
                 chosen = rlk.current_backend(dev.type)
             else:
                 unpatch_model(model)
             for mode in rollout_modes if side == "rlk" else ("padded",):
                 kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
+                if side == "rlk":
+                    kw["train_model"] = train_model
                 if warmup:
                     say(f"[{side}] warm-up")
                     run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **kw)
@@ -240,6 +339,8 @@ def run(
         "rollout_modes": list(rollout_modes),
         "page_size": page_size,
         "max_batch": max_batch,
+        "train_engine": train_engine,
+        "leaves": leaves,
         "seed": seed,
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
@@ -260,15 +361,27 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['device']}, rlk backend {report['backend']}; {report['prompts']} prompts x "
         f"{report['new_tokens']} new tokens, training micro-batches of {report['micro_batch']}"
     )
+    engine = report.get("train_engine", "transformers")
+    leaves = report.get("leaves")
+    notes = []
+    if engine != "transformers":
+        notes.append(
+            f"rlk rows: rollout transformers + rlk, training {engine}-core + rlk; "
+            "the stock row is stock transformers on both sides"
+        )
+    if leaves:
+        notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
     cols = (
-        f"{'side':<6} {'rollout':<7} {'tokens':>7} {'max|dlogp|':>11} {'mean|dlogp|':>12} "
+        f"{'side':<6} {'rollout':<7} {'train':<12} {'tokens':>7} {'max|dlogp|':>11} "
+        f"{'mean|dlogp|':>12} "
         f"{'differ':>7} "
         f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
     )
-    lines = [head, cols, "-" * len(cols)]
+    lines = [head, *notes, cols, "-" * len(cols)]
     for r in report["rows"]:
         lines.append(
-            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<7} {r['tokens']:>7d} "
+            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<7} "
+            f"{r.get('train_engine', 'transformers'):<12} {r['tokens']:>7d} "
             f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"

@@ -40,7 +40,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +53,69 @@ import rlk.parallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------
+
+
+def _import_quietly(name: str) -> Any:
+    """Import a Megatron module without its "Transformer Engine and Apex are not installed"
+    warnings (the local spec used here needs neither)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+        return importlib.import_module(name)
+
+
+def init_model_parallel(tensor_parallel: int = 1) -> Callable[[], None]:
+    """Set up Megatron's model-parallel state (tensor parallelism ``tensor_parallel``, no
+    pipeline) and its RNG tracker; returns the teardown function.
+
+    Without an initialised ``torch.distributed`` (one process) it first makes a 1-rank gloo
+    group (file rendezvous), which the teardown destroys; with one (the caller's TP workers) it
+    uses it and leaves it alone. Dropout is 0 in :func:`megatron_config`, so the tracker is
+    Megatron's inference tracker (its fork is a no-op and needs no CUDA RNG).
+    """
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    ps = _import_quietly("megatron.core.parallel_state")
+    mrandom = _import_quietly("megatron.core.tensor_parallel.random")
+    path = None
+    if not dist.is_initialized():
+        if tensor_parallel != 1:
+            raise ValueError(
+                f"tensor_parallel = {tensor_parallel} needs torch.distributed initialised by "
+                "the caller (one process per rank)"
+            )
+        fd, path = tempfile.mkstemp(prefix="rlk-megatron-")
+        os.close(fd)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def teardown() -> None:
+        ps.destroy_model_parallel()
+        # mcore API: no public reset; the next initialize_rng_tracker builds a fresh one.
+        mrandom._CUDA_RNG_STATE_TRACKER = None
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        if path is not None:
+            dist.destroy_process_group()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    return teardown
+
+
+def init_single_process() -> Callable[[], None]:
+    """:func:`init_model_parallel` at TP=1 in this process alone (a 1-rank gloo group unless
+    ``torch.distributed`` is already initialised); returns the teardown function."""
+    return init_model_parallel(1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,6 +823,8 @@ __all__ = [
     "build_gpt_model",
     "hf_to_megatron",
     "hidden_states",
+    "init_model_parallel",
+    "init_single_process",
     "layer_spec",
     "load_hf_weights",
     "megatron_config",

@@ -49,6 +49,9 @@ ATTN_NAME = "rlk"
 # Positions per chunk of the rotary table: a chunk is always computed with this shape, so the
 # cos/sin of a position are the same bits whatever the longest sequence seen so far.
 ROTARY_CHUNK = 1024
+# The linears that are row-parallel under tensor parallelism (K split over the ranks): the ones
+# patch_model(leaves=...) runs on rlk.parallel.tree_linear.
+ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,6 +192,12 @@ def _register_attention() -> None:
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return rlk.linear(x.contiguous(), self.weight, self.bias)
+
+
+def _tree_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    import rlk.parallel
+
+    return rlk.parallel.tree_linear(x.contiguous(), self.weight, self.bias, leaves=self._rlk_leaves)
 
 
 def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -339,22 +348,44 @@ def _bind(module: nn.Module, fn: Any, patched: list[nn.Module]) -> None:
     patched.append(module)
 
 
-def patch_model(model: nn.Module) -> nn.Module:
+def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (or
-    its base model) run every decoder op on rlk. In place; returns ``model``. Idempotent.
+    its base model) run every decoder op on rlk. In place; returns ``model``. Idempotent
+    (patching again with other ``leaves`` raises).
+
+    ``leaves``: None runs every linear on :func:`rlk.linear`. A power of two runs ``o_proj``
+    and ``down_proj`` (the row-parallel layers under tensor parallelism) on
+    :func:`rlk.parallel.tree_linear` with that many K-leaves, whose bits are those of
+    :func:`rlk.parallel.row_parallel_linear` at any power-of-two TP size dividing ``leaves``
+    (e.g. Megatron's :func:`rlk.integrations.megatron.build_gpt_model` with the same
+    ``leaves``). It must divide those layers' input sizes; it needs a backend with the
+    tree-ordered GEMM (triton, cuda, rocm).
 
     Works with ``model(...)``, ``model.generate(...)`` and transformers' dynamic and static KV
     caches; inputs may be padded (``attention_mask``) or packed (``position_ids`` restarting at
     0 in a ``[1, T]`` row). Undo with :func:`unpatch_model`.
     """
     if getattr(model, "_rlk_patched", None) is not None:
+        if getattr(model, "_rlk_leaves", None) != leaves:
+            raise ValueError(
+                f"model already patched with leaves={model._rlk_leaves}; unpatch_model first"
+            )
         return model
     _check_supported(model)
+    if leaves is not None:
+        import rlk.parallel
+
+        leaves = rlk.parallel._leaves(leaves)
     _register_attention()
     patched: list[nn.Module] = []
-    for module in model.modules():
+    for path, module in model.named_modules():
         name = type(module).__name__
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
+            if module.in_features % leaves:
+                raise ValueError(f"leaves = {leaves} must divide {path}'s K = {module.in_features}")
+            module._rlk_leaves = leaves
+            _bind(module, _tree_linear_forward, patched)
+        elif isinstance(module, nn.Linear):
             _bind(module, _linear_forward, patched)
         elif name.endswith("RMSNorm"):
             _bind(module, _rms_norm_forward, patched)
@@ -368,6 +399,7 @@ def patch_model(model: nn.Module) -> nn.Module:
         elif name.endswith("DecoderLayer"):
             _bind(module, _decoder_layer_forward, patched)
     model._rlk_patched = (patched, model.config._attn_implementation)
+    model._rlk_leaves = leaves
     model.config._attn_implementation = ATTN_NAME
     return model
 
@@ -382,8 +414,11 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         del module.forward
         if hasattr(module, "_rlk_table"):
             del module._rlk_table
+        if hasattr(module, "_rlk_leaves"):
+            del module._rlk_leaves
     model.config._attn_implementation = attn_impl
     model._rlk_patched = None
+    model._rlk_leaves = None
     return model
 
 
