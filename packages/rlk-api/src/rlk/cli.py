@@ -160,6 +160,7 @@ def _cmd_consistency(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         train_engine=args.train_engine,
         leaves=args.leaves,
+        train_tp=args.train_tp,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
     print(consistency.format_table(report))
@@ -232,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="rlk side: o_proj/down_proj (and Megatron's parallel linears) on the tree-ordered "
         "linear with this many K-leaves, a power of two (default: plain rlk.linear)",
+    )
+    pk.add_argument(
+        "--train-tp",
+        type=int,
+        default=1,
+        help="megatron engine: tensor-parallel size of the training recompute; > 1 spawns that "
+        "many gloo processes (CPU) and needs --leaves (default: 1)",
     )
     pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")

@@ -102,6 +102,7 @@ def run_side(
     page_size: int = 16,
     max_batch: int | None = None,
     train_model: torch.nn.Module | None = None,
+    recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
@@ -109,17 +110,18 @@ def run_side(
     continuous batching on a paged KV cache of ``page_size`` tokens per page, at most
     ``max_batch`` requests at once (default: all). ``train_model``: an rlk Megatron
     ``GPTModel`` with ``model``'s weights (rlk only) that does the training recompute instead
-    of ``model``."""
+    of ``model``. ``recompute(samples, groups, temperature, logits_dtype) -> (log-probs per
+    sample, seconds)``: a training recompute done elsewhere (Megatron's TP ranks), rlk only."""
     from rlk.integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
 
     use_rlk = side == "rlk"
-    if train_model is not None and not use_rlk:
+    if (train_model is not None or recompute is not None) and not use_rlk:
         raise ValueError("the Megatron training recompute runs on rlk only")
     trainer = model if train_model is None else train_model
-    engine = "transformers" if train_model is None else "megatron"
+    engine = "transformers" if train_model is None and recompute is None else "megatron"
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
@@ -155,8 +157,31 @@ def run_side(
         f"[{side}] training ({engine}): {len(groups)} packed micro-batches of <= {micro_batch} "
         "sequences"
     )
+    if recompute is not None:
+        train_lps, train_s = recompute(ro.samples, groups, temperature, ro.logits_dtype)
+        train_tokens = sum(len(s.tokens) for s in ro.samples)
+        engine = getattr(recompute, "engine", engine)
+    else:
+        train_lps, train_tokens, train_s = _recompute_here(
+            model, trainer, train_model, ro, groups, temperature, use_rlk, device
+        )
+    m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
+    return SideResult(
+        side=side,
+        rollout_mode=rollout_mode,
+        train_engine=engine,
+        rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
+        train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
+        **m,
+    )
+
+
+def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rlk, device):
+    """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds)."""
+    from rlk.integrations import training
+
     trainer.zero_grad(set_to_none=True)
-    train_lps: list[torch.Tensor | None] = [None] * len(prompts)
+    train_lps: list[torch.Tensor | None] = [None] * len(ro.samples)
     train_tokens = 0
     _sync(device)
     start = time.perf_counter()
@@ -185,15 +210,82 @@ def run_side(
     _sync(device)
     train_s = time.perf_counter() - start
     trainer.zero_grad(set_to_none=True)
-    m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
-    return SideResult(
-        side=side,
-        rollout_mode=rollout_mode,
-        train_engine=engine,
-        rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
-        train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
-        **m,
-    )
+    return train_lps, train_tokens, train_s
+
+
+class MegatronTP:
+    """Training recompute in Megatron-core at tensor parallelism ``world``: spawns ``world``
+    processes (gloo, CPU) that each build the rlk ``GPTModel`` (``leaves`` tree-ordered
+    linears) from their :func:`~rlk.integrations.megatron.shard_for_tp` shard of ``model``'s
+    weights, run the micro-batches forward + backward, and rank 0 hands back the log-probs and
+    the time of the forward/backward loop. Usable as ``run_side``'s ``recompute``."""
+
+    def __init__(self, model: torch.nn.Module, world: int, leaves: int, backend: str | None):
+        self.config = model.config
+        self.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        self.world, self.leaves, self.backend = world, leaves, backend
+        self.engine = f"megatron-tp{world}"
+
+    def __call__(self, samples, groups, temperature, logits_dtype):
+        import os
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory(prefix="rlk-tp-") as tmp:
+            weights, out = os.path.join(tmp, "weights.pt"), os.path.join(tmp, "out.pt")
+            torch.save(self.state, weights)
+            rendezvous = os.path.join(tmp, "rendezvous")
+            args = (self.world, rendezvous, self.config, weights, self.leaves, self.backend)
+            args += (samples, groups, temperature, logits_dtype, out)
+            mp.spawn(_megatron_tp_worker, args=args, nprocs=self.world, join=True)
+            res = torch.load(out)
+        return res["logprobs"], res["seconds"]
+
+
+def _megatron_tp_worker(
+    rank, world, init_file, config, weights, leaves, backend, samples, groups, temperature,
+    logits_dtype, out,
+):  # fmt: skip
+    # Spawned: importing rlk.consistency imported rlk first, which picks Triton's CPU
+    # interpreter before Megatron imports triton.
+    import torch.distributed as dist
+
+    import rlk
+    from rlk.integrations import megatron
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    teardown = megatron.init_model_parallel(world)
+    try:
+        with rlk.use_backend(backend) if backend else contextlib.nullcontext():
+            dtype = next(iter(torch.load(weights).values())).dtype
+            mg = megatron.build_gpt_model(config, dtype=dtype, leaves=leaves)
+            full = megatron.hf_to_megatron(torch.load(weights), config)
+            shard = megatron.shard_for_tp(full, config, rank=rank, world_size=world)
+            missing, unexpected = mg.load_state_dict(shard, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise KeyError(f"TP shard: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            lps: list[torch.Tensor | None] = [None] * len(samples)
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.enable_grad():
+                for group in groups:
+                    batch = [samples[i] for i in group]
+                    got = megatron.packed_logprobs(
+                        mg, batch, temperature=temperature, logits_dtype=logits_dtype
+                    )
+                    total = max(sum(len(s.response) for s in samples), 1)
+                    (-torch.cat(got).sum() / total).backward()
+                    for i, lp in zip(group, got):
+                        lps[i] = lp.detach()
+            dist.barrier()
+            seconds = time.perf_counter() - start
+        if rank == 0:
+            torch.save({"logprobs": lps, "seconds": seconds}, out)
+    finally:
+        teardown()
+        dist.destroy_process_group()
 
 
 def run(
@@ -215,17 +307,26 @@ def run(
     max_batch: int | None = None,
     train_engine: str = "transformers",
     leaves: int | None = None,
+    train_tp: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both sides on one model; returns the report (``rows`` holds a dict per side and
     rollout mode: the stock side once, padded; the rlk side once per mode of
     ``rollout_modes``). ``train_engine="megatron"``: the rlk side's training recompute runs in
     Megatron-core (see the module docstring); ``leaves``: tree-ordered row-parallel linears on
-    the rlk side."""
+    the rlk side; ``train_tp``: Megatron's tensor parallelism (> 1: that many spawned gloo
+    processes on CPU, needs ``leaves``)."""
     if train_engine not in TRAIN_ENGINES:
         raise ValueError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
+    if train_tp != 1:
+        if train_engine != "megatron":
+            raise ValueError("train_tp > 1 needs train_engine='megatron'")
+        if not leaves:
+            raise ValueError("train_tp > 1 needs leaves (tree-ordered row-parallel linears)")
+        if leaves % train_tp or train_tp & (train_tp - 1):
+            raise ValueError(f"train_tp must be a power of two dividing leaves = {leaves}")
     teardown = None
-    if train_engine == "megatron" and "rlk" in sides:
+    if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
         from rlk.integrations import megatron
 
         teardown = megatron.init_single_process()
@@ -248,6 +349,7 @@ def run(
             max_batch=max_batch,
             train_engine=train_engine,
             leaves=leaves,
+            train_tp=train_tp,
             progress=progress,
         )
     finally:
@@ -274,6 +376,7 @@ def _run(
     max_batch: int | None,
     train_engine: str,
     leaves: int | None,
+    train_tp: int,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     import rlk
@@ -287,8 +390,13 @@ def _run(
     model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
     vocab = model.config.vocab_size
     batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
-    train_model = None
-    if train_engine == "megatron" and "rlk" in sides:
+    train_model = recompute = None
+    if train_tp > 1 and "rlk" in sides:
+        if dev.type != "cpu":
+            raise NotImplementedError("train_tp > 1 runs on CPU (gloo) only for now")
+        say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned gloo processes")
+        recompute = MegatronTP(model, train_tp, leaves, backend)  # type: ignore[arg-type]
+    elif train_engine == "megatron" and "rlk" in sides:
         from rlk.integrations import megatron
 
         say(f"building the Megatron-core GPTModel (rlk spec, leaves={leaves})")
@@ -308,7 +416,7 @@ def _run(
             for mode in rollout_modes if side == "rlk" else ("padded",):
                 kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
                 if side == "rlk":
-                    kw["train_model"] = train_model
+                    kw.update(train_model=train_model, recompute=recompute)
                 if warmup:
                     say(f"[{side}] warm-up")
                     run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **kw)
@@ -341,6 +449,7 @@ def _run(
         "max_batch": max_batch,
         "train_engine": train_engine,
         "leaves": leaves,
+        "train_tp": train_tp,
         "seed": seed,
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
@@ -365,8 +474,9 @@ def format_table(report: dict[str, Any]) -> str:
     leaves = report.get("leaves")
     notes = []
     if engine != "transformers":
+        tp = report.get("train_tp", 1)
         notes.append(
-            f"rlk rows: rollout transformers + rlk, training {engine}-core + rlk; "
+            f"rlk rows: rollout transformers + rlk, training {engine}-core + rlk at TP={tp}; "
             "the stock row is stock transformers on both sides"
         )
     if leaves:
