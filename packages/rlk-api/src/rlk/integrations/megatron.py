@@ -21,6 +21,9 @@ Two pieces:
   stock one, ``use_rlk=False``) from a transformers config, and :func:`packed_logprobs` is the
   Megatron twin of :func:`rlk.integrations.training.packed_logprobs`.
 
+:func:`init_single_process` (or :func:`init_model_parallel` on an initialised TP group) sets
+up Megatron's model-parallel state and RNG tracker for these models and returns the teardown.
+
 The rlk model is built with ``position_embedding_type="none"``: rotary is applied inside
 :class:`RlkSelfAttention` from per-token positions (restarting at each packed sequence), so
 Megatron's own ``RotaryEmbedding`` (which is CUDA-only in 0.16 and computes its tables its own
