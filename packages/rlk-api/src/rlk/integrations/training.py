@@ -10,6 +10,9 @@ The stock path (``use_rlk=False``) takes ``model(...).logits`` and an fp32 ``log
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 
 import rlk
@@ -38,6 +41,32 @@ def _pack(samples: list[Sample], device: torch.device):
     return as_long(ids)[None], as_long(pos)[None], as_long(rows), as_long(targets)
 
 
+def _rlk_logprobs(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    logits_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The packed rows' hidden states from the decoder, then ``rlk.linear_logprobs`` with the
+    ``lm_head`` weight: ``[len(rows)]`` float32."""
+    from rlk.integrations.transformers import decoder
+
+    hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
+    hidden = hidden.last_hidden_state[0]
+    head = model.get_output_embeddings()
+    return rlk.linear_logprobs(
+        hidden.index_select(0, rows),
+        head.weight,
+        targets,
+        bias=head.bias,
+        temperature=temperature,
+        logits_dtype=logits_dtype,
+    )
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     samples: list[Sample],
@@ -55,19 +84,15 @@ def packed_logprobs(
     ids, pos, rows, targets = _pack(samples, device)
     temperature = temperature if temperature > 0 else 1.0
     if use_rlk:
-        from rlk.integrations.transformers import decoder
-
-        hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
-        hidden = hidden.last_hidden_state[0]
-        head = model.get_output_embeddings()
-        lp = rlk.linear_logprobs(
-            hidden.index_select(0, rows),
-            head.weight,
-            targets,
-            bias=head.bias,
-            temperature=temperature,
-            logits_dtype=logits_dtype,
-        )
+        # A model sharded by shard_model runs this as an FSDP forward method (its root
+        # parameters gathered around it); an unsharded model runs the same function directly.
+        forward = getattr(model, FSDP_FORWARD, None) or types.MethodType(_rlk_logprobs, model)
+        lp = forward(ids, pos, rows, targets, temperature, logits_dtype)
+        if hasattr(model, FSDP_FORWARD) and not lp.requires_grad:
+            # FSDP2 keeps the root's parameters gathered after its forward, for the backward;
+            # without one coming, shard them again (else model.parameters() are the gathered
+            # tensors, and an optimizer built from them would miss the sharded ones).
+            model.reshard()
     else:
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         logp = torch.log_softmax(logits.index_select(0, rows).float() / temperature, dim=-1)
@@ -149,3 +174,45 @@ def grpo_step(
         loss_sum += float(loss.detach()) * share
     optimizer.step()
     return {"loss": loss_sum, "max_abs_dlogp": max_d}
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+
+# The name under which shard_model registers the packed log-prob forward on the root module.
+FSDP_FORWARD = "_rlk_fsdp_logprobs"
+
+
+def shard_model(model: torch.nn.Module, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """Shard a (patched) causal LM with FSDP2 for data-parallel training; in place, returns it.
+
+    Calls ``torch.distributed.fsdp.fully_shard`` on each decoder layer, then on the root (the
+    embeddings, final norm and ``lm_head``, tied or not, are the root's group), passing
+    ``fsdp_kwargs`` (``mesh``, ``reshard_after_forward``, ``mp_policy``, ...) to every call. It
+    needs an initialised process group; apply :func:`~rlk.integrations.transformers.patch_model`
+    first. Then :func:`packed_logprobs`, :func:`recompute_logprobs` and
+    :func:`grpo_step` work unchanged on each rank's own samples.
+
+    FSDP2 gathers a group's parameters into plain contiguous tensors before its forward, so the
+    rlk ops see the same weights as on one device: a sequence's log-probs are the same bits as
+    unsharded (the model's ``model.model(...)`` + ``lm_head`` path is registered as a FSDP
+    forward method of the root, so the root's parameters are gathered around it). Gradients are
+    reduce-scattered and averaged over the ranks by the collective, in its own summation order:
+    deterministic for a fixed world size and collective, but not bitwise the one-device sum.
+    ``grpo_step`` scales each rank's loss to its own token mean, so the update is the global
+    token mean when every rank holds the same number of response tokens.
+
+    ``mp_policy`` with a ``param_dtype`` casts the gathered weights: the log-probs are then those
+    of a rollout engine that holds the weights in that dtype.
+    """
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from rlk.integrations.transformers import decoder
+
+    for layer in decoder(model).layers:
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    setattr(model, FSDP_FORWARD, types.MethodType(_rlk_logprobs, model))
+    register_fsdp_forward_method(model, FSDP_FORWARD)
+    return model
