@@ -157,7 +157,9 @@ def grpo_step(
     Returns ``loss``, ``max_abs_dlogp`` (rollout vs the recompute, 0 with rlk) and metrics.
     """
     device = next(model.parameters()).device
-    adv_all = rlk.grpo_advantages(rewards.to(device=device, dtype=torch.float32), group_size)
+    adv_all = rlk.grpo_advantages(
+        rewards.to(device=device, dtype=torch.float32).contiguous(), group_size
+    )
     total_tokens = sum(len(s.response) for s in samples)
     optimizer.zero_grad(set_to_none=True)
     max_d, loss_sum = 0.0, 0.0
