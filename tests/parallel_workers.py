@@ -30,14 +30,24 @@ def _grads(fn, tensors, g):
     return y.detach(), [t.grad for t in ts]
 
 
-def _worker(rank, world, init_file, dtypes, backward):
+def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64, 32, 5, 16)):
+    """``device="cuda"``: NCCL, rank r on cuda:r. ``sizes``: M, K, N of the linears and T, H of
+    the vocabulary-parallel log-probs (whose V is 2 * VOCAB_LEAVES * ... see below)."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        os.environ.setdefault("RLK_BACKEND", "cuda")
     os.environ.setdefault("RLK_BACKEND", "triton")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+    )
+    M, K, N, T, H = sizes
     try:
         sh = lambda t, d: P.shard(t, d, rank=rank, world_size=world)  # noqa: E731
         for dtype in dtypes:
-            x, w, b = _inputs(3, 64, 32, dtype, seed=7, lead=(1,))
-            g = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(8))
+            x, w, b = (t.to(dev) for t in _inputs(M, K, N, dtype, seed=7, lead=(1,)))
+            g = torch.randn(1, M, N, generator=torch.Generator().manual_seed(8)).to(dev)
             tag = f"rank {rank}/{world} {dtype}"
 
             # Row-parallel == tree_linear (8 leaves), forward and backward.
@@ -62,7 +72,7 @@ def _worker(rank, world, init_file, dtypes, backward):
             from rlk_triton import tree_gemm
             from rlk_triton.backend import default_table
 
-            xr, xs = x.reshape(-1, 64), sh(x, -1).reshape(-1, 64 // world)
+            xr, xs = x.reshape(-1, K), sh(x, -1).reshape(-1, K // world)
             root1 = tree_gemm.subtree_sum(xr, w, 8, table=default_table())
             local = tree_gemm.subtree_sum(xs, sh(w, 1), 8 // world, table=default_table())
             parts = [torch.empty_like(local) for _ in range(world)]
@@ -94,5 +104,33 @@ def _worker(rank, world, init_file, dtypes, backward):
             assert torch.equal(yt, y1), f"{tag}: column-parallel forward"
             local = P.column_parallel_linear(x, sh(w, 0), sh(b, 0), leaves=8)
             assert torch.equal(local, sh(rlk.linear(x, w, b), -1)), f"{tag}: column slice"
+            _vocab_parallel(T, H, dtype, dev, sh, tag)
     finally:
         dist.destroy_process_group()
+
+
+def _vocab_parallel(T, H, dtype, dev, sh, tag):
+    """Vocabulary-parallel log-probs (and entropy) == rlk.linear_logprobs of the full lm_head,
+    forward and backward (dHidden replicated, dW / dbias the rank's rows)."""
+    from rlk_triton.logprobs import VOCAB_LEAVES
+
+    g = torch.Generator().manual_seed(11)
+    V = 2 * VOCAB_LEAVES if dev.type == "cpu" else 151936
+    h = torch.randn(T, H, generator=g).to(dtype).to(dev)
+    w = (torch.randn(V, H, generator=g) * H**-0.5 * 4).to(dtype).to(dev)
+    b = torch.randn(V, generator=g).to(dtype).to(dev)
+    tgt = torch.randint(0, V, (T,), generator=g).to(dev)
+    g1, g2 = (torch.randn(T, generator=g).to(dev) for _ in range(2))
+
+    def run(fn, h, w, b):
+        h, w, b = (t.clone().requires_grad_(True) for t in (h, w, b))
+        lp, ent = fn(h, w, tgt, b, 0.9, True)
+        ((lp * g1).sum() + (ent * g2).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad, b.grad
+
+    one = run(rlk.linear_logprobs, h, w, b)
+    tp = run(P.vocab_parallel_linear_logprobs, h, sh(w, 0), sh(b, 0))
+    for name, a, e in zip(("logprobs", "entropy", "dhidden"), tp, one):
+        assert torch.equal(a, e), f"{tag}: vocab-parallel {name}"
+    assert torch.equal(tp[3], sh(one[3], 0)), f"{tag}: vocab-parallel dW"
+    assert torch.equal(tp[4], sh(one[4], 0)), f"{tag}: vocab-parallel dbias"

@@ -132,9 +132,10 @@ def test_no_process_group_is_one_rank():
 # --------------------------------------------------------------------------------------------
 
 
-def _spawn(tmp_path, world, dtypes, backward):
+def _spawn(tmp_path, world, dtypes, backward, *extra):
     init_file = tmp_path / f"pg_{world}"
-    mp.spawn(_worker, args=(world, str(init_file), dtypes, backward), nprocs=world, join=True)
+    args = (world, str(init_file), dtypes, backward, *extra)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
 
 
 def test_tp2_equals_one_device(tmp_path):
@@ -143,6 +144,13 @@ def test_tp2_equals_one_device(tmp_path):
 
 def test_tp4_equals_one_device(tmp_path):
     _spawn(tmp_path, 4, (torch.float32,), backward=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_nccl_tp2_equals_one_device(tmp_path):
+    # Qwen2-0.5B down_proj-like linears (K = 4864, N = 896) and its lm_head (V = 151936).
+    _spawn(tmp_path, 2, DTYPES, True, "cuda", (256, 4864, 896, 256, 896))
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,3 +180,14 @@ def test_gpu_shards_equal_one_device(M):
         ]  # fmt: skip
         y = tree_gemm.finish(tree_gemm.tree_combine(parts), b, x.dtype)
         assert torch.equal(y, full), f"TP={t} shards differ from one device"
+
+
+def test_vocab_parallel_without_process_group_is_linear_logprobs():
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(4, 16, generator=g), torch.randn(64, 16, generator=g)
+    tgt = torch.randint(0, 64, (4,), generator=g)
+    assert torch.equal(P.vocab_parallel_linear_logprobs(h, w, tgt), rlk.linear_logprobs(h, w, tgt))
+    with pytest.raises(TypeError, match="targets"):
+        P.vocab_parallel_linear_logprobs(h, w, tgt.float())
+    with pytest.raises(ValueError, match="targets"):
+        P.vocab_parallel_linear_logprobs(h, w, tgt + 64)

@@ -1,8 +1,9 @@
 """logprobs kernels: accuracy and gradients vs float64, batch/tuning invariance, determinism.
 
-V = 300 spans several chunks: the fixture runs each test with CHUNK patched to 256 and to 64
-(the same kernel, which takes CHUNK as a constexpr); with 64 the row is five chunks, the last
-one partial, and the NSUB=4 config reads chunks past the end of the row.
+V = 300 is cut into vocabulary leaves merged by a fixed tree. The fixture runs each test with
+the op's constants (CHUNK, VOCAB_LEAVES) as shipped (30 leaves of 10 logits, one 16-wide chunk
+each, and 2 empty leaves) and patched to (16, 2) (two leaves of 150 logits, ten chunks each, the
+last one partial, so the NSUB=4 config reads chunks past the end of a leaf).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def _run(logits, targets, temp=1.0, entropy=True, g_lp=None, g_ent=None):
     return lp.detach(), None if ent is None else ent.detach(), x.grad
 
 
-@pytest.fixture(params=[256, 64], ids=["chunk256", "chunk64"])
+@pytest.fixture(params=[(1024, 32), (16, 2)], ids=["leaves32", "leaves2-chunk16"])
 def chunk(request, monkeypatch):
-    monkeypatch.setattr(lpmod, "CHUNK", request.param)
+    monkeypatch.setattr(lpmod, "CHUNK", request.param[0])
+    monkeypatch.setattr(lpmod, "VOCAB_LEAVES", request.param[1])
     return request.param
 
 
@@ -124,7 +126,8 @@ def test_determinism():
 
 
 def test_every_tuning_config_gives_identical_bits(monkeypatch):
-    monkeypatch.setattr(lpmod, "CHUNK", 64)  # 5 chunks, so NSUB=4 folds 3 past the end
+    monkeypatch.setattr(lpmod, "CHUNK", 16)  # leaves of 75 logits in 5 chunks: NSUB=4 folds
+    monkeypatch.setattr(lpmod, "VOCAB_LEAVES", 4)  # 3 past the end of each leaf
     configs = tuning.op_configs(TABLE, "logprobs")
     assert len(configs) >= 2 and {"logprobs.fwd", "logprobs.bwd"} <= set(configs[0])
     logits, targets = _inputs(7, 300, torch.bfloat16, seed=7)
@@ -135,6 +138,35 @@ def test_every_tuning_config_gives_identical_bits(monkeypatch):
             results.append(_run(logits, targets, 0.7, True, g, g))
     for other in results[1:]:
         assert all(torch.equal(x, y) for x, y in zip(results[0], other))
+
+
+@pytest.mark.parametrize("parts", [2, 4, 32])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_vocabulary_split_merges_to_the_same_bits(parts, entropy):
+    """What a vocabulary-parallel rank does: leaf states of its own columns, its subtree merged,
+    then the parts' triples merged by the top of the tree: the one-device bits, exactly."""
+    v = 320  # 32 leaves of 10 logits
+    logits, targets = _inputs(6, v, torch.bfloat16, seed=8)
+    want = lpmod.logprobs_forward(logits, targets, 0.8, entropy, TABLE)
+    width = v // parts
+    triples, zt = [], torch.zeros(6)
+    for r in range(parts):
+        m, s, t, z = lpmod.leaf_states(
+            logits[:, r * width : (r + 1) * width], targets, 0.8, entropy, TABLE, v, r * width
+        )
+        triples.append(lpmod.merge_states(m, s, t, final=False))
+        mine = (targets >= r * width) & (targets < (r + 1) * width)
+        zt = torch.where(mine, z, zt)
+    m, s, t = (torch.stack(x, 1) if x[0] is not None else None for x in zip(*triples))
+    got = lpmod.merge_states(m, s, t, zt, final=True)
+    for x, y in zip(got, want):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_vocabulary_offset_must_be_a_leaf_boundary():
+    logits, targets = _inputs(2, 320, torch.float32)
+    with pytest.raises(ValueError, match="leaf boundary"):
+        lpmod.leaf_states(logits[:, 5:], targets, 1.0, False, TABLE, 320, 5)
 
 
 def test_empty_rows():

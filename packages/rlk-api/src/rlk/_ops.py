@@ -328,6 +328,34 @@ def logprobs(
     return _call("logprobs", logits.device, logits, targets, temperature, bool(return_entropy))
 
 
+def check_linear_logprobs(hidden, weight, targets, bias, temperature, logits_dtype, vocab=None):
+    """Validate :func:`linear_logprobs`' arguments (``weight`` may hold a slice of a
+    ``vocab``-row lm_head): returns ``(device, targets, temperature, logits_dtype)``."""
+    chk.tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
+    chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    if bias is not None:
+        chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+    chk.tensor("targets", targets, dtypes=(torch.int64,), ndim=1)
+    device = chk.same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
+    chk.same_dtype(hidden=hidden, weight=weight, bias=bias)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one vocabulary row")
+    if bias is not None:
+        chk.shape("bias", bias, (weight.shape[0],), "V = weight.shape[0]")
+    targets = _check_targets(targets, hidden.shape[0], weight.shape[0] if vocab is None else vocab)
+    temperature = chk.positive_float("temperature", temperature)
+    if logits_dtype is None:
+        logits_dtype = hidden.dtype
+    if not isinstance(logits_dtype, torch.dtype) or logits_dtype not in chk.FLOAT_DTYPES:
+        raise TypeError(f"logits_dtype must be one of bf16/fp16/fp32, got {logits_dtype!r}")
+    return device, targets, temperature, logits_dtype
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -349,28 +377,9 @@ def linear_logprobs(
 
         lp = rlk.linear_logprobs(h, lm_head.weight, targets)
     """
-    chk.tensor("hidden", hidden, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
-    chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    if bias is not None:
-        chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
-    chk.tensor("targets", targets, dtypes=(torch.int64,), ndim=1)
-    device = chk.same_device(hidden=hidden, weight=weight, targets=targets, bias=bias)
-    chk.same_dtype(hidden=hidden, weight=weight, bias=bias)
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[1] = {hidden.shape[1]}, "
-            f"got {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one vocabulary row")
-    if bias is not None:
-        chk.shape("bias", bias, (weight.shape[0],), "V = weight.shape[0]")
-    targets = _check_targets(targets, hidden.shape[0], weight.shape[0])
-    temperature = chk.positive_float("temperature", temperature)
-    if logits_dtype is None:
-        logits_dtype = hidden.dtype
-    if not isinstance(logits_dtype, torch.dtype) or logits_dtype not in chk.FLOAT_DTYPES:
-        raise TypeError(f"logits_dtype must be one of bf16/fp16/fp32, got {logits_dtype!r}")
+    device, targets, temperature, logits_dtype = check_linear_logprobs(
+        hidden, weight, targets, bias, temperature, logits_dtype
+    )
     return _call(
         "linear_logprobs",
         device,

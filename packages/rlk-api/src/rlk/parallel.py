@@ -315,6 +315,119 @@ class _GatherColumns(torch.autograd.Function):
         return dy[:, lo : lo + ctx.width], None, None, None
 
 
+# --------------------------------------------------------------------------------------------
+# Vocabulary-parallel log-probabilities
+# --------------------------------------------------------------------------------------------
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, temperature, entropy, logits_dtype, rank,
+                world, group, table):  # fmt: skip
+        from rlk_triton import fused_logprobs as fl
+        from rlk_triton import logprobs as lp_mod
+
+        v_local = weight.shape[0]
+        vocab, offset = v_local * world, v_local * rank
+        m, s, t, zt = fl.linear_leaf_states(
+            hidden, weight, targets, bias, temperature, entropy, logits_dtype, table, vocab, offset
+        )
+        # Deterministic merge: gather every rank's subtree triple (and its target logit, which
+        # only the owner of the target holds), then the top of the leaf tree on every rank.
+        triple = torch.stack([m, s, t if entropy else s, zt], 0)
+        parts = torch.stack(_all_gather(triple, world, group), 2)  # [4, T, world]
+        owner = (targets // v_local).clamp_(0, world - 1)
+        zt = parts[3].gather(1, owner[:, None])[:, 0]
+        lp, lse, ent = lp_mod.merge_states(
+            parts[0].contiguous(),
+            parts[1].contiguous(),
+            parts[2].contiguous() if entropy else None,
+            zt,
+            final=True,
+        )
+        ctx.save_for_backward(hidden, weight, targets, bias, lse, ent)
+        ctx.args = (temperature, entropy, logits_dtype, vocab, offset, world, group, table)
+        return (lp, ent) if entropy else lp
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        from rlk_triton import fused_logprobs as fl
+        from rlk_triton import tree_gemm
+
+        hidden, weight, targets, bias, lse, ent = ctx.saved_tensors
+        temperature, entropy, logits_dtype, vocab, offset, world, group, table = ctx.args
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+        if entropy:
+            g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
+        else:
+            ent = g_ent = None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[3]
+        dh, dw, db = fl.backward_slices(
+            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
+            table, need_h, need_w, need_b, vocab, offset,
+        )  # fmt: skip
+        if need_h:
+            # hidden is replicated; its gradient sums over the vocabulary, which the ranks
+            # split: this rank's subtree of the leaf tree, the top of the tree after a gather.
+            dh = tree_gemm.tree_combine(_all_gather(dh, world, group)).to(hidden.dtype)
+        return dh, dw, None, db, None, None, None, None, None, None, None
+
+
+def vocab_parallel_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    logits_dtype: torch.dtype | None = None,
+    *,
+    group: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rlk.linear_logprobs` with the lm_head split over the vocabulary, one-device bits.
+
+    Rank r of the group (size t, a power of two dividing ``rlk_triton.logprobs.VOCAB_LEAVES``)
+    passes the replicated ``hidden [T, H]`` and ``targets`` int64 ``[T]`` (ids in the whole
+    vocabulary of ``V = t * V_r``), its rows ``weight [V_r, H]`` of the lm_head (rows
+    ``r*V_r .. (r+1)*V_r``, Megatron's vocabulary-parallel layout; V must be a multiple of
+    ``VOCAB_LEAVES``) and the same slice of ``bias``. Every rank returns the float32 ``[T]``
+    log-probabilities (and entropy), bitwise equal to ``rlk.linear_logprobs`` of the full
+    lm_head on one device. Without an initialised process group it is ``rlk.linear_logprobs``.
+
+    How: the log-sum-exp is a fixed tree over vocabulary leaves; a rank's rows are a subtree,
+    so each rank merges its own leaves, the ranks all-gather their ``(max, sum-exp, entropy
+    term, target logit)`` (16 bytes per token per rank) and merge the top of the tree. Backward:
+    dW, dbias local; dHidden sums over the vocabulary, so each rank's fp32 ``[T, H]`` subtree is
+    all-gathered and topped by the same tree (instead of Megatron's all-reduce).
+
+    Example::
+
+        lp = rlk.parallel.vocab_parallel_linear_logprobs(h, lm_head_shard, tokens, group=tp)
+    """
+    from rlk._ops import check_linear_logprobs
+
+    rank, world = _group_info(group)
+    device, targets, temperature, logits_dtype = check_linear_logprobs(
+        hidden, weight, targets, bias, temperature, logits_dtype, weight.shape[0] * world
+    )
+    if world > 1:
+        from rlk_triton import logprobs as lp_mod
+
+        _tp_leaves(lp_mod.VOCAB_LEAVES, world)
+        if (weight.shape[0] * world) % lp_mod.VOCAB_LEAVES:
+            raise ValueError(
+                f"the vocabulary V = {weight.shape[0] * world} ({world} ranks x "
+                f"{weight.shape[0]} rows) must be a multiple of {lp_mod.VOCAB_LEAVES} "
+                "(the vocabulary leaves; pad the lm_head as Megatron does)"
+            )
+    table = _tree_backend(device, "vocab_parallel_linear_logprobs")
+    return _VocabParallelLogprobs.apply(
+        hidden.contiguous(), weight, targets.contiguous(), bias, temperature,
+        bool(return_entropy), logits_dtype, rank, world, group, table,
+    )  # fmt: skip
+
+
 def shard(t: torch.Tensor, dim: int, *, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous 1/``world_size`` of ``t`` along ``dim`` (a contiguous copy).
 
@@ -337,4 +450,5 @@ __all__ = [
     "row_parallel_linear",
     "shard",
     "tree_linear",
+    "vocab_parallel_linear_logprobs",
 ]

@@ -8,15 +8,19 @@ only on its own input row, so slicing changes no bit.
 
 - Forward: tokens in slices of ``_rows_per_slice(V)`` rows (a constant per vocabulary size):
   logits of the slice in ``logits_dtype`` -> log-probability, log-sum-exp and entropy per row.
-- Backward: the vocabulary in slices of :data:`VOCAB_SLICE` rows of W. Per slice: recompute the
-  logits ``[T, slice]``, turn them into ``dlogits`` with the saved log-sum-exp (elementwise), then
-  ``dW[slice] = dlogits.T @ h`` (a complete sum over tokens in one GEMM: ascending, fixed),
-  ``dbias[slice]`` (fixed-order column sums), and ``dh += dlogits @ W[slice]`` in fp32, slices
-  added in ascending order. So dW/dbias are deterministic and dh of a token depends only on that
-  token: nothing is batch-dependent and nothing uses atomics.
+- Backward: the vocabulary in slices of whole vocabulary leaves (the leaves of
+  :mod:`rlk_triton.logprobs`, as many as fit in :data:`VOCAB_SLICE` rows of W, at least one).
+  Per slice: recompute the logits ``[T, slice]``, turn them into ``dlogits`` with the saved
+  log-sum-exp (elementwise), then ``dW[slice] = dlogits.T @ h`` (a complete sum over tokens in
+  one GEMM: ascending, fixed), ``dbias[slice]`` (fixed-order column sums), and per leaf the fp32
+  partial ``dlogits[:, leaf] @ W[leaf]``. The leaf partials of dh are added by the fixed binary
+  tree over the :data:`~rlk_triton.logprobs.VOCAB_LEAVES` leaves (an empty leaf is an exact
+  identity). So dW/dbias are deterministic, dh of a token depends only on that token, and a
+  vocabulary-parallel rank's dh is a subtree of the one-device tree (:func:`backward_slices`);
+  nothing is batch-dependent and nothing uses atomics.
 
-Extra memory: one logits slice plus a fp32 ``[T, H]`` accumulator for dh (and its slice
-partial), independent of V; the logits ``[T, V]`` never exist.
+Extra memory: one logits slice plus at most ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending
+sums of the dh tree, independent of V; the logits ``[T, V]`` never exist.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import torch
 from rlk_triton import gemm, tuning
 from rlk_triton import logprobs as lp_mod
 
-#: Rows of W per backward slice. Fixed: it sets the order in which dh's per-slice partials are
-#: summed (ascending slices), so it is a constant of the op, never a tuning choice.
+#: Most rows of W per backward slice (a slice holds whole vocabulary leaves, at least one).
+#: Bounds memory; changes no bit (dh is summed per leaf, by the leaf tree).
 VOCAB_SLICE = 8192
 
 #: Elements of a forward logits slice (bounds forward memory; changes no bit).
@@ -43,25 +47,110 @@ def _logits(h, weight, bias, logits_dtype, table):
     return gemm._matmul(h, weight.t(), bias, logits_dtype, table, "linear.fwd")
 
 
-def linear_logprobs_forward(
-    hidden, weight, targets, bias, temperature, entropy, logits_dtype, table
+def linear_leaf_states(
+    hidden, weight, targets, bias, temperature, entropy, logits_dtype, table, vocab, vocab_offset
 ):
-    """Returns ``(logprobs, lse, entropy or None)``, fp32 ``[T]`` each."""
+    """A vocabulary-parallel rank's forward: ``weight`` holds rows ``[vocab_offset, +V_local)``
+    of a ``vocab``-row lm_head. Returns its subtree's ``(m, s, t or None)`` and the scaled
+    target logit ``zt`` (0 where the target is another rank's), fp32 ``[T]`` each."""
     T = hidden.shape[0]
-    lp = torch.empty(T, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(lp)
-    ent = torch.empty_like(lp) if entropy else None
+    dev = hidden.device
+    out = [torch.empty(T, dtype=torch.float32, device=dev) for _ in range(4)]
     step = _rows_per_slice(weight.shape[0])
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
         logits = _logits(hidden[r0:r1], weight, bias, logits_dtype, table)
-        lp_s, lse_s, ent_s = lp_mod.logprobs_forward(
-            logits, targets[r0:r1], temperature, entropy, table
+        m, s, t, zt = lp_mod.leaf_states(
+            logits, targets[r0:r1], temperature, entropy, table, vocab, vocab_offset
         )
-        lp[r0:r1], lse[r0:r1] = lp_s, lse_s
-        if entropy:
-            ent[r0:r1] = ent_s
-    return lp, lse, ent
+        for dst, src in zip(out, (*lp_mod.merge_states(m, s, t, final=False), zt)):
+            if src is not None:
+                dst[r0:r1] = src
+    return out[0], out[1], (out[2] if entropy else None), out[3]
+
+
+def linear_logprobs_forward(
+    hidden, weight, targets, bias, temperature, entropy, logits_dtype, table
+):
+    """Returns ``(logprobs, lse, entropy or None)``, fp32 ``[T]`` each: the whole vocabulary's
+    subtree (the root) finished, as the unfused ``logprobs`` finishes its root."""
+    m, s, t, zt = linear_leaf_states(
+        hidden, weight, targets, bias, temperature, entropy, logits_dtype, table,
+        weight.shape[0], 0,
+    )  # fmt: skip
+    col = (None if x is None else x[:, None] for x in (m, s, t))
+    return lp_mod.merge_states(*col, zt, final=True)
+
+
+def _tree(parts, count: int):
+    """Sum ``count`` (a power of two) fp32 parts in leaf order by the balanced binary tree;
+    ``None`` is an empty leaf, an exact identity. At most ``log2(count) + 1`` sums are alive."""
+    stack: list[tuple[int, torch.Tensor | None]] = []
+    seen = 0
+    for p in parts:
+        seen += 1
+        size = 1
+        while stack and stack[-1][0] == size:
+            left = stack.pop()[1]
+            p = left if p is None else (p if left is None else left.add_(p))
+            size *= 2
+        stack.append((size, p))
+    if seen != count or len(stack) != 1:
+        raise ValueError(f"_tree: {seen} parts for a tree of {count}")
+    return stack[0][1]
+
+
+def backward_slices(
+    hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
+    need_h, need_w, need_b, vocab=None, vocab_offset=0,
+):  # fmt: skip
+    """The backward over ``weight``'s rows (a vocabulary-parallel rank's rows ``[vocab_offset,
+    +V_local)`` of a ``vocab``-row lm_head): ``(dh as the fp32 value of the rank's leaf subtree,
+    dW, dbias)``, each None where not needed."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    vocab = V if vocab is None else vocab
+    leaf_len, _ = lp_mod.leaf_geometry(vocab)
+    count = lp_mod.VOCAB_LEAVES if vocab == V else V // leaf_len
+    per = max(1, VOCAB_SLICE // leaf_len)
+    dw = torch.empty_like(weight) if need_w else None
+    db = torch.empty_like(bias) if need_b else None
+
+    def leaf_partials():
+        for first in range(0, count, per):
+            v0, v1 = first * leaf_len, min(V, (first + per) * leaf_len)
+            if v0 >= v1:
+                yield from [None] * min(per, count - first)
+                continue
+            w_s = weight[v0:v1]
+            b_s = bias[v0:v1] if bias is not None else None
+            logits = _logits(hidden, w_s, b_s, logits_dtype, table)
+            # Targets shifted into the slice's columns: a target outside the slice matches none.
+            dlogits = lp_mod.logprobs_backward(
+                logits, targets - (vocab_offset + v0), lse, ent, g_lp, g_ent, temperature, table
+            )
+            del logits
+            if dlogits.dtype != hidden.dtype:
+                dlogits = dlogits.to(hidden.dtype)
+            if need_w:
+                dw[v0:v1] = gemm._matmul(
+                    dlogits.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"
+                )
+            if need_b:
+                db[v0:v1] = gemm._bias_grad(dlogits, bias.dtype)
+            for leaf in range(first, min(first + per, count)):
+                a0, a1 = leaf * leaf_len - v0, min(V, (leaf + 1) * leaf_len) - v0
+                if not need_h or a0 >= a1:
+                    yield None
+                    continue
+                yield gemm._matmul(
+                    dlogits[:, a0:a1], w_s[a0:a1], None, torch.float32, table, "linear.bwd_dx"
+                )
+
+    dh = _tree(leaf_partials(), count)
+    if need_h and dh is None:  # no vocabulary rows at all
+        dh = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
+    return dh, dw, db
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -89,31 +178,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
             ctx.needs_input_grad[1],
             (bias is not None and ctx.needs_input_grad[3]),
         )
-        T, H = hidden.shape
-        V = weight.shape[0]
-        dh = torch.zeros(T, H, dtype=torch.float32, device=hidden.device) if need_h else None
-        dw = torch.empty_like(weight) if need_w else None
-        db = torch.empty_like(bias) if need_b else None
-        for v0 in range(0, V, VOCAB_SLICE):
-            v1 = min(V, v0 + VOCAB_SLICE)
-            w_s = weight[v0:v1]
-            b_s = bias[v0:v1] if bias is not None else None
-            logits = _logits(hidden, w_s, b_s, ctx.logits_dtype, table)
-            # Targets shifted into the slice's columns: a target outside the slice matches none.
-            dlogits = lp_mod.logprobs_backward(
-                logits, targets - v0, lse, ent, g_lp, g_ent, ctx.temperature, table
-            )
-            del logits
-            if dlogits.dtype != hidden.dtype:
-                dlogits = dlogits.to(hidden.dtype)
-            if need_w:
-                dw[v0:v1] = gemm._matmul(
-                    dlogits.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"
-                )
-            if need_b:
-                db[v0:v1] = gemm._bias_grad(dlogits, bias.dtype)
-            if need_h:
-                dh += gemm._matmul(dlogits, w_s, None, torch.float32, table, "linear.bwd_dx")
+        dh, dw, db = backward_slices(
+            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, ctx.temperature,
+            ctx.logits_dtype, table, need_h, need_w, need_b,
+        )  # fmt: skip
         dh = dh.to(hidden.dtype) if need_h else None
         return dh, dw, None, db, None, None, None, None
 

@@ -1,17 +1,29 @@
 """Log-probabilities (and entropy) of targets from logits: ``[T, V] -> [T]``, read once.
 
 Numerics (the contract of :func:`rlk.logprobs`): ``z = logit / temperature`` is a correctly
-rounded fp32 division. The vocabulary is read in chunks of :data:`CHUNK` logits, in ascending
-order. A block of rows keeps its running max ``m`` and, per column of the chunk, running sums of
-``exp(z - m)`` and ``exp(z - m) * (z - m)`` (rescaled when ``m`` grows): elementwise work whose
-order is fixed by the chunk sequence alone (:func:`accumulate`). At the end one fixed binary tree
-(:func:`tree_sum`) adds the columns; then ``lse = m + log(s)`` and ``entropy = log(s) - t / s``.
-No ``tl.sum`` is used: its order follows num_warps and the layout, so it would let a launch
-config change bits. ``linear_logprobs`` runs this same kernel on slices of rows.
+rounded fp32 division. The vocabulary is cut into :data:`VOCAB_LEAVES` equal contiguous leaves
+of ``leaf_len = ceil(V / VOCAB_LEAVES)`` logits (a function of V alone). Each leaf is read from a
+fresh state in chunks of ``chunk = min(CHUNK, next_pow2(leaf_len))`` logits, in ascending order:
+a block of rows keeps its running max ``m`` and, per column of the chunk, running sums of
+``exp(z - m)`` and ``exp(z - m) * (z - m)`` (rescaled when ``m`` grows), elementwise work whose
+order is fixed by the chunk sequence alone (:func:`accumulate`); one fixed binary tree
+(:func:`tree_sum`) adds the columns, giving the leaf's ``(m, s, t)``. The leaves are then merged
+by one fixed binary tree of adjacent pairs (:func:`merge_tree`):
+``m = max(m_a, m_b)``, ``s = s_a e^(m_a-m) + s_b e^(m_b-m)``,
+``t = (t_a + (m_a-m) s_a) e^(m_a-m) + (t_b + (m_b-m) s_b) e^(m_b-m)``; at the root
+``lse = m + log(s)`` and ``entropy = log(s) - t / s``. No ``tl.sum`` is used: its order follows
+num_warps and the layout, so it would let a launch config change bits.
+
+Why leaves: a contiguous, aligned block of ``VOCAB_LEAVES / n`` leaves is a subtree, so a rank
+of a vocabulary-parallel group of ``n`` ranks (V a multiple of ``VOCAB_LEAVES``) computes its
+subtree's ``(m, s, t)`` from its own logits (:func:`leaf_states` with the global V and its
+offset, then :func:`merge_states`), and the ranks' triples merged by the top of the tree give
+the single-device bits (``rlk.parallel.vocab_parallel_linear_logprobs``). ``linear_logprobs``
+runs these same kernels on slices of rows.
 
 Backward: ``dlogits = (g_lp * (onehot(target) - p) - g_ent * p * (log p + H)) / temperature``
 with ``p = exp(z - lse)`` recomputed from the saved per-row ``lse`` and entropy ``H``;
-it is elementwise, so any tiling gives the same bits.
+it is elementwise, so any tiling (and any vocabulary split) gives the same bits.
 """
 
 from __future__ import annotations
@@ -21,10 +33,20 @@ import torch
 from rlk_triton import tuning
 from rlk_triton._triton import jit, tl, triton
 
-#: Logits per vocabulary chunk: sets the reduction order (each column adds its chunks in
-#: ascending order, one tree over the columns at the end). A constant of the op, never a tuning
-#: choice; a power of two.
+#: Largest number of logits per chunk of a leaf: sets the reduction order (each column adds its
+#: chunks in ascending order, one tree over the columns at the end). A constant of the op, never
+#: a tuning choice; a power of two.
 CHUNK = 1024
+
+#: Vocabulary leaves merged by the fixed tree: a constant of the op (a power of two). A
+#: vocabulary-parallel group may have any power-of-two size up to this.
+VOCAB_LEAVES = 32
+
+
+def leaf_geometry(vocab: int) -> tuple[int, int]:
+    """``(leaf_len, chunk)`` of a vocabulary of ``vocab`` logits: functions of ``vocab`` alone."""
+    leaf_len = max(1, -(-vocab // VOCAB_LEAVES))
+    return leaf_len, min(CHUNK, 1 << (leaf_len - 1).bit_length())
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,15 +100,34 @@ def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
 
 
 @jit
-def finish(m, sv, tv, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
-    """``(lse, entropy)`` of rows from their state: columns summed by one fixed tree."""
-    s = tree_sum(sv, LOG2_CHUNK)
-    log_s = tl.log(s)
+def merge_pair(ma, sa, ta, mb, sb, tb, ENTROPY: tl.constexpr):
+    """Merge two leaves' ``(m, s, t)`` (elementwise). An empty leaf (``m = -inf, s = 0``) is an
+    exact identity; every product and add is written out, and launches have FP contraction off,
+    so each device evaluates the same expression."""
+    m = tl.maximum(ma, mb)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    da = ma - ref
+    db = mb - ref
+    ea = tl.exp(da)
+    eb = tl.exp(db)
+    s = sa * ea + sb * eb
     if ENTROPY:
-        ent = log_s - tree_sum(tv, LOG2_CHUNK) / s
+        t = tl.where(sa > 0, (ta + da * sa) * ea, 0.0) + tl.where(sb > 0, (tb + db * sb) * eb, 0.0)
     else:
-        ent = log_s
-    return m + log_s, ent
+        t = ta
+    return m, s, t
+
+
+@jit
+def merge_tree(m, s, t, LOG2N: tl.constexpr, ENTROPY: tl.constexpr):
+    """Merge ``[R, 2**LOG2N]`` leaf states along axis 1 by the fixed tree of adjacent pairs."""
+    for _ in tl.static_range(LOG2N):
+        shape = [m.shape[0], m.shape[1] // 2, 2]
+        ma, mb = tl.split(tl.reshape(m, shape))
+        sa, sb = tl.split(tl.reshape(s, shape))
+        ta, tb = tl.split(tl.reshape(t, shape))
+        m, s, t = merge_pair(ma, sa, ta, mb, sb, tb, ENTROPY)
+    return tl.reshape(m, [m.shape[0]]), tl.reshape(s, [s.shape[0]]), tl.reshape(t, [t.shape[0]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,15 +136,19 @@ def finish(m, sv, tv, LOG2_CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
 
 
 @jit
-def _logprobs_fwd_kernel(
+def _leaf_state_kernel(
     logits_ptr,
     targets_ptr,
-    lp_ptr,
-    lse_ptr,
-    ent_ptr,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    zt_ptr,
     T,
     V,
     stride_t,
+    leaf_len,
+    n_leaves,
+    vocab_offset,
     temperature,
     CHUNK: tl.constexpr,
     LOG2_CHUNK: tl.constexpr,
@@ -112,27 +157,77 @@ def _logprobs_fwd_kernel(
     ENTROPY: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    leaf = tl.program_id(1)
     row_ok = rows < T
     row_ptr = logits_ptr + rows.to(tl.int64)[:, None] * stride_t
+    start = leaf * leaf_len
+    end = tl.minimum(start + leaf_len, V)
     cols = tl.arange(0, CHUNK)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     sv = tl.zeros([ROWS, CHUNK], tl.float32)
     tv = tl.zeros([ROWS, CHUNK], tl.float32)
     # NSUB chunks per iteration only batches the loads; chunks are still added one at a time, and
-    # a chunk past the end is an exact no-op, so NSUB never changes a bit.
-    for c0 in range(0, tl.cdiv(V, CHUNK), NSUB):
+    # a chunk past the leaf's end is an exact no-op, so NSUB never changes a bit.
+    for c0 in range(0, tl.cdiv(leaf_len, CHUNK), NSUB):
         for j in tl.static_range(NSUB):
-            offs = (c0 + j) * CHUNK + cols
-            valid = row_ok[:, None] & (offs < V)[None, :]
+            offs = start + (c0 + j) * CHUNK + cols
+            valid = row_ok[:, None] & (offs < end)[None, :]
             x = tl.load(row_ptr + offs[None, :], mask=valid, other=0.0)
             m, sv, tv = accumulate(m, sv, tv, scale_logits(x, temperature), valid, ENTROPY)
-    lse, ent = finish(m, sv, tv, LOG2_CHUNK, ENTROPY)
-    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0)
-    x_t = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tgt, mask=row_ok, other=0.0)
-    tl.store(lp_ptr + rows, scale_logits(x_t, temperature) - lse, mask=row_ok)
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    out = rows.to(tl.int64) * n_leaves + leaf
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, tree_sum(sv, LOG2_CHUNK), mask=row_ok)
     if ENTROPY:
-        tl.store(ent_ptr + rows, ent, mask=row_ok)
+        tl.store(t_ptr + out, tree_sum(tv, LOG2_CHUNK), mask=row_ok)
+    # The program whose leaf holds the target also reads the target's logit.
+    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0) - vocab_offset
+    mine = row_ok & (tgt >= start) & (tgt < end)
+    x_t = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tgt, mask=mine, other=0.0)
+    tl.store(zt_ptr + rows, scale_logits(x_t, temperature), mask=mine)
+
+
+@jit
+def _merge_kernel(
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    zt_ptr,
+    out0_ptr,
+    out1_ptr,
+    out2_ptr,
+    T,
+    n_leaves,
+    BLOCK_T: tl.constexpr,
+    NL: tl.constexpr,
+    LOG2_NL: tl.constexpr,
+    FINAL: tl.constexpr,
+    ENTROPY: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, NL)
+    ok = row_ok[:, None] & (cols < n_leaves)[None, :]
+    idx = rows.to(tl.int64)[:, None] * n_leaves + cols[None, :]
+    m = tl.load(m_ptr + idx, mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + idx, mask=ok, other=0.0)
+    if ENTROPY:
+        t = tl.load(t_ptr + idx, mask=ok, other=0.0)
+    else:
+        t = s
+    m, s, t = merge_tree(m, s, t, LOG2_NL, ENTROPY)
+    if FINAL:
+        log_s = tl.log(s)
+        lse = m + log_s
+        zt = tl.load(zt_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(out0_ptr + rows, zt - lse, mask=row_ok)
+        tl.store(out1_ptr + rows, lse, mask=row_ok)
+        if ENTROPY:
+            tl.store(out2_ptr + rows, log_s - tl.math.div_rn(t, s), mask=row_ok)
+    else:
+        tl.store(out0_ptr + rows, m, mask=row_ok)
+        tl.store(out1_ptr + rows, s, mask=row_ok)
+        if ENTROPY:
+            tl.store(out2_ptr + rows, t, mask=row_ok)
 
 
 @jit
@@ -217,34 +312,95 @@ TUNING = {
 # --------------------------------------------------------------------------------------------
 
 
-def logprobs_forward(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, table
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel: returns ``(logprobs, lse, entropy or None)``, all fp32 [T]."""
+def leaf_states(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy: bool,
+    table,
+    vocab: int | None = None,
+    vocab_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-leaf states of ``logits [T, V_local]``: ``(m, s, t or None)`` fp32 ``[T, n]`` and the
+    scaled target logit ``zt`` fp32 ``[T]``.
+
+    ``vocab`` (default ``V_local``) is the whole vocabulary, which sets the leaves;
+    ``logits`` are its columns ``[vocab_offset, vocab_offset + V_local)``, which must start on a
+    leaf boundary. ``zt`` is written only where the target lies in those columns (0 elsewhere).
+    """
     T, V = logits.shape
-    lp = torch.empty(T, dtype=torch.float32, device=logits.device)
-    lse = torch.empty_like(lp)
-    ent = torch.empty_like(lp) if entropy else lp
+    vocab = V if vocab is None else vocab
+    leaf_len, chunk = leaf_geometry(vocab)
+    if vocab_offset % leaf_len:
+        raise ValueError(f"vocab_offset {vocab_offset} is not on a leaf boundary ({leaf_len})")
+    n = max(1, -(-V // leaf_len)) if vocab == V else V // leaf_len
+    dev = logits.device
+    m = torch.empty(T, n, dtype=torch.float32, device=dev)
+    s = torch.empty_like(m)
+    t = torch.empty_like(m) if entropy else None
+    zt = torch.zeros(T, dtype=torch.float32, device=dev)
     if T:
         cfg = dict(tuning.config(table, "logprobs.fwd", T=T, V=V))
         rows = cfg.pop("ROWS")
-        _logprobs_fwd_kernel[(triton.cdiv(T, rows),)](
+        _leaf_state_kernel[(triton.cdiv(T, rows), n)](
             logits,
             targets,
-            lp,
-            lse,
-            ent,
+            m,
+            s,
+            t if entropy else s,
+            zt,
             T,
             V,
             logits.stride(0),
+            leaf_len,
+            n,
+            vocab_offset,
             float(temperature),
-            CHUNK=CHUNK,
-            LOG2_CHUNK=CHUNK.bit_length() - 1,
+            CHUNK=chunk,
+            LOG2_CHUNK=chunk.bit_length() - 1,
             ROWS=rows,
             ENTROPY=entropy,
             **cfg,
         )
-    return lp, lse, (ent if entropy else None)
+    return m, s, t, zt
+
+
+#: Rows per program of the merge kernel; rows are independent, so it changes no bit.
+_MERGE_ROWS = 64
+
+
+def merge_states(m, s, t, zt=None, *, final: bool):
+    """Merge leaf states ``[T, n]`` (n leaves in order, n <= a power of two ``NL``; missing leaves
+    are empty) by the fixed tree. ``final``: returns ``(logprobs, lse, entropy or None)`` with
+    ``zt`` the scaled target logits; else the subtree's ``(m, s, t or None)``, fp32 ``[T]``."""
+    T, n = m.shape
+    entropy = t is not None
+    nl = 1 << (n - 1).bit_length()
+    outs = [torch.empty(T, dtype=torch.float32, device=m.device) for _ in range(3)]
+    if T:
+        _merge_kernel[(triton.cdiv(T, _MERGE_ROWS),)](
+            m,
+            s,
+            t if entropy else s,
+            zt if final else m,
+            *outs,
+            T,
+            n,
+            BLOCK_T=_MERGE_ROWS,
+            NL=nl,
+            LOG2_NL=nl.bit_length() - 1,
+            FINAL=final,
+            ENTROPY=entropy,
+        )
+    return outs[0], outs[1], (outs[2] if entropy else None)
+
+
+def logprobs_forward(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, table
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernels: returns ``(logprobs, lse, entropy or None)``, all fp32 [T]."""
+    m, s, t, zt = leaf_states(logits, targets, temperature, entropy, table)
+    return merge_states(m, s, t, zt, final=True)
 
 
 def logprobs_backward(
