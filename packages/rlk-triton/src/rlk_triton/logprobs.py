@@ -122,10 +122,9 @@ def merge_pair(ma, sa, ta, mb, sb, tb, ENTROPY: tl.constexpr):
 def merge_tree(m, s, t, LOG2N: tl.constexpr, ENTROPY: tl.constexpr):
     """Merge ``[R, 2**LOG2N]`` leaf states along axis 1 by the fixed tree of adjacent pairs."""
     for _ in tl.static_range(LOG2N):
-        shape = [m.shape[0], m.shape[1] // 2, 2]
-        ma, mb = tl.split(tl.reshape(m, shape))
-        sa, sb = tl.split(tl.reshape(s, shape))
-        ta, tb = tl.split(tl.reshape(t, shape))
+        ma, mb = tl.split(tl.reshape(m, [m.shape[0], m.shape[1] // 2, 2]))
+        sa, sb = tl.split(tl.reshape(s, [s.shape[0], s.shape[1] // 2, 2]))
+        ta, tb = tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
         m, s, t = merge_pair(ma, sa, ta, mb, sb, tb, ENTROPY)
     return tl.reshape(m, [m.shape[0]]), tl.reshape(s, [s.shape[0]]), tl.reshape(t, [t.shape[0]])
 
