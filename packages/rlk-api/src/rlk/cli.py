@@ -161,6 +161,7 @@ def _cmd_consistency(args: argparse.Namespace) -> int:
         train_engine=args.train_engine,
         leaves=args.leaves,
         train_tp=args.train_tp,
+        rollout_tp=args.rollout_tp,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
     print(consistency.format_table(report))
@@ -238,8 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         "--train-tp",
         type=int,
         default=1,
-        help="megatron engine: tensor-parallel size of the training recompute; > 1 spawns that "
-        "many gloo processes (CPU) and needs --leaves (default: 1)",
+        help="rlk side: tensor-parallel size of the training recompute (either engine); > 1 "
+        "spawns that many processes (gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
+    )
+    pk.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=1,
+        help="rlk side: tensor-parallel size of the rollout; > 1 spawns that many processes "
+        "(gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
     )
     pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")

@@ -103,6 +103,7 @@ def run_side(
     max_batch: int | None = None,
     train_model: torch.nn.Module | None = None,
     recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
+    rollout_fn: Callable[..., Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
@@ -111,24 +112,32 @@ def run_side(
     ``max_batch`` requests at once (default: all). ``train_model``: an rlk Megatron
     ``GPTModel`` with ``model``'s weights (rlk only) that does the training recompute instead
     of ``model``. ``recompute(samples, groups, temperature, logits_dtype) -> (log-probs per
-    sample, seconds)``: a training recompute done elsewhere (Megatron's TP ranks), rlk only."""
+    sample, seconds)``: a training recompute done elsewhere (TP ranks), rlk only.
+    ``rollout_fn(mode, prompts, new_tokens, kw) -> RolloutResult``: a rollout done elsewhere
+    (TP ranks, :class:`TPRollout`), rlk only."""
     from rlk.integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
 
     use_rlk = side == "rlk"
-    if (train_model is not None or recompute is not None) and not use_rlk:
-        raise ValueError("the Megatron training recompute runs on rlk only")
+    if (train_model is not None or recompute is not None or rollout_fn) and not use_rlk:
+        raise ValueError("the Megatron and tensor-parallel paths run on rlk only")
     trainer = model if train_model is None else train_model
     engine = "transformers" if train_model is None and recompute is None else "megatron"
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
     say(f"[{side}] {rollout_mode} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
-    if rollout_mode == "paged":
-        if not use_rlk:
-            raise ValueError("the paged rollout mode runs on rlk only (the stock side is padded)")
+    if rollout_mode == "paged" and not use_rlk:
+        raise ValueError("the paged rollout mode runs on rlk only (the stock side is padded)")
+    if rollout_fn is not None:
+        kw: dict[str, Any] = dict(seeds=seeds, temperature=temperature)
+        if rollout_mode == "paged":
+            kw.update(page_size=page_size, max_batch=max_batch or max(1, len(prompts)),
+                      max_step_tokens=max(2048, max_batch or len(prompts)))  # fmt: skip
+        ro = rollout_fn(rollout_mode, prompts, new_tokens, kw)
+    elif rollout_mode == "paged":
         ro = paged.generate_paged(
             model,
             prompts,
@@ -166,6 +175,8 @@ def run_side(
             model, trainer, train_model, ro, groups, temperature, use_rlk, device
         )
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
+    if rollout_fn is not None:
+        rollout_mode += f"-tp{rollout_fn.world}"
     return SideResult(
         side=side,
         rollout_mode=rollout_mode,
@@ -213,60 +224,128 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
     return train_lps, train_tokens, train_s
 
 
+class TPRollout:
+    """The rlk rollout at tensor parallelism ``world`` (:mod:`rlk.integrations.tp`): spawned
+    processes (gloo on CPU, NCCL on GPUs) shard ``model``'s weights and sample; rank 0's
+    result comes back. Usable as ``run_side``'s ``rollout_fn``."""
+
+    def __init__(self, model, world: int, leaves: int, backend: str | None, warmup: bool):
+        self.model, self.world, self.leaves = model, world, leaves
+        self.backend, self.warmup = backend, warmup
+
+    def __call__(self, mode, prompts, new_tokens, kw):
+        from rlk.integrations import tp
+
+        p = next(self.model.parameters())
+        with _weights_file(self.model) as weights:
+            ro = tp.spawn(tp.rollout_worker, self.world, p.device.type, self.model.config,
+                          weights, p.dtype, self.leaves, mode, prompts, new_tokens, kw,
+                          self.warmup, backend=self.backend)  # fmt: skip
+        for smp in ro.samples:
+            smp.logprobs = smp.logprobs.to(p.device)
+        return ro
+
+
+class TransformersTP:
+    """The transformers + rlk training recompute at tensor parallelism ``world``
+    (:mod:`rlk.integrations.tp`, vocabulary-parallel ``linear_logprobs``). Usable as
+    ``run_side``'s ``recompute``."""
+
+    def __init__(self, model, world: int, leaves: int, backend: str | None, warmup: bool):
+        self.model, self.world, self.leaves = model, world, leaves
+        self.backend, self.warmup = backend, warmup
+        self.engine = f"transformers-tp{world}"
+
+    def __call__(self, samples, groups, temperature, logits_dtype):
+        import dataclasses
+
+        from rlk.integrations import tp
+
+        p = next(self.model.parameters())
+        samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
+        with _weights_file(self.model) as weights:
+            lps, seconds = tp.spawn(tp.train_worker, self.world, p.device.type,
+                                    self.model.config, weights, p.dtype, self.leaves, samples,
+                                    groups, temperature, logits_dtype, self.warmup,
+                                    backend=self.backend)  # fmt: skip
+        return [lp.to(p.device) for lp in lps], seconds
+
+
+@contextlib.contextmanager
+def _weights_file(model):
+    import os
+    import tempfile
+
+    from rlk.integrations import tp
+
+    with tempfile.TemporaryDirectory(prefix="rlk-weights-") as tmp:
+        path = os.path.join(tmp, "weights.pt")
+        tp.save_weights(model, path)
+        yield path
+
+
 class MegatronTP:
     """Training recompute in Megatron-core at tensor parallelism ``world``: spawns ``world``
-    processes (gloo, CPU) that each build the rlk ``GPTModel`` (``leaves`` tree-ordered
-    linears) from their :func:`~rlk.integrations.megatron.shard_for_tp` shard of ``model``'s
-    weights, run the micro-batches forward + backward, and rank 0 hands back the log-probs and
-    the time of the forward/backward loop. Usable as ``run_side``'s ``recompute``."""
+    processes (NCCL, rank r on ``cuda:r``, when ``model`` is on a CUDA device; gloo on CPU)
+    that each build the rlk ``GPTModel`` (``leaves`` tree-ordered linears) from their
+    :func:`~rlk.integrations.megatron.shard_for_tp` shard of ``model``'s weights, run the
+    micro-batches forward + backward, and rank 0 hands back the log-probs and the time of the
+    forward/backward loop. Usable as ``run_side``'s ``recompute``."""
 
     def __init__(self, model: torch.nn.Module, world: int, leaves: int, backend: str | None):
         self.config = model.config
+        self.device = next(model.parameters()).device.type
+        if self.device == "cuda" and torch.cuda.device_count() < world:
+            raise RuntimeError(
+                f"train_tp = {world} needs {world} GPUs, {torch.cuda.device_count()} visible"
+            )
         self.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         self.world, self.leaves, self.backend = world, leaves, backend
         self.engine = f"megatron-tp{world}"
 
     def __call__(self, samples, groups, temperature, logits_dtype):
+        import dataclasses
         import os
         import tempfile
 
         import torch.multiprocessing as mp
 
+        # The workers need the tokens only; CPU copies keep CUDA tensors out of the pickles.
+        samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
         with tempfile.TemporaryDirectory(prefix="rlk-tp-") as tmp:
             weights, out = os.path.join(tmp, "weights.pt"), os.path.join(tmp, "out.pt")
             torch.save(self.state, weights)
             rendezvous = os.path.join(tmp, "rendezvous")
-            args = (self.world, rendezvous, self.config, weights, self.leaves, self.backend)
-            args += (samples, groups, temperature, logits_dtype, out)
+            args = (self.world, rendezvous, self.device, self.config, weights, self.leaves)
+            args += (self.backend, samples, groups, temperature, logits_dtype, out)
             mp.spawn(_megatron_tp_worker, args=args, nprocs=self.world, join=True)
             res = torch.load(out)
         return res["logprobs"], res["seconds"]
 
 
 def _megatron_tp_worker(
-    rank, world, init_file, config, weights, leaves, backend, samples, groups, temperature,
-    logits_dtype, out,
+    rank, world, init_file, device, config, weights, leaves, backend, samples, groups,
+    temperature, logits_dtype, out,
 ):  # fmt: skip
     # Spawned: importing rlk.consistency imported rlk first, which picks Triton's CPU
-    # interpreter before Megatron imports triton.
+    # interpreter (on a machine without a GPU) before Megatron imports triton.
     import torch.distributed as dist
 
     import rlk
     from rlk.integrations import megatron
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    teardown = megatron.init_model_parallel(world)
+    dev, teardown = megatron.init_distributed(rank, world, init_file, device)
     try:
         with rlk.use_backend(backend) if backend else contextlib.nullcontext():
-            dtype = next(iter(torch.load(weights).values())).dtype
+            state = torch.load(weights)
+            dtype = next(iter(state.values())).dtype
             mg = megatron.build_gpt_model(config, dtype=dtype, leaves=leaves)
-            full = megatron.hf_to_megatron(torch.load(weights), config)
-            shard = megatron.shard_for_tp(full, config, rank=rank, world_size=world)
-            missing, unexpected = mg.load_state_dict(shard, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise KeyError(f"TP shard: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            megatron.load_hf_weights(mg, state, config, rank=rank, world_size=world)
+            del state
+            mg.to(dev)
             lps: list[torch.Tensor | None] = [None] * len(samples)
+            total = max(sum(len(s.response) for s in samples), 1)
+            _sync(dev)
             dist.barrier()
             start = time.perf_counter()
             with torch.enable_grad():
@@ -275,17 +354,16 @@ def _megatron_tp_worker(
                     got = megatron.packed_logprobs(
                         mg, batch, temperature=temperature, logits_dtype=logits_dtype
                     )
-                    total = max(sum(len(s.response) for s in samples), 1)
                     (-torch.cat(got).sum() / total).backward()
                     for i, lp in zip(group, got):
                         lps[i] = lp.detach()
+            _sync(dev)
             dist.barrier()
             seconds = time.perf_counter() - start
         if rank == 0:
-            torch.save({"logprobs": lps, "seconds": seconds}, out)
+            torch.save({"logprobs": [lp.cpu() for lp in lps], "seconds": seconds}, out)
     finally:
         teardown()
-        dist.destroy_process_group()
 
 
 def run(
@@ -308,23 +386,27 @@ def run(
     train_engine: str = "transformers",
     leaves: int | None = None,
     train_tp: int = 1,
+    rollout_tp: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both sides on one model; returns the report (``rows`` holds a dict per side and
     rollout mode: the stock side once, padded; the rlk side once per mode of
     ``rollout_modes``). ``train_engine="megatron"``: the rlk side's training recompute runs in
     Megatron-core (see the module docstring); ``leaves``: tree-ordered row-parallel linears on
-    the rlk side; ``train_tp``: Megatron's tensor parallelism (> 1: that many spawned gloo
-    processes on CPU, needs ``leaves``)."""
+    the rlk side; ``train_tp``: the training engine's tensor parallelism, ``rollout_tp``: the
+    rollout's (> 1: that many spawned processes, gloo on CPU and NCCL on GPUs; needs
+    ``leaves``, of which each must be a power-of-two divisor)."""
     if train_engine not in TRAIN_ENGINES:
         raise ValueError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
-    if train_tp != 1:
-        if train_engine != "megatron":
-            raise ValueError("train_tp > 1 needs train_engine='megatron'")
+    for name, tp in (("train_tp", train_tp), ("rollout_tp", rollout_tp)):
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {tp!r}")
+        if tp == 1:
+            continue
         if not leaves:
-            raise ValueError("train_tp > 1 needs leaves (tree-ordered row-parallel linears)")
-        if leaves % train_tp or train_tp & (train_tp - 1):
-            raise ValueError(f"train_tp must be a power of two dividing leaves = {leaves}")
+            raise ValueError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
+        if leaves % tp or tp & (tp - 1):
+            raise ValueError(f"{name} must be a power of two dividing leaves = {leaves}")
     teardown = None
     if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
         from rlk.integrations import megatron
@@ -350,6 +432,7 @@ def run(
             train_engine=train_engine,
             leaves=leaves,
             train_tp=train_tp,
+            rollout_tp=rollout_tp,
             progress=progress,
         )
     finally:
@@ -377,6 +460,7 @@ def _run(
     train_engine: str,
     leaves: int | None,
     train_tp: int,
+    rollout_tp: int,
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     import rlk
@@ -390,11 +474,16 @@ def _run(
     model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
     vocab = model.config.vocab_size
     batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
-    train_model = recompute = None
-    if train_tp > 1 and "rlk" in sides:
-        if dev.type != "cpu":
-            raise NotImplementedError("train_tp > 1 runs on CPU (gloo) only for now")
-        say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned gloo processes")
+    train_model = recompute = rollout_fn = None
+    if rollout_tp > 1 and "rlk" in sides:
+        say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
+        rollout_fn = TPRollout(model, rollout_tp, leaves, backend, warmup)  # type: ignore[arg-type]
+    if train_tp > 1 and "rlk" in sides and train_engine == "transformers":
+        say(f"transformers training at TP={train_tp}: {train_tp} spawned processes")
+        recompute = TransformersTP(model, train_tp, leaves, backend, warmup)  # type: ignore[arg-type]
+    elif train_tp > 1 and "rlk" in sides:
+        comm = "NCCL" if dev.type == "cuda" else "gloo"
+        say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned {comm} processes")
         recompute = MegatronTP(model, train_tp, leaves, backend)  # type: ignore[arg-type]
     elif train_engine == "megatron" and "rlk" in sides:
         from rlk.integrations import megatron
@@ -416,10 +505,12 @@ def _run(
             for mode in rollout_modes if side == "rlk" else ("padded",):
                 kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
                 if side == "rlk":
-                    kw.update(train_model=train_model, recompute=recompute)
+                    kw.update(train_model=train_model, recompute=recompute, rollout_fn=rollout_fn)
                 if warmup:
+                    # In this process only: spawned TP workers warm up themselves.
                     say(f"[{side}] warm-up")
-                    run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **kw)
+                    here = dict(kw, recompute=None, rollout_fn=None) if side == "rlk" else kw
+                    run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **here)
                 rows.append(
                     run_side(
                         side,
@@ -450,6 +541,7 @@ def _run(
         "train_engine": train_engine,
         "leaves": leaves,
         "train_tp": train_tp,
+        "rollout_tp": rollout_tp,
         "seed": seed,
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
@@ -473,16 +565,17 @@ def format_table(report: dict[str, Any]) -> str:
     engine = report.get("train_engine", "transformers")
     leaves = report.get("leaves")
     notes = []
-    if engine != "transformers":
-        tp = report.get("train_tp", 1)
+    tp, rtp = report.get("train_tp", 1), report.get("rollout_tp", 1)
+    if engine != "transformers" or tp > 1 or rtp > 1:
+        core = "-core" if engine == "megatron" else ""
         notes.append(
-            f"rlk rows: rollout transformers + rlk, training {engine}-core + rlk at TP={tp}; "
-            "the stock row is stock transformers on both sides"
+            f"rlk rows: rollout transformers + rlk at TP={rtp}, training {engine}{core} + rlk "
+            f"at TP={tp}; the stock row is stock transformers on both sides at TP=1"
         )
     if leaves:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
     cols = (
-        f"{'side':<6} {'rollout':<7} {'train':<12} {'tokens':>7} {'max|dlogp|':>11} "
+        f"{'side':<6} {'rollout':<10} {'train':<15} {'tokens':>7} {'max|dlogp|':>11} "
         f"{'mean|dlogp|':>12} "
         f"{'differ':>7} "
         f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
@@ -490,8 +583,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [head, *notes, cols, "-" * len(cols)]
     for r in report["rows"]:
         lines.append(
-            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<7} "
-            f"{r.get('train_engine', 'transformers'):<12} {r['tokens']:>7d} "
+            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<10} "
+            f"{r.get('train_engine', 'transformers'):<15} {r['tokens']:>7d} "
             f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"

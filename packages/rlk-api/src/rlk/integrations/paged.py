@@ -208,6 +208,7 @@ def generate_paged(
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
     decodes together) and ``prefill_chunks``.
     """
+    from rlk.integrations.tp import local_kv_heads
     from rlk.integrations.transformers import decoder, is_patched
 
     if not is_patched(model):
@@ -251,7 +252,7 @@ def generate_paged(
         len(base.layers),
         num_pages,
         page_size,
-        cfg.num_key_value_heads,
+        local_kv_heads(model),
         head_dim,
         dtype=dtype,
         device=device,

@@ -57,6 +57,19 @@ def _rlk_logprobs(
     hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
     hidden = hidden.last_hidden_state[0]
     head = model.get_output_embeddings()
+    tp = getattr(model, "_rlk_tp", None)
+    if tp is not None:  # rlk.integrations.tp: this rank holds a vocabulary slice of lm_head
+        from rlk.parallel import vocab_parallel_linear_logprobs
+
+        return vocab_parallel_linear_logprobs(
+            hidden.index_select(0, rows),
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=temperature,
+            logits_dtype=logits_dtype,
+            group=tp[2],
+        )
     return rlk.linear_logprobs(
         hidden.index_select(0, rows),
         head.weight,
