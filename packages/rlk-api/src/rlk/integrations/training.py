@@ -58,25 +58,19 @@ def _rlk_logprobs(
     hidden = hidden.last_hidden_state[0]
     head = model.get_output_embeddings()
     tp = getattr(model, "_rlk_tp", None)
+    fn, extra = rlk.linear_logprobs, {}
     if tp is not None:  # rlk.integrations.tp: this rank holds a vocabulary slice of lm_head
         from rlk.parallel import vocab_parallel_linear_logprobs
 
-        return vocab_parallel_linear_logprobs(
-            hidden.index_select(0, rows),
-            head.weight,
-            targets,
-            bias=head.bias,
-            temperature=temperature,
-            logits_dtype=logits_dtype,
-            group=tp[2],
-        )
-    return rlk.linear_logprobs(
+        fn, extra = vocab_parallel_linear_logprobs, {"group": tp[2]}
+    return fn(
         hidden.index_select(0, rows),
         head.weight,
         targets,
         bias=head.bias,
         temperature=temperature,
         logits_dtype=logits_dtype,
+        **extra,
     )
 
 
