@@ -68,3 +68,35 @@ def test_train_tp_validated():
     with pytest.raises(ValueError, match="power of two"):
         consistency.run("tiny", train_engine="megatron", train_tp=3, leaves=8)
     assert rlk.parallel.TREE_BACKENDS
+
+
+def _cuda_tp_report(tmp_path, capsys, tp, dtype):
+    out = tmp_path / "c.json"
+    argv = ["consistency", "--model", "tiny", "--prompts", "4", "--new-tokens", "8"]
+    argv += ["--micro-batch", "3", "--rollout-mode", "padded", "--dtype", dtype, "--quiet"]
+    argv += ["--device", "cuda", "--train-engine", "megatron", "--leaves", "8"]
+    argv += ["--train-tp", str(tp)]
+    rc = cli.main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    return {r["side"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_megatron_tp1_rlk_row_zero(tmp_path, capsys, dtype):
+    """TP=1 on one GPU: Megatron-core recompute (tree linears, 8 leaves) == the rollout."""
+    rows = _cuda_tp_report(tmp_path, capsys, 1, dtype)
+    assert rows["rlk"]["train_engine"] == "megatron" and rows["rlk"]["tokens"] == 32
+    assert rows["rlk"]["max_abs_dlogp"] == 0.0 and rows["rlk"]["frac_differ"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_megatron_tp2_nccl_rlk_row_zero(tmp_path, capsys, dtype):
+    """TP=2 over NCCL (ranks on cuda:0 and cuda:1) == the rollout on cuda:0, bit for bit."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"TP=2 over NCCL needs 2 GPUs, {torch.cuda.device_count()} visible")
+    rows = _cuda_tp_report(tmp_path, capsys, 2, dtype)
+    assert rows["rlk"]["train_engine"] == "megatron-tp2" and rows["rlk"]["tokens"] == 32
+    assert rows["rlk"]["max_abs_dlogp"] == 0.0 and rows["rlk"]["frac_differ"] == 0.0

@@ -15,10 +15,11 @@ import warnings
 import pytest
 import torch
 
+import rlk  # first: it picks Triton's CPU interpreter before Megatron imports triton
+
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-import rlk  # noqa: E402
 from rlk.integrations import megatron as rm  # noqa: E402
 from rlk.integrations import models, training  # noqa: E402
 from rlk.integrations import transformers as rt  # noqa: E402
@@ -209,4 +210,30 @@ def test_rlk_megatron_backward_is_deterministic():
     assert a.keys() == {n for n, _ in mg.named_parameters()}
     for n in a:
         assert torch.isfinite(a[n].float()).all() and a[n].abs().sum() > 0, n
+        assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_rlk_megatron_logprobs_bitwise_equal_transformers_cuda(name):
+    """On a GPU: the rlk Megatron model's packed log-probs (bf16) == the transformers
+    integration's, bitwise, and its backward repeats bit for bit."""
+    hf = rt.patch_model(_hf(name, torch.bfloat16).cuda())
+    mg = rm.build_gpt_model(hf.config, dtype=torch.bfloat16)
+    rm.load_hf_weights(mg, hf.state_dict(), hf.config)
+    mg.cuda()
+    samples = _samples([(3, 5), (6, 2), (2, 4)], seed=2)
+    with torch.no_grad():
+        ref = training.packed_logprobs(hf, samples)
+        got = rm.packed_logprobs(mg, samples)
+    for a, b in zip(got, ref):
+        assert a.is_cuda and torch.equal(a, b), (a - b).abs().max()
+
+    def grads():
+        mg.zero_grad(set_to_none=True)
+        torch.cat(rm.packed_logprobs(mg, samples)).sum().backward()
+        return {n: p.grad.clone() for n, p in mg.named_parameters()}
+
+    a, b = grads(), grads()
+    for n in a:
         assert torch.equal(a[n], b[n]), n

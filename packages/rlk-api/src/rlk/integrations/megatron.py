@@ -22,7 +22,9 @@ Two pieces:
   Megatron twin of :func:`rlk.integrations.training.packed_logprobs`.
 
 :func:`init_single_process` (or :func:`init_model_parallel` on an initialised TP group) sets
-up Megatron's model-parallel state and RNG tracker for these models and returns the teardown.
+up Megatron's model-parallel state and RNG tracker for these models and returns the teardown;
+:func:`init_distributed` does it for one spawned TP rank (NCCL on ``cuda:<rank>``, gloo on
+CPU), and :func:`load_hf_weights` loads a rank's shard (``rank=``, ``world_size=``).
 
 The rlk model is built with ``position_embedding_type="none"``: rotary is applied inside
 :class:`RlkSelfAttention` from per-token positions (restarting at each packed sequence), so
@@ -113,6 +115,38 @@ def init_model_parallel(tensor_parallel: int = 1) -> Callable[[], None]:
                 os.unlink(path)
 
     return teardown
+
+
+def init_distributed(
+    rank: int, world: int, init_file: str, device: str | torch.device = "cpu"
+) -> tuple[torch.device, Callable[[], None]]:
+    """One rank of a spawned TP group: ``torch.distributed`` (file rendezvous at ``init_file``;
+    NCCL on ``cuda:<rank>`` for a CUDA ``device``, gloo on the CPU otherwise) and then
+    :func:`init_model_parallel` at TP = ``world``. Returns the rank's device and the teardown
+    (Megatron's state, then the process group)."""
+    import torch.distributed as dist
+
+    if torch.device(device).type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise RuntimeError(f"TP = {world} needs {world} GPUs, {torch.cuda.device_count()} seen")
+        dev, backend = torch.device("cuda", rank), "nccl"
+        torch.cuda.set_device(dev)
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        teardown_mp = init_model_parallel(world)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+    def teardown() -> None:
+        try:
+            teardown_mp()
+        finally:
+            dist.destroy_process_group()
+
+    return dev, teardown
 
 
 def init_single_process() -> Callable[[], None]:
@@ -590,8 +624,7 @@ def _make_mlp():
         """Megatron's ``MLP`` with the gated activation on :func:`rlk.silu_and_mul` (fc1's
         output is ``[gate | up]`` on each rank, Megatron's own layout).
 
-        mcore API (0.16): ``TransformerLayer`` passes ``tp_group`` only to the exact ``MLP``
-        class, so this subclass takes Megatron's default TP group (parallel_state)."""
+        mcore API: see :func:`_mlp_spec` for how the layer builds it (0.16 vs 0.19)."""
 
         def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
             h, bias = self.linear_fc1(hidden_states)
@@ -601,6 +634,22 @@ def _make_mlp():
             return out, out_bias
 
     return RlkMLP
+
+
+def _mlp_spec(mlp_cls: type, submodules: Any) -> Any:
+    """The ``mlp`` entry of a ``TransformerLayerSubmodules`` for an ``MLP`` subclass.
+
+    mcore API: 0.16 builds a ``ModuleSpec`` (passing ``tp_group`` only to the exact ``MLP``
+    class, so the subclass takes the default TP group); 0.19 calls the entry with
+    ``pg_collection=`` and wants ``functools.partial(cls.as_mlp_submodule, submodules=...)``
+    (a ``ModuleSpec`` of a subclass would get ``pg_collection`` in ``MLP.__init__``)."""
+    if hasattr(mlp_cls, "as_mlp_submodule"):
+        import functools
+
+        return functools.partial(mlp_cls.as_mlp_submodule, submodules=submodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=mlp_cls, submodules=submodules)
 
 
 def rotary_table(hf_config: Any) -> Any:
@@ -654,10 +703,7 @@ def layer_spec(rotary: Any, *, qk_layernorm: bool = False, leaves: int | None = 
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RlkRMSNorm,
-            mlp=ModuleSpec(
-                module=_make_mlp(),
-                submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row),
-            ),
+            mlp=_mlp_spec(_make_mlp(), MLPSubmodules(linear_fc1=col, linear_fc2=row)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -724,13 +770,26 @@ def build_gpt_model(
             rope_scaling_factor=rope.get("factor", 8.0),
             **common,
         )
+        # Megatron's local norms ignore params_dtype (training wraps the model in
+        # Float16Module, which casts it whole): cast here so that every weight has ``dtype``.
+        model.to(dtype)
     model._rlk_hf_config = hf_config
     return model
 
 
-def load_hf_weights(model: nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any):
-    """Copy a transformers state dict into a TP=1 ``GPTModel`` (bitwise; dtypes must match)."""
+def load_hf_weights(
+    model: nn.Module,
+    hf_state_dict: dict[str, torch.Tensor],
+    hf_config: Any,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+):
+    """Copy a transformers state dict into a ``GPTModel`` (bitwise; dtypes must match): the
+    whole model at TP=1, or TP rank ``rank``'s :func:`shard_for_tp` shard of ``world_size``."""
     sd = hf_to_megatron(hf_state_dict, hf_config)
+    if world_size != 1:
+        sd = shard_for_tp(sd, hf_config, rank=rank, world_size=world_size)
     own = model.state_dict()
     for key, t in sd.items():
         if key not in own:
@@ -775,12 +834,16 @@ def hidden_states(model: nn.Module, input_ids: torch.Tensor, params: Any = None)
     return model.decoder(hidden_states=emb, attention_mask=None, packed_seq_params=params)
 
 
+def _local_output_weight(model: nn.Module) -> torch.Tensor:
+    """This rank's rows of the output weight (tied or not)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The full ``[V, H]`` output weight (tied or not), gathered over the TP group if sharded."""
-    if model.share_embeddings_and_output_weights:
-        w = model.shared_embedding_or_output_weight()
-    else:
-        w = model.output_layer.weight
+    w = _local_output_weight(model)
     from megatron.core import parallel_state
 
     world = parallel_state.get_tensor_model_parallel_world_size()
@@ -802,21 +865,37 @@ def packed_logprobs(
 ) -> list[torch.Tensor]:
     """Megatron twin of :func:`rlk.integrations.training.packed_logprobs`: one packed ``thd``
     forward of the samples (``prompt + response`` each), :func:`rlk.linear_logprobs` on the
-    rows that predict the response tokens. One float32 ``[len(response)]`` per sample."""
+    rows that predict the response tokens. One float32 ``[len(response)]`` per sample.
+
+    At TP > 1 the vocabulary-parallel head goes to
+    :func:`rlk.parallel.vocab_parallel_linear_logprobs` (same bits, no gather of the weight;
+    :func:`output_weight`'s gather if the vocabulary does not split into its leaves)."""
     from rlk.integrations.training import _pack
 
     device = next(model.parameters()).device
     ids, _, rows, targets = _pack(samples, device)
     params = packed_seq_params([len(s.tokens) for s in samples], device)
-    hidden = hidden_states(model, ids, params)[:, 0]
-    lp = rlk.linear_logprobs(
-        hidden.index_select(0, rows),
-        output_weight(model),
-        targets,
-        temperature=temperature if temperature > 0 else 1.0,
-        logits_dtype=logits_dtype,
-    )
+    hidden = hidden_states(model, ids, params)[:, 0].index_select(0, rows)
+    kw = dict(temperature=temperature if temperature > 0 else 1.0, logits_dtype=logits_dtype)
+    local = _local_output_weight(model)
+    from megatron.core import parallel_state
+
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if world > 1 and _vocab_splits(local.shape[0] * world, world):
+        # This rank's vocabulary rows; one-device bits without gathering the weight.
+        group = parallel_state.get_tensor_model_parallel_group()
+        lp = rlk.parallel.vocab_parallel_linear_logprobs(hidden, local, targets, group=group, **kw)
+    else:
+        lp = rlk.linear_logprobs(hidden, output_weight(model), targets, **kw)
     return list(lp.split([len(s.response) for s in samples]))
+
+
+def _vocab_splits(vocab: int, world: int) -> bool:
+    """Whether :func:`rlk.parallel.vocab_parallel_linear_logprobs` takes this vocabulary split
+    (a multiple of the vocabulary leaves, over a power-of-two group dividing them)."""
+    from rlk_triton.logprobs import VOCAB_LEAVES
+
+    return vocab % VOCAB_LEAVES == 0 and VOCAB_LEAVES % world == 0 and not world & (world - 1)
 
 
 __all__ = [
@@ -826,6 +905,7 @@ __all__ = [
     "build_gpt_model",
     "hf_to_megatron",
     "hidden_states",
+    "init_distributed",
     "init_model_parallel",
     "init_single_process",
     "layer_spec",
