@@ -515,8 +515,19 @@ def _stages(cfg, head_dim: int) -> int:
     return min(cfg["num_stages"], 2) if head_dim > 128 else cfg["num_stages"]
 
 
+_max_len_memo: list = []
+
+
 def _max_len(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    """Longest sequence of ``cu`` (a host read). A model's layers pass the same ``cu`` objects
+    within a forward, so the last two answers are remembered by object and version."""
+    for ref, version, value in _max_len_memo:
+        if ref is cu and version == cu._version:
+            return value
+    value = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    _max_len_memo.insert(0, (cu, cu._version, value))
+    del _max_len_memo[2:]
+    return value
 
 
 def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, table, store_lse):
@@ -586,7 +597,7 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table):
+def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=None):
     tq, hq, d = q.shape
     tk, hk, _ = k.shape
     group = hq // hk
@@ -595,7 +606,7 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table):
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    max_nq, max_nk = _max_len(cu_q), _max_len(cu_k)
+    max_nq, max_nk = max_lens or (_max_len(cu_q), _max_len(cu_k))
     if b == 0 or max_nk == 0:
         return dq, dk, dv
     block_d = triton.next_power_of_2(max(d, 16))
@@ -678,12 +689,16 @@ class _Attention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.causal, ctx.scale, ctx.table = causal, scale, table
+        # (the forward already read them; saved tensors come back as new objects)
+        ctx.max_lens = (_max_len(cu_q), _max_len(cu_k))
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, cu_q, cu_k, ctx.causal, ctx.scale, ctx.table)
+        dq, dk, dv = _backward(
+            do, q, k, v, o, lse, cu_q, cu_k, ctx.causal, ctx.scale, ctx.table, ctx.max_lens
+        )
         return dq, dk, dv, None, None, None, None, None
 
 

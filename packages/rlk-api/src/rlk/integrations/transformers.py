@@ -81,6 +81,54 @@ def _packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     return cu
 
 
+class _PerForward:
+    """The index tensors derived from one forward's mask or position_ids. transformers hands
+    the same tensor objects to every layer, so deriving them (which reads the device: a sync)
+    happens once per forward, not once per layer. Keyed by object identity and version; the
+    keys are held, so their ids cannot be reused while remembered."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.value: Any = None
+
+    def get(self, tensors: tuple, extra: tuple, make: Any) -> Any:
+        versions = tuple(getattr(t, "_version", None) for t in tensors)
+        old = self.key
+        same = bool(old) and all(a is b for a, b in zip(old[0], tensors))
+        if not (same and old[1] == versions and old[2] == extra):
+            self.value = make()
+            self.key = (tensors, versions, extra)
+        return self.value
+
+
+_packed_memo = _PerForward()
+_padded_memo = _PerForward()
+
+
+def _padded_index(attention_mask, position_ids, b: int, s: int, skv: int, device):
+    """(query row ids, key row ids, cu_q, cu_k) of the real tokens of a padded batch."""
+    if attention_mask is None:
+        if position_ids is not None and s < skv and b >= 1:
+            # A static cache hands over all its slots: the real keys end at the last position.
+            nk = position_ids.reshape(b if position_ids.shape[0] == b else 1, -1)[:, -1] + 1
+            nk = nk.expand(b).to(torch.int64)
+        else:
+            nk = torch.full((b,), skv, dtype=torch.int64, device=device)
+        kmask = torch.arange(skv, device=device)[None, :] < nk[:, None]
+        qmask = torch.ones(b, s, dtype=torch.bool, device=device)
+    else:
+        m = attention_mask.to(device=device, dtype=torch.bool)
+        length = m.shape[1]
+        if length > skv or length < s:
+            raise ValueError(f"attention_mask covers {length} tokens but there are {skv} keys")
+        kmask = torch.zeros(b, skv, dtype=torch.bool, device=device)
+        kmask[:, :length] = m
+        qmask = m[:, length - s :]
+    qi = qmask.reshape(-1).nonzero().reshape(-1)
+    ki = kmask.reshape(-1).nonzero().reshape(-1)
+    return qi, ki, _cu(qmask.sum(1)), _cu(kmask.sum(1))
+
+
 def rlk_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -132,7 +180,7 @@ def rlk_attention_forward(
         and (cu_q is not None or position_ids is not None)
     ):
         if cu_q is None:
-            cu_q = _packed_cu_seqlens(position_ids)
+            cu_q = _packed_memo.get((position_ids,), (), lambda: _packed_cu_seqlens(position_ids))
             cu_k = cu_q
         if cu_q is not None:  # packed sequences in one row
             out = rlk.attention(
@@ -145,35 +193,24 @@ def rlk_attention_forward(
                 scale=scaling,
             )
             return out.unsqueeze(0), None
-    if attention_mask is None:
-        if position_ids is not None and s < skv and b >= 1:
-            # A static cache hands over all its slots: the real keys end at the last position.
-            nk = position_ids.reshape(b if position_ids.shape[0] == b else 1, -1)[:, -1] + 1
-            nk = nk.expand(b).to(torch.int64)
-        else:
-            nk = torch.full((b,), skv, dtype=torch.int64, device=query.device)
-        kmask = torch.arange(skv, device=query.device)[None, :] < nk[:, None]
-        qmask = torch.ones(b, s, dtype=torch.bool, device=query.device)
-    else:
-        m = attention_mask.to(device=query.device, dtype=torch.bool)
-        length = m.shape[1]
-        if length > skv or length < s:
-            raise ValueError(f"attention_mask covers {length} tokens but there are {skv} keys")
-        kmask = torch.zeros(b, skv, dtype=torch.bool, device=query.device)
-        kmask[:, :length] = m
-        qmask = m[:, length - s :]
+    qi, ki, cu_q, cu_k = _padded_memo.get(
+        (attention_mask, position_ids),
+        (b, s, skv, query.device),
+        lambda: _padded_index(attention_mask, position_ids, b, s, skv, query.device),
+    )
+    # Index gathers and an index scatter: no host read (boolean indexing would sync per layer).
     out_flat = rlk.attention(
-        q[qmask],
-        k[kmask],
-        v[kmask],
-        _cu(qmask.sum(1)),
-        _cu(kmask.sum(1)),
+        q.reshape(b * s, hq, d).index_select(0, qi),
+        k.reshape(b * skv, -1, d).index_select(0, ki),
+        v.reshape(b * skv, -1, d).index_select(0, ki),
+        cu_q,
+        cu_k,
         causal=True,
         scale=scaling,
     )
-    out = query.new_zeros(b, s, hq, d)
-    out[qmask] = out_flat
-    return out, None
+    out = query.new_zeros(b * s, hq, d)
+    out.index_copy_(0, qi, out_flat)
+    return out.view(b, s, hq, d), None
 
 
 def _register_attention() -> None:
