@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# End-to-end GPU runs of issues 7, 8 and 11 on a 2-GPU machine (offline), in two lanes that run
+# at the same time (one per GPU), then the 2-GPU runs. Every command has its own time limit so
+# that a slow one costs its own result only; logs, tables and JSON go to $OUT; a summary is last.
+#   OUT=... bash scripts/gpu_e2e.sh            (env: N, L = prompts, new tokens; TPN, TPL for TP)
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+N=${N:-64}; L=${L:-256}; TPN=${TPN:-64}; TPL=${TPL:-128}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+for p in rlk-reference rlk-api rlk-triton rlk-cuda rlk-rocm rlk-ascend; do
+  python3 -m pip install -q --no-deps --no-build-isolation -e "packages/$p" >/dev/null || exit 1
+done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/gpu.txt" 2>&1
+
+run() {  # run NAME SECONDS CMD...: stdout to NAME.txt, stderr to NAME.log, rc to NAME.rc
+  local name=$1 secs=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$secs" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log"
+  echo "$? $(( $(date +%s) - t0 ))s" > "$OUT/$name.rc"
+}
+cons() {  # cons NAME SECONDS PROMPTS TOKENS ARGS...
+  local name=$1 secs=$2 n=$3 l=$4; shift 4
+  run "$name" "$secs" rlk consistency --prompts "$n" --new-tokens "$l" --micro-batch 8 \
+    --json "$OUT/$name.json" "$@"
+}
+
+# Lane 0 (GPU 0): issue 7, 64 prompts x 256 tokens, both rollout modes.
+(
+  export CUDA_VISIBLE_DEVICES=0
+  cons cons_qwen2-0.5b 150 "$N" "$L" --model qwen2-0.5b --rollout-mode both
+  cons cons_qwen3-0.6b 140 "$N" "$L" --model qwen3-0.6b --rollout-mode both
+) &
+# Lane 1 (GPU 1): the changed logprobs kernels' GPU tests and conformance, Megatron at TP 1.
+(
+  export CUDA_VISIBLE_DEVICES=1
+  RLK_VALIDATE=1 run gpu_tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    packages/rlk-triton/tests/test_logprobs.py packages/rlk-triton/tests/test_fused_logprobs.py \
+    tests/test_parallel.py
+  RLK_VALIDATE=1 run conformance_lp 50 rlk conformance --backend cuda --full --quiet \
+    --ops logprobs,linear_logprobs
+  cons megatron_tp1 90 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-engine megatron \
+    --rollout-mode padded
+) &
+wait
+# Both GPUs: issue 8 (rollout / training at TP 2 against TP 1) and issue 11 at TP 2.
+cons tp_rollout2 80 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --rollout-tp 2 --rollout-mode both
+cons tp_train2 50 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-tp 2 --rollout-mode padded
+cons megatron_tp2 60 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-engine megatron \
+  --train-tp 2 --rollout-mode padded
+run bench_tp 50 python3 benchmarks/bench_tp.py --model qwen2-0.5b --tp 2 --samples 16 --len 256 --repeat 1
+
+echo "=== $(tr '\n' ' ' < "$OUT/gpu.txt")"
+for f in "$OUT"/*.rc; do
+  n=$(basename "$f" .rc)
+  echo "--- $n: rc/time $(cat "$f")"
+  grep -E '^(side|stock|rlk) ' "$OUT/$n.txt" 2>/dev/null
+  grep -E 'passed|failed|^\| ' "$OUT/$n.txt" 2>/dev/null | tail -3
+done
