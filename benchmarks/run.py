@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ceilings, format_rows, require_cuda  # noqa: E402
 
-FAMILIES = ["norm", "logprobs", "gemm", "attention", "fused_logprobs"]
+FAMILIES = ["norm", "logprobs", "gemm", "attention", "fused_logprobs", "tree_gemm"]
 
 
 def main() -> int:
