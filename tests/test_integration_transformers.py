@@ -129,3 +129,21 @@ def test_hf_generate_with_transformers_caches(cache):
     torch.testing.assert_close(
         torch.stack(out.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-5
     )
+
+
+def test_rotary_table_does_not_depend_on_the_modules_device_values():
+    """transformers computes inv_freq on the device the model is created on, and a GPU's pow
+    can differ from the CPU's in the last bit (seen on an H200: Megatron's rotary, built on the
+    CPU, then disagreed with a model built on the GPU). The table is built by a CPU twin from
+    the config, so a module whose inv_freq differs by an ulp gives the same rows."""
+    from rlk.integrations.transformers import _RotaryTable
+
+    hf = models.load_model("tiny", dtype=torch.float32)
+    rotary = rt.decoder(hf).rotary_emb
+    pos = torch.arange(0, 40)[None]
+    want = _RotaryTable(rotary).gather(pos)
+    rotary.inv_freq.copy_(torch.nextafter(rotary.inv_freq, torch.full_like(rotary.inv_freq, 2.0)))
+    got = _RotaryTable(rotary).gather(pos)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stale = rotary(torch.empty(1), pos)  # the module itself does change, so the test can fail
+    assert not torch.equal(stale[0][0], want[0][0])

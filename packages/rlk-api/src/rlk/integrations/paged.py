@@ -157,8 +157,8 @@ def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.T
     """The decoder layers on one packed row: ``ids``/``positions`` int64 ``[T]`` -> ``[T, H]``
     final hidden states (after the last norm). The rotary rows are taken from the patched rotary
     table (already built up to the largest position, so no lookup reads the device)."""
-    table = base.rotary_emb._rlk_table
-    cos, sin = table.cos[positions][None], table.sin[positions][None]
+    cos, sin = base.rotary_emb._rlk_table.lookup(positions)
+    cos, sin = cos[None], sin[None]
     h = base.embed_tokens(ids[None])
     pos = positions[None]
     for layer in base.layers:

@@ -249,30 +249,44 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _RotaryTable:
-    """fp32 cos/sin rows by position, built with the model's own rotary module in fixed chunks."""
+    """fp32 cos/sin rows by position, built by a CPU twin of the model's rotary module in fixed
+    chunks of positions, then copied to the device asked for.
 
-    def __init__(self, rotary: nn.Module, original_forward: Any) -> None:
-        self.rotary = rotary
-        self.forward = original_forward
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
+    On the CPU because transformers computes ``inv_freq`` (a ``pow``) on the device the model
+    is created on, and a GPU's ``pow`` may differ from the CPU's in the last bit: a model built
+    on the GPU and one built on the CPU and moved (or Megatron's rotary) would rotate
+    differently. The twin is built from the config alone, so every engine, device and process
+    gets the same table."""
+
+    def __init__(self, rotary: nn.Module, original_forward: Any = None) -> None:
+        with torch.device("cpu"):
+            self.twin = type(rotary)(config=rotary.config)
+        self.cpu: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def gather(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        have = 0 if self.cos is None else self.cos.shape[0]
+        have = 0 if self.cpu is None else self.cpu[0].shape[0]
+        if have < need:
+            chunks = [] if self.cpu is None else [self.cpu]
+            dummy = torch.empty(1, dtype=torch.float32)
+            while have < need:
+                pos = torch.arange(have, have + ROTARY_CHUNK)[None, :]
+                cos, sin = self.twin(dummy, pos)
+                chunks.append((cos[0].float(), sin[0].float()))
+                have += ROTARY_CHUNK
+            self.cpu = (torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks]))
+            self.on.clear()
+        return self.lookup(position_ids)
+
+    def lookup(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of positions the table already holds (no device read, unlike gather)."""
         device = position_ids.device
-        if self.cos is not None and self.cos.device != device:
-            self.cos, self.sin, have = None, None, 0
-        while have < need:
-            pos = torch.arange(have, have + ROTARY_CHUNK, device=device)[None, :]
-            dummy = torch.empty(1, dtype=torch.float32, device=device)
-            cos, sin = self.forward(dummy, pos)
-            cos, sin = cos[0].float(), sin[0].float()
-            self.cos = cos if self.cos is None else torch.cat([self.cos, cos])
-            self.sin = sin if self.sin is None else torch.cat([self.sin, sin])
-            have += ROTARY_CHUNK
-        return self.cos[position_ids], self.sin[position_ids]
+        if device not in self.on:
+            self.on[device] = (self.cpu[0].to(device), self.cpu[1].to(device))
+        cos, sin = self.on[device]
+        return cos[position_ids], sin[position_ids]
 
 
 def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
