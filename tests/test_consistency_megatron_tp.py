@@ -63,8 +63,10 @@ def test_tp2_recompute_has_the_tree_bits_not_the_plain_ones():
 def test_train_tp_validated():
     with pytest.raises(ValueError, match="leaves"):
         consistency.run("tiny", train_engine="megatron", train_tp=2)
-    with pytest.raises(ValueError, match="megatron"):
-        consistency.run("tiny", train_tp=2, leaves=8)
+    with pytest.raises(ValueError, match="rollout_tp > 1 needs leaves"):
+        consistency.run("tiny", rollout_tp=2)
+    with pytest.raises(ValueError, match="rollout_tp must be an int"):
+        consistency.run("tiny", rollout_tp=0, leaves=8)
     with pytest.raises(ValueError, match="power of two"):
         consistency.run("tiny", train_engine="megatron", train_tp=3, leaves=8)
     assert rlk.parallel.TREE_BACKENDS
