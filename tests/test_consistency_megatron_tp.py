@@ -69,6 +69,8 @@ def test_train_tp_validated():
         consistency.run("tiny", rollout_tp=0, leaves=8)
     with pytest.raises(ValueError, match="power of two"):
         consistency.run("tiny", train_engine="megatron", train_tp=3, leaves=8)
+    import rlk.parallel
+
     assert rlk.parallel.TREE_BACKENDS
 
 
