@@ -104,6 +104,7 @@ def run_side(
     train_model: torch.nn.Module | None = None,
     recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
     rollout_fn: Callable[..., Any] | None = None,
+    warm_passes: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
@@ -114,7 +115,8 @@ def run_side(
     of ``model``. ``recompute(samples, groups, temperature, logits_dtype) -> (log-probs per
     sample, seconds)``: a training recompute done elsewhere (TP ranks), rlk only.
     ``rollout_fn(mode, prompts, new_tokens, kw) -> RolloutResult``: a rollout done elsewhere
-    (TP ranks, :class:`TPRollout`), rlk only."""
+    (TP ranks, :class:`TPRollout`), rlk only. ``warm_passes``: untimed training passes before
+    the timed one (on a GPU the training shapes' kernels compile in the first)."""
     from rlk.integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
@@ -172,7 +174,7 @@ def run_side(
         engine = getattr(recompute, "engine", engine)
     else:
         train_lps, train_tokens, train_s = _recompute_here(
-            model, trainer, train_model, ro, groups, temperature, use_rlk, device
+            model, trainer, train_model, ro, groups, temperature, use_rlk, device, warm_passes
         )
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
     if rollout_fn is not None:
@@ -187,41 +189,48 @@ def run_side(
     )
 
 
-def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rlk, device):
-    """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds)."""
+def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rlk, device,
+                    warm_passes=0):  # fmt: skip
+    """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds).
+    ``warm_passes`` untimed passes first (the training shapes' kernels compile there)."""
     from rlk.integrations import training
 
+    def one_pass():
+        lps_out: list[torch.Tensor | None] = [None] * len(ro.samples)
+        tokens = 0
+        with torch.enable_grad():
+            for group in groups:
+                batch = [ro.samples[i] for i in group]
+                if train_model is None:
+                    lps = training.packed_logprobs(
+                        model,
+                        batch,
+                        temperature=temperature,
+                        use_rlk=use_rlk,
+                        logits_dtype=ro.logits_dtype,
+                    )
+                else:
+                    from rlk.integrations import megatron
+
+                    lps = megatron.packed_logprobs(
+                        train_model, batch, temperature=temperature, logits_dtype=ro.logits_dtype
+                    )
+                loss = -torch.cat(lps).sum() / max(ro.new_tokens, 1)
+                loss.backward()
+                tokens += sum(len(s.tokens) for s in batch)
+                for i, lp in zip(group, lps):
+                    lps_out[i] = lp.detach()
+        trainer.zero_grad(set_to_none=True)
+        return lps_out, tokens
+
     trainer.zero_grad(set_to_none=True)
-    train_lps: list[torch.Tensor | None] = [None] * len(ro.samples)
-    train_tokens = 0
+    for _ in range(warm_passes):
+        one_pass()
     _sync(device)
     start = time.perf_counter()
-    with torch.enable_grad():
-        for group in groups:
-            batch = [ro.samples[i] for i in group]
-            if train_model is None:
-                lps = training.packed_logprobs(
-                    model,
-                    batch,
-                    temperature=temperature,
-                    use_rlk=use_rlk,
-                    logits_dtype=ro.logits_dtype,
-                )
-            else:
-                from rlk.integrations import megatron
-
-                lps = megatron.packed_logprobs(
-                    train_model, batch, temperature=temperature, logits_dtype=ro.logits_dtype
-                )
-            loss = -torch.cat(lps).sum() / max(ro.new_tokens, 1)
-            loss.backward()
-            train_tokens += sum(len(s.tokens) for s in batch)
-            for i, lp in zip(group, lps):
-                train_lps[i] = lp.detach()
+    train_lps, train_tokens = one_pass()
     _sync(device)
-    train_s = time.perf_counter() - start
-    trainer.zero_grad(set_to_none=True)
-    return train_lps, train_tokens, train_s
+    return train_lps, train_tokens, time.perf_counter() - start
 
 
 class TPRollout:
@@ -504,12 +513,15 @@ def _run(
                 unpatch_model(model)
             for mode in rollout_modes if side == "rlk" else ("padded",):
                 kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
+                kw["warm_passes"] = 1 if warmup else 0
                 if side == "rlk":
                     kw.update(train_model=train_model, recompute=recompute, rollout_fn=rollout_fn)
                 if warmup:
                     # In this process only: spawned TP workers warm up themselves.
                     say(f"[{side}] warm-up")
-                    here = dict(kw, recompute=None, rollout_fn=None) if side == "rlk" else kw
+                    here = dict(kw, warm_passes=0)
+                    if side == "rlk":
+                        here.update(recompute=None, rollout_fn=None)
                     run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **here)
                 rows.append(
                     run_side(

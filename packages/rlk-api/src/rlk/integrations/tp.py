@@ -309,9 +309,10 @@ def train_worker(rank, world, device, config, weights, dtype, leaves, samples, g
         (-torch.cat(lps).sum() / total).backward()
         return lps
 
-    if warmup:
+    if warmup:  # one untimed pass: the training shapes' kernels compile here
         with torch.enable_grad():
-            step([samples[i] for i in groups[0]])
+            for group in groups:
+                step([samples[i] for i in group])
         model.zero_grad(set_to_none=True)
     out: list[torch.Tensor | None] = [None] * len(samples)
     _sync(device)
