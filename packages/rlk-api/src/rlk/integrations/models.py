@@ -1,6 +1,7 @@
 """Built-in random-init model configs, and loading a local transformers checkpoint.
 
-``tiny`` (and ``tiny-llama``, ``tiny-qwen3``) are small enough for the Triton interpreter on a
+``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, and ``tiny-mha`` whose 4 key/value heads split
+over 4 tensor-parallel ranks) are small enough for the Triton interpreter on a
 CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes of the real models
 (random weights, nothing downloaded) for GPU runs.
 """
@@ -29,6 +30,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("qwen2", dict(_TINY, tie_word_embeddings=True)),
     "tiny-llama": ("llama", dict(_TINY, tie_word_embeddings=False)),
     "tiny-qwen3": ("qwen3", dict(_TINY, tie_word_embeddings=True)),
+    # As many key/value heads as query heads: splits over 4 tensor-parallel ranks.
+    "tiny-mha": ("qwen3", dict(_TINY, num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen2-0.5b": (
         "qwen2",
         dict(
