@@ -78,3 +78,12 @@ def test_shard_tp_errors():
     hf = models.load_model("tiny", dtype=torch.float32)
     with pytest.raises(ValueError, match="patch_model"):
         tp.shard_tp(hf)
+
+
+def test_rollout_tp4_train_tp2(tmp_path, capsys):
+    # tiny-mha: 4 key/value heads, so 4 ranks split every layer (issue 9's CPU part).
+    report, _ = _cli(tmp_path, capsys, "--rollout-tp", "4", "--train-tp", "2",
+                     "--rollout-mode", "padded", "--model", "tiny-mha")  # fmt: skip
+    (row,) = [r for r in report["rows"] if r["side"] == "rlk"]
+    assert row["rollout_mode"] == "padded-tp4" and row["train_engine"] == "transformers-tp2"
+    assert row["tokens"] == 9 and row["max_abs_dlogp"] == 0.0 and row["frac_differ"] == 0.0
