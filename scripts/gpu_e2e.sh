@@ -14,16 +14,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 N=${N:-64}; L=${L:-256}; TPN=${TPN:-64}; TPL=${TPL:-128}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-for p in rlk-reference rlk-api rlk-triton rlk-cuda rlk-rocm rlk-ascend; do
-  python3 -m pip install -q --no-deps --no-build-isolation -e "packages/$p" >/dev/null || exit 1
-done
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/gpu.txt" 2>&1
+source scripts/gpu_install.sh
 
 SCALE=${SCALE:-1}
 run() {  # run NAME SECONDS CMD...: stdout to NAME.txt, stderr to NAME.log, rc to NAME.rc

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_triton import gemm, tuning
+from rlk_triton import gemm, tree_gemm, tuning
 from rlk_triton import logprobs as lp_mod
 
 #: Most rows of W per backward slice (a slice holds whole vocabulary leaves, at least one).
@@ -82,24 +82,6 @@ def linear_logprobs_forward(
     return lp_mod.merge_states(*col, zt, final=True)
 
 
-def _tree(parts, count: int):
-    """Sum ``count`` (a power of two) fp32 parts in leaf order by the balanced binary tree;
-    ``None`` is an empty leaf, an exact identity. At most ``log2(count) + 1`` sums are alive."""
-    stack: list[tuple[int, torch.Tensor | None]] = []
-    seen = 0
-    for p in parts:
-        seen += 1
-        size = 1
-        while stack and stack[-1][0] == size:
-            left = stack.pop()[1]
-            p = left if p is None else (p if left is None else left.add_(p))
-            size *= 2
-        stack.append((size, p))
-    if seen != count or len(stack) != 1:
-        raise ValueError(f"_tree: {seen} parts for a tree of {count}")
-    return stack[0][1]
-
-
 def backward_slices(
     hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
     need_h, need_w, need_b, vocab=None, vocab_offset=0,
@@ -147,7 +129,7 @@ def backward_slices(
                     dlogits[:, a0:a1], w_s[a0:a1], None, torch.float32, table, "linear.bwd_dx"
                 )
 
-    dh = _tree(leaf_partials(), count)
+    dh = tree_gemm.tree_combine(leaf_partials())  # count: a power of two
     if need_h and dh is None:  # no vocabulary rows at all
         dh = torch.zeros(T, H, dtype=torch.float32, device=hidden.device)
     return dh, dw, db

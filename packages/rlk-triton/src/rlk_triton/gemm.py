@@ -41,6 +41,58 @@ _BIAS_WARPS = 4
 
 
 @jit
+def tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row, column) origin, int64, of this program's output tile.
+
+    Grouped tile order: GROUP_M row-tiles sweep the N tiles together so B stays in L2. It only
+    decides which program computes a tile, never how. Origins are int64 (dY of an lm_head has
+    more than 2^31 elements); offsets inside a tile stay int32.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m.to(tl.int64) * BLOCK_M, pid_n.to(tl.int64) * BLOCK_N
+
+
+@jit
+def k_loop(
+    a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``A[tile rows, :K] @ B[:K, tile cols]`` from the tiles' origins ``a_tile``/``b_tile``:
+    K in ascending tiles of the constant BLOCK_K, accumulated by ``tl.dot`` into one fp32 tile
+    from zero; out-of-range K is read as 0 (adds +0.0). The reduction order of every GEMM."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_tile + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_tile + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = rk < K - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@jit
 def _matmul_kernel(
     a_ptr,
     b_ptr,
@@ -63,46 +115,15 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order: GROUP_M row-tiles sweep the N tiles together so B stays in L2.
-    # It only decides which program computes a tile, never how.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    # Tile origins in int64 (dY of an lm_head has more than 2^31 elements); offsets inside a
-    # tile stay int32.
-    row0 = pid_m.to(tl.int64) * BLOCK_M
-    col0 = pid_n.to(tl.int64) * BLOCK_N
+    row0, col0 = tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M - row0
     mask_n = rn < N - col0
-    a_ptrs = a_ptr + row0 * stride_am + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + col0 * stride_bn + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K in ascending tiles of the constant BLOCK_K; out-of-range K is read as 0 (adds +0.0).
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = rk < K - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = k_loop(
+        a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
+        stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
     if HAS_BIAS:
         bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)

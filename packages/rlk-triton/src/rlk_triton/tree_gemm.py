@@ -80,48 +80,21 @@ def _tree_kernel(
     GROUP_M: tl.constexpr,
 ):
     # C = tree over the LEAVES leaves (each WIDTH wide along the reduced dimension) of the leaf
-    # partials A[:, leaf] @ B[leaf, :]. Tile order: that of gemm._matmul_kernel.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    row0 = pid_m.to(tl.int64) * BLOCK_M
-    col0 = pid_n.to(tl.int64) * BLOCK_N
+    # partials A[:, leaf] @ B[leaf, :], each exactly gemm's K-loop on those views (origin in
+    # int64, K offsets inside the leaf from 0). Tile order: gemm's.
+    row0, col0 = gemm.tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M - row0
     mask_n = rn < N - col0
-    a_row = a_ptr + row0 * stride_am
-    b_col = b_ptr + col0 * stride_bn
-
     for leaf in tl.static_range(LEAVES):
-        # The leaf: exactly gemm._matmul_kernel's K-loop on the views a[:, leaf range] and
-        # b[leaf range, :] (origin in int64, K offsets inside the leaf from 0).
         k_origin = (WIDTH * leaf).to(tl.int64)
-        a_ptrs = a_row + k_origin * stride_ak + rm[:, None] * stride_am + rk[None, :] * stride_ak
-        b_ptrs = b_col + k_origin * stride_bk + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, WIDTH, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-            else:
-                mask_k = rk < WIDTH - k0
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        acc = gemm.k_loop(
+            a_ptr + row0 * stride_am + k_origin * stride_ak,
+            b_ptr + col0 * stride_bn + k_origin * stride_bk,
+            mask_m, mask_n, WIDTH, stride_am, stride_ak, stride_bk, stride_bn,
+            EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
 
         # Binary counter of pending subtrees: slot j holds a finished subtree of 2^j leaves.
         # Leaf `leaf` carries through the slots of its trailing one bits (left operand: the
@@ -296,12 +269,14 @@ def tree_combine(parts):
 
     Streams: at most ``log2(len) + 1`` partial sums are alive. The left operand of each add is
     reused as its output (adds are correctly rounded, so where the result lives changes nothing).
+    A part may be ``None``: an empty leaf, the exact identity (``None`` if every part is).
     """
-    stack: list[tuple[int, torch.Tensor]] = []
+    stack: list[tuple[int, torch.Tensor | None]] = []
     for p in parts:
         size = 1
         while stack and stack[-1][0] == size:
-            p = stack.pop()[1].add_(p)
+            left = stack.pop()[1]
+            p = left if p is None else (p if left is None else left.add_(p))
             size *= 2
         stack.append((size, p))
     if len(stack) != 1:
