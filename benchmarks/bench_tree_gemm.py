@@ -8,6 +8,11 @@ row-parallel projections of Qwen2-0.5B and Llama-3-8B at M in {512, 2048, 4096}:
 - ``tree fused``: the fused kernel (one launch, the chosen TREE_CONFIGS entry);
 - ``tree unfused``: one fp32 GEMM launch per leaf, torch adds by the tree, bias, cast.
 
+With ``--configs`` every TREE_CONFIGS entry is timed too, labelled by index and kernel:
+``unrolled`` (_tree_kernel, pending sums in registers) or ``flat`` (_tree_flat_kernel, one
+K loop over all leaves; ``r<REG_SLOTS>``: pending slots kept in registers, the others parked in
+an fp32 scratch; ``halves``: the carry chain on column halves).
+
 ``ratio`` is linear's time over the row's (issue 8's target: tree fused >= 0.90 at M >= 512).
 Standalone, for tuning the fused kernel's chooser::
 
@@ -39,7 +44,10 @@ QUICK_MS = [512, 4096]
 
 
 def _short(cfg):
-    return "{BLOCK_M}x{BLOCK_N} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
+    s = "{BLOCK_M}x{BLOCK_N} g{GROUP_M} w{num_warps} s{num_stages}".format(**cfg)
+    if cfg.get("VARIANT") != "flat":
+        return s + " unrolled"
+    return s + f" flat r{cfg['REG_SLOTS']}" + (" halves" if cfg.get("HALVES") else "")
 
 
 def bench_shape(M, K, N, leaves=8, dtype=torch.bfloat16, *, configs=False, label=""):
@@ -69,13 +77,19 @@ def bench_shape(M, K, N, leaves=8, dtype=torch.bfloat16, *, configs=False, label
     ms = median_ms(lambda: tree_gemm.tree_linear_forward_unfused(x, w, b, leaves, table))
     add(f"tree unfused L={leaves}", ms, lin_ms)
     if configs:
+        # Each candidate's bits against the unfused reference too: a race on the flat kernel's
+        # parked sums would show only on a GPU, at sizes like these.
+        ref = tree_gemm.tree_linear_forward_unfused(x, w, b, leaves, table)
         for i, c in enumerate(tree_gemm.TREE_CONFIGS):
+            run = lambda c=c: tree_gemm._fused(x, wt, b, leaves, dtype, table, "", c)
             try:
-                ms = median_ms(lambda c=c: tree_gemm._fused(x, wt, b, leaves, dtype, table, "", c))
+                ms = median_ms(run)
             except Exception as e:  # e.g. out of shared memory: report, keep going
-                rows.append({"shape": shape, "impl": f"fused cfg={i}", "error": str(e)[:60]})
+                rows.append({"shape": shape, "impl": f"fused cfg={i}", "error": str(e)[:80]})
                 continue
-            add(f"tree fused L={leaves} cfg={i}", ms, lin_ms, cfg=_short(c))
+            bits = "same" if torch.equal(run().view(torch.uint8), ref.view(torch.uint8)) else "DIFF"
+            kind = c.get("VARIANT", "unrolled")
+            add(f"tree fused L={leaves} cfg={i} {kind}", ms, lin_ms, cfg=_short(c), bits=bits)
     return rows
 
 
@@ -94,7 +108,9 @@ def main() -> int:
     p.add_argument("--shape", action="append", default=[], help="M,K,N (repeatable)")
     p.add_argument("--leaves", default="8", help="comma-separated leaf counts")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--configs", action="store_true", help="time every TREE_CONFIGS entry")
+    p.add_argument(
+        "--configs", action="store_true", help="time every TREE_CONFIGS entry (both kernels)"
+    )
     args = p.parse_args()
     require_cuda()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shape]

@@ -1,10 +1,11 @@
-"""tree_gemm: the fused tree kernel has the bits of the unfused reference (per-leaf GEMMs).
+"""tree_gemm: the fused tree kernels have the bits of the unfused reference (per-leaf GEMMs).
 
 The unfused path (``tree_matmul_unfused`` / ``tree_linear_forward_unfused``: one fp32
-``gemm._matmul`` per leaf, torch adds by the tree, bias, one rounding) is the reference; the
-fused kernel must equal it bitwise for every launch config (every config of every installed
-tuning table, and the fused kernel's own ``TREE_CONFIGS``), every leaf count, dtype and shape
-(M = 1, odd N, a leaf's K-range not a multiple of BLOCK_K), and be batch-invariant.
+``gemm._matmul`` per leaf, torch adds by the tree, bias, one rounding) is the reference; both
+fused kernels (``_tree_kernel``, and ``_tree_flat_kernel`` with its pending sums in registers
+or parked in scratch) must equal it bitwise for every launch config (every config of every
+installed tuning table, and the fused kernels' own ``TREE_CONFIGS``), every leaf count, dtype
+and shape (M = 1, odd N, a leaf's K-range not a multiple of BLOCK_K), and be batch-invariant.
 CPU tests run the interpreter on tiny shapes; ``gpu`` tests repeat the check at real sizes and
 read the PTX (wgmma for every config on sm_90).
 """
@@ -25,8 +26,18 @@ def _small(bm, bn, group_m=1):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "num_warps": 4, "num_stages": 2}
 
 
+def _small_flat(bm, bn, reg_slots, halves=False, group_m=1):
+    return {**_small(bm, bn, group_m), "VARIANT": "flat", "REG_SLOTS": reg_slots, "HALVES": halves}
+
+
 # Small tiles so tiny CPU shapes span several tiles (the interpreter ignores the MMA-kind rule).
 SMALL = (_small(16, 16), _small(32, 16, 2))
+# The flat kernel: every pending sum parked, slot 0 in registers, the chain on column halves.
+SMALL_FLAT = (
+    _small_flat(16, 16, 0),
+    _small_flat(32, 16, 1, group_m=2),
+    _small_flat(16, 32, 0, True),
+)
 
 
 def _table_configs():
@@ -69,11 +80,13 @@ def test_fused_equals_unfused(dtype, leaves):
     for M, width, N in ((1, 24, 17), (7, block_k, 9), (5, block_k + 8, 16)):
         x, w, b = _inputs(M, leaves * width, N, dtype, seed=leaves)
         ref = tree_gemm.tree_linear_forward_unfused(x, w, b, leaves, table)
-        for cfg in SMALL:
-            assert _bits_equal(_fused(x, w, b, leaves, cfg), ref), (M, width, N, cfg)
-        assert _bits_equal(tree_gemm.tree_linear_forward(x, w, b, leaves, table), ref)
-        # The fp32 subtree value (what a TP rank computes), no bias.
+        # The fp32 subtree value (what a TP rank computes), no bias: it shows a change of the
+        # tree's association that a bf16 output can hide.
         ref32 = tree_gemm.tree_matmul_unfused(x, w.t(), leaves, table=table)
+        for cfg in SMALL + SMALL_FLAT:
+            assert _bits_equal(_fused(x, w, b, leaves, cfg), ref), (M, width, N, cfg)
+            assert _bits_equal(_fused(x, w, None, leaves, cfg, torch.float32), ref32), cfg
+        assert _bits_equal(tree_gemm.tree_linear_forward(x, w, b, leaves, table), ref)
         assert _bits_equal(tree_gemm.subtree_sum(x, w, leaves, table=table), ref32)
 
 
@@ -100,7 +113,7 @@ def test_fused_batch_invariance(dtype):
     table = default_table()
     M, K, N, leaves = 21, 8 * 40, 24, 8
     x, w, b = _inputs(M, K, N, dtype, seed=3)
-    for cfg in (SMALL[1], None):
+    for cfg in (SMALL[1], *SMALL_FLAT, None):
         run = (lambda xs, cfg=cfg: _fused(xs, w, b, leaves, cfg)) if cfg else (
             lambda xs: tree_gemm.tree_linear_forward(xs, w, b, leaves, table))  # fmt: skip
         full = run(x)
@@ -137,6 +150,15 @@ def test_column_tree_dx_equals_unfused(dtype):
     assert _bits_equal(tree_gemm.tree_matmul(dy, w, leaves, table=table, key="linear.bwd_dx"), ref)
 
 
+def test_flat_empty_leaves():
+    # K = 0: the flat loop has no tile to end a leaf on; the launch takes _tree_kernel (bias).
+    table = default_table()
+    x, w, b = _inputs(3, 0, 5, torch.bfloat16)
+    ref = tree_gemm.tree_linear_forward_unfused(x, w, b, 4, table)
+    for cfg in SMALL_FLAT:
+        assert _bits_equal(_fused(x, w, b, 4, cfg), ref), cfg
+
+
 def test_many_leaves_fall_back_to_unfused(monkeypatch):
     table = default_table()
     x, w, b = _inputs(3, 4 * 24, 10, torch.bfloat16, seed=7)
@@ -163,6 +185,10 @@ def test_tree_configs_keep_one_mma_kind_and_chooser_in_range():
                 for nbytes in (2, 4):
                     i = tree_gemm._choose_tree(M=M, N=N, K=K, leaves=leaves, dtype_bytes=nbytes)
                     assert 0 <= i < len(tree_gemm.TREE_CONFIGS)
+    # The flat kernel's 128x128 tile with slot 0 in registers where its grid fills the GPU.
+    flat = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(4096, 4096, 14336, leaves=8)]
+    assert flat["VARIANT"] == "flat" and flat["REG_SLOTS"] == 1, flat
+    assert "VARIANT" not in tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(1, 4096, 14336, 8)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,13 +34,17 @@ Two implementations with the same bits:
   and the same masking), and keeps the pending subtree sums of the tree in a binary counter of
   at most ``log2(leaves)`` fp32 tiles (the leaf index is a compile-time constant, so the
   carries are compile-time branches); then bias and one rounding, or the fp32 subtree value a
-  TP rank needs. No fp32 ``[M, N]`` partial touches memory.
+  TP rank needs. No fp32 ``[M, N]`` partial touches memory. Its flat variant
+  :func:`_tree_flat_kernel` (configs with ``"VARIANT": "flat"``) does the same arithmetic in
+  one K loop over all leaves (the software pipeline does not restart per leaf) with a runtime
+  carry chain, and parks the pending subtrees it does not keep in registers in a per-program
+  fp32 scratch (L2-resident), so its tile can be as large as ``linear``'s.
 - unfused (the reference, :func:`tree_matmul_unfused`): one ``gemm._matmul`` launch per leaf
   with fp32 output and torch adds of the partials by :func:`tree_combine`.
 
-The fused kernel's launch configs (``TREE_TUNING``) are smaller than ``linear``'s at many
-leaves (the pending tiles live in registers); like every rlk config they set launch
-parameters only, never a bit. See docs/parallel.md for the cost.
+The fused kernels' launch configs (``TREE_TUNING``) are their own (``_tree_kernel``'s are
+smaller than ``linear``'s at many leaves: the pending tiles live in registers); like every rlk
+config they set launch parameters only, never a bit. See docs/parallel.md for the cost.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import gemm, tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import INTERPRET, jit, tl, triton
 
 #: Leaves the fused kernel unrolls at most (a carry chain of at most 6 levels); more leaves run
 #: the unfused path (same bits).
@@ -134,6 +138,160 @@ def _tree_kernel(
     tl.store(c_ptrs, v.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@jit
+def _barrier(x, ASM: tl.constexpr):
+    """A CTA barrier (with global memory ordering) that returns ``x`` (the carry chain's leaf
+    index goes through it, so what depends on it stays below). On CUDA it is PTX ``bar.sync 0``
+    with a compiler memory clobber: Triton 3.6 does not software-pipeline a loop that holds
+    ``tl.debug_barrier()`` (no cp.async prefetch at all), which would undo the flat kernel's
+    point. Elsewhere (ROCm, the interpreter) ``tl.debug_barrier()``."""
+    if ASM:
+        x = tl.inline_asm_elementwise(
+            "bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r,~{memory}", [x], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.debug_barrier()
+    return x
+
+
+@jit
+def _halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) of x: moves values, adds nothing. (The
+    # even and odd columns, a plain reshape and split, made ptxas serialize the K loop's wgmma
+    # in Triton 3.6: "non wgmma instructions defining accumulator registers".)
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@jit
+def _join(lo, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_M, BLOCK_N))
+
+
+@jit
+def _carry(v, s0, slots, low, LOG2_LEAVES: tl.constexpr, REG_SLOTS: tl.constexpr, SLOT):
+    # _tree_kernel's binary counter with a runtime leaf index, for the finished leaf sum v (or
+    # one column half of it): leaf + 1 = low * odd with low = 2^t (t = the trailing one bits
+    # of the leaf), so the leaf adds the pending slots 0..t-1 (left operand: the earlier
+    # subtree, as tree_combine) and parks the sum in slot t; at the last leaf (t =
+    # LOG2_LEAVES) v becomes the root. Slot 0 is s0 if REG_SLOTS, slot j >= REG_SLOTS is
+    # slots + (j - REG_SLOTS) * SLOT in global memory.
+    for j in tl.static_range(LOG2_LEAVES):
+        if low > (1 << j):
+            if j < REG_SLOTS:
+                v = s0 + v
+            else:
+                v = tl.load(slots + (j - REG_SLOTS) * SLOT) + v
+        elif low == (1 << j):
+            if j < REG_SLOTS:
+                s0 = v
+            else:
+                tl.store(slots + (j - REG_SLOTS) * SLOT, v)
+    return v, s0
+
+
+@jit
+def _tree_flat_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    park_ptr,
+    M,
+    N,
+    WIDTH,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    LEAVES: tl.constexpr,
+    LOG2_LEAVES: tl.constexpr,
+    REG_SLOTS: tl.constexpr,
+    HALVES: tl.constexpr,
+    ASM_BARRIER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # _tree_kernel's arithmetic (every leaf exactly gemm.k_loop over its K-range, the same
+    # tree of fp32 adds) with the leaves' K-loops flattened into one loop, so the software
+    # pipeline runs across leaf boundaries instead of refilling per leaf; the carry chain runs
+    # inside the loop at each leaf's last tile, as the epilogue of Triton's persistent matmul
+    # does. Pending subtrees below REG_SLOTS stay in registers, the others are parked in this
+    # program's fp32 slots of park_ptr, so the leaf tile can be as large as linear's.
+    row0, col0 = gemm.tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M - row0
+    mask_n = rn < N - col0
+    a_tile = a_ptr + row0 * stride_am + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_tile = b_ptr + col0 * stride_bn + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    # This program's parked slots, one contiguous BLOCK_M x BLOCK_N fp32 tile each; with
+    # HALVES the chain runs on column halves (half a tile less in registers, and half the
+    # shared memory the compiler takes to change the layout of a parked tile, which at 128x256
+    # would not fit next to the pipeline's buffers), each stored contiguously.
+    SLOT = BLOCK_M * BLOCK_N
+    park = park_ptr + tl.program_id(0).to(tl.int64) * ((LOG2_LEAVES - REG_SLOTS) * SLOT)
+    if HALVES:
+        park += rm[:, None] * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)[None, :]
+    else:
+        park += rm[:, None] * BLOCK_N + rn[None, :]
+    tiles_per_leaf = tl.cdiv(WIDTH, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # slot 0 if REG_SLOTS
+    for i in range(0, LEAVES * tiles_per_leaf):
+        leaf = i // tiles_per_leaf
+        kk = (i - leaf * tiles_per_leaf) * BLOCK_K  # offset inside the leaf, as k_loop's k0
+        k = (leaf * WIDTH + kk).to(tl.int64)
+        if EVEN_K:
+            a = tl.load(a_tile + k * stride_ak, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_tile + k * stride_bk, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = rk < WIDTH - kk
+            a = tl.load(a_tile + k * stride_ak, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_tile + k * stride_bk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+
+        if kk + BLOCK_K >= WIDTH:
+            if REG_SLOTS < LOG2_LEAVES:
+                # A parked element may be read back by another thread than the one that wrote it
+                # (the store and load layouts are the compiler's, and it does not order global
+                # memory between threads): a CTA barrier orders every chain's slot accesses
+                # after the previous chain's.
+                leaf = _barrier(leaf, ASM_BARRIER)
+            low = (leaf + 1) & -(leaf + 1)
+            if HALVES:  # every slot parked (REG_SLOTS == 0), so no s0 to pass
+                v0, v1 = _halves(acc, BLOCK_M, BLOCK_N)
+                v0, _ = _carry(v0, v0, park, low, LOG2_LEAVES, 0, SLOT)
+                v1, _ = _carry(v1, v1, park + SLOT // 2, low, LOG2_LEAVES, 0, SLOT)
+                v = _join(v0, v1, BLOCK_M, BLOCK_N)
+            else:
+                v, s0 = _carry(acc, s0, park, low, LOG2_LEAVES, REG_SLOTS, SLOT)
+            # The root leaves the loop in acc: the output's addresses and rounding stay out of
+            # the loop, where they would hold registers through every K tile.
+            if leaf == LEAVES - 1:
+                acc = v
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
+    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 def _tcfg(bm, bn, warps, stages, group_m=8):
     return {
         "BLOCK_M": bm,
@@ -144,10 +302,24 @@ def _tcfg(bm, bn, warps, stages, group_m=8):
     }
 
 
+def _flat(bm, bn, warps, stages, reg_slots, halves=False, group_m=8):
+    """A config of :func:`_tree_flat_kernel`: pending slots below ``reg_slots`` (0 or 1) stay
+    in registers, the others are parked in global fp32 scratch; ``halves`` (with
+    ``reg_slots = 0``) runs the carry chain on column halves."""
+    return {
+        **_tcfg(bm, bn, warps, stages, group_m),
+        "VARIANT": "flat",
+        "REG_SLOTS": reg_slots,
+        "HALVES": halves,
+    }
+
+
 #: Fused-kernel candidates (launch parameters only). Like gemm's: BLOCK_M % 64 == 0 and
-#: num_warps in {4, 8}, so tl.dot is wgmma on Hopper for every one. A program holds
-#: 1 + log2(leaves) fp32 tiles (the leaf accumulator and the pending subtrees), i.e.
-#: (1 + log2(leaves)) * BLOCK_M * BLOCK_N / (32 * num_warps) registers a thread.
+#: num_warps in {4, 8}, so tl.dot is wgmma on Hopper for every one. A _tree_kernel program
+#: holds 1 + log2(leaves) fp32 tiles (the leaf accumulator and the pending subtrees), i.e.
+#: (1 + log2(leaves)) * BLOCK_M * BLOCK_N / (32 * num_warps) registers a thread; a flat one
+#: holds 1 + REG_SLOTS and parks the rest. "VARIANT", "REG_SLOTS" and "HALVES" choose the
+#: kernel and where pending sums live, never an add: every entry gives the same bits.
 TREE_CONFIGS = (
     _tcfg(64, 32, 4, 6),  # 0: decode, small N; 8 leaves without spills (221 regs on sm_90)
     _tcfg(64, 64, 4, 4),  # 1: decode
@@ -157,7 +329,16 @@ TREE_CONFIGS = (
     _tcfg(128, 256, 8, 3),  # 5: 1 leaf (linear's large-M tile)
     _tcfg(64, 64, 4, 3),  # 6: fp32 (FMA path), small smem
     _tcfg(128, 32, 8, 4),  # 7: many leaves, M >= 128
+    # The flat kernel (sm_90, Triton 3.6, ptxas, 8 leaves): registers / spill stores / smem.
+    _flat(128, 256, 8, 3, 0, halves=True),  # 8: linear's large-M tile (255 / 56 B / 208 KiB)
+    _flat(128, 128, 8, 4, 1),  # 9: acc + slot 0 in registers (255 / 116 B / 192 KiB)
+    _flat(128, 128, 8, 3, 0),  # 10: every pending sum parked (233 / 0 / 160 KiB)
+    _flat(128, 128, 8, 4, 0),  # 11: every pending sum parked (235 / 0 / 192 KiB)
+    _flat(128, 256, 8, 2, 0, halves=True),  # 12: shallower pipeline (255 / 64 B / 160 KiB)
 )
+
+#: Flat config _choose_tree picks at >= 4 leaves where its grid (nearly) fills the GPU.
+_FLAT_LARGE = 9
 
 #: First candidate (index into TREE_CONFIGS) by log2(leaves): the largest tile whose live fp32
 #: tiles compile without register spills on sm_90 (Triton 3.6, ptxas -v), except 8 leaves,
@@ -167,11 +348,16 @@ _ORDER = (5, 4, 2, 3, 1, 0)
 
 
 def _choose_tree(M: int, N: int, K: int, leaves: int = 1, dtype_bytes: int = 2) -> int:
-    """Fused-kernel config: the largest tile whose live fp32 tiles (the leaf accumulator and
-    log2(leaves) pending subtrees) fit the registers, stepping down while the grid is short
-    of one program per SM."""
+    """Fused-kernel config: from 4 leaves on, the flat kernel's 128x128 tile where its grid
+    nearly fills the GPU; otherwise the largest _tree_kernel tile whose live fp32 tiles (the
+    leaf accumulator and log2(leaves) pending subtrees) fit the registers, stepping down while
+    the grid is short of one program per SM."""
     if dtype_bytes == 4:
         return 6
+    # 3/4 of the SMs: one wave of 128x128 tiles against two of the unrolled kernel's smaller
+    # ones (a guess, not yet measured on the H200).
+    if leaves >= 4 and 4 * gemm._tiles(M, N, TREE_CONFIGS[_FLAT_LARGE]) >= 3 * gemm._NUM_SMS:
+        return _FLAT_LARGE
     start = _START.get(leaves.bit_length() - 1, 0)
     for i in _ORDER[_ORDER.index(start) :]:
         if gemm._tiles(M, N, TREE_CONFIGS[i]) >= gemm._NUM_SMS:
@@ -209,6 +395,10 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
     width = R // leaves
     block_k = gemm.BLOCK_K[a.dtype]
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    # The flat loop runs LEAVES * cdiv(width, BLOCK_K) tiles and writes C at the last one: with
+    # empty leaves it would write nothing, so they take _tree_kernel (the same zeros and bias).
+    if cfg.get("VARIANT") == "flat" and width > 0:
+        return _tree_flat_launch(a, b, bias, c, leaves, cfg, grid, width, block_k)
     return _tree_kernel[grid](
         a,
         b,
@@ -224,6 +414,47 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
         c.stride(0),
         c.stride(1),
         LEAVES=leaves,
+        HAS_BIAS=bias is not None,
+        EVEN_K=width % block_k == 0,
+        IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=block_k,
+        GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _tree_flat_launch(a, b, bias, c, leaves, cfg, grid, width, block_k):
+    log2_leaves = leaves.bit_length() - 1
+    reg_slots = min(cfg["REG_SLOTS"], log2_leaves)
+    halves = cfg.get("HALVES", False)
+    if reg_slots not in (0, 1) or (halves and cfg["REG_SLOTS"]):
+        raise ValueError(f"REG_SLOTS must be 0, or 1 without HALVES: {cfg}")
+    # Every parked slot is written before it is read (by its own program), so no memset.
+    parked = grid[0] * (log2_leaves - reg_slots) * cfg["BLOCK_M"] * cfg["BLOCK_N"]
+    park = torch.empty(parked, dtype=torch.float32, device=a.device) if parked else c
+    return _tree_flat_kernel[grid](
+        a,
+        b,
+        bias if bias is not None else c,
+        c,
+        park,
+        a.shape[0],
+        b.shape[1],
+        width,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        LEAVES=leaves,
+        LOG2_LEAVES=log2_leaves,
+        REG_SLOTS=reg_slots,
+        HALVES=halves,
+        ASM_BARRIER=a.is_cuda and torch.version.hip is None and not INTERPRET,
         HAS_BIAS=bias is not None,
         EVEN_K=width % block_k == 0,
         IEEE=a.dtype == torch.float32,
