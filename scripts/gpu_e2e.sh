@@ -5,7 +5,8 @@
 #   OUT=... bash scripts/gpu_e2e.sh            (env: N, L = prompts, new tokens; TPN, TPL for TP;
 #                                               SCALE multiplies every time limit, default 1)
 # PART=lanes (default) runs the two one-GPU lanes, PART=tp the 2-GPU runs of qwen2-0.5b,
-# PART=llama the 2-GPU llama3-8b-4layers runs; each part fits one 10-minute device call.
+# PART=llama the 2-GPU llama3-8b-4layers runs, PART=recheck the re-checks after a change of the
+# logprobs leaves or the tree kernel; each part fits one 10-minute device call.
 # Everything under $OUT is also packed into $OUT/all.tgz (the device tool returns few files).
 # The limits assume a machine whose Triton cache is cold: 2-3 processes compiling every kernel
 # take a minute or more before the first step (the first run of this script, with half these
@@ -67,6 +68,29 @@ cons tp_train2 120 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-tp 2 --ro
 megatron megatron_tp2_qwen2 120 qwen2-0.5b 2
 run bench_tp 150 python3 benchmarks/bench_tp.py --model qwen2-0.5b --tp 2 --samples 16 --len 512 --repeat 1
 run bench_megatron_tp2 120 python3 benchmarks/bench_megatron.py --model qwen2-0.5b --tp 2
+fi
+if [ "$PART" = recheck ]; then
+# After a change of VOCAB_LEAVES (logprobs bits) and the tree kernel: their GPU tests, conformance
+# and benchmarks on one GPU each, then the vocabulary-parallel TP 2 runs and TP 2 at 2 leaves.
+(
+  export CUDA_VISIBLE_DEVICES=0
+  RLK_VALIDATE=1 run gpu_tests_lp 130 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    packages/rlk-triton/tests/test_logprobs.py packages/rlk-triton/tests/test_fused_logprobs.py
+  RLK_VALIDATE=1 run conformance_lp 110 rlk conformance --backend cuda --full --quiet \
+    --ops logprobs,linear_logprobs
+  run bench_lp 50 python3 benchmarks/run.py --quick --only logprobs,fused_logprobs
+) &
+(
+  export CUDA_VISIBLE_DEVICES=1
+  run bench_tree_gemm 170 python3 benchmarks/bench_tree_gemm.py --leaves 2,8 --configs \
+    --shape 2048,4096,4096 --shape 4096,14336,4096 --shape 2048,4864,896
+  RLK_VALIDATE=1 run gpu_tests_tree 110 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    packages/rlk-triton/tests/test_tree_gemm.py
+) &
+wait
+cons tp_train2 100 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-tp 2 --rollout-mode padded
+megatron megatron_tp2_qwen2 100 qwen2-0.5b 2
+run bench_tp_l2 100 python3 benchmarks/bench_tp.py --model qwen2-0.5b --tp 2 --leaves 2 --samples 16 --len 512 --repeat 1
 fi
 if [ "$PART" = llama ]; then
 megatron megatron_tp2_llama3 200 llama3-8b-4layers 2

@@ -1,8 +1,8 @@
 """logprobs kernels: accuracy and gradients vs float64, batch/tuning invariance, determinism.
 
 V = 300 is cut into vocabulary leaves merged by a fixed tree. The fixture runs each test with
-the op's constants (CHUNK, VOCAB_LEAVES) as shipped (30 leaves of 10 logits, one 16-wide chunk
-each, and 2 empty leaves) and patched to (16, 2) (two leaves of 150 logits, ten chunks each, the
+the op's constants (CHUNK, VOCAB_LEAVES) as shipped (8 leaves of 38 logits, one 64-wide chunk
+each, the last leaf 34 logits) and patched to (16, 2) (two leaves of 150 logits, ten chunks each, the
 last one partial, so the NSUB=4 config reads chunks past the end of a leaf).
 """
 
@@ -36,7 +36,7 @@ def _run(logits, targets, temp=1.0, entropy=True, g_lp=None, g_ent=None):
     return lp.detach(), None if ent is None else ent.detach(), x.grad
 
 
-@pytest.fixture(params=[(1024, 32), (16, 2)], ids=["leaves32", "leaves2-chunk16"])
+@pytest.fixture(params=[(1024, 8), (16, 2)], ids=["leaves8", "leaves2-chunk16"])
 def chunk(request, monkeypatch):
     monkeypatch.setattr(lpmod, "CHUNK", request.param[0])
     monkeypatch.setattr(lpmod, "VOCAB_LEAVES", request.param[1])
@@ -140,12 +140,12 @@ def test_every_tuning_config_gives_identical_bits(monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(results[0], other))
 
 
-@pytest.mark.parametrize("parts", [2, 4, 32])
+@pytest.mark.parametrize("parts", [2, 4, 8])
 @pytest.mark.parametrize("entropy", [True, False])
 def test_vocabulary_split_merges_to_the_same_bits(parts, entropy):
     """What a vocabulary-parallel rank does: leaf states of its own columns, its subtree merged,
     then the parts' triples merged by the top of the tree: the one-device bits, exactly."""
-    v = 320  # 32 leaves of 10 logits
+    v = 320  # 8 leaves of 40 logits
     logits, targets = _inputs(6, v, torch.bfloat16, seed=8)
     want = lpmod.logprobs_forward(logits, targets, 0.8, entropy, TABLE)
     width = v // parts

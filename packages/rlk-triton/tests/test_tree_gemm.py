@@ -170,6 +170,7 @@ def test_many_leaves_fall_back_to_unfused(monkeypatch):
 def test_use_fused_rule():
     assert tree_gemm.use_fused(512, 4096, 14336, 8)
     assert not tree_gemm.use_fused(2048, 4096, 14336, 8)  # long leaves, large output
+    assert tree_gemm.use_fused(2048, 4096, 4096, 2)  # 2 leaves: a 128x128 tile
     assert tree_gemm.use_fused(4096, 4096, 4096, 8)
     assert tree_gemm.use_fused(4096, 896, 4864, 8)
     assert not tree_gemm.use_fused(1, 16, 128, 128)  # more leaves than the kernel unrolls

@@ -39,8 +39,11 @@ from rlk_triton._triton import jit, tl, triton
 CHUNK = 1024
 
 #: Vocabulary leaves merged by the fixed tree: a constant of the op (a power of two). A
-#: vocabulary-parallel group may have any power-of-two size up to this.
-VOCAB_LEAVES = 32
+#: vocabulary-parallel group may have any power-of-two size up to this. Each leaf costs a row a
+#: column tree and the fused backward a dh GEMM, so it is no larger than the TP degrees served
+#: (32 leaves made the forward 2.6x and linear_logprobs' forward+backward 1.6x slower on the
+#: H200 than one leaf; docs/benchmarks/h200.md, session 3).
+VOCAB_LEAVES = 8
 
 
 def leaf_geometry(vocab: int) -> tuple[int, int]:

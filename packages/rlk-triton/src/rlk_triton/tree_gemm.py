@@ -371,11 +371,13 @@ def use_fused(M: int, N: int, R: int, leaves: int) -> bool:
     The fused kernel's tiles are small at many leaves (the pending subtrees live in
     registers), so where the output is large and each leaf long the per-leaf GEMMs with
     ``linear``'s large tiles were faster on the H200 in spite of their fp32 traffic (Llama-3-8B
-    down_proj, 8 leaves, M >= 2048); elsewhere the fused kernel was faster.
+    down_proj, 8 leaves, M >= 2048); elsewhere the fused kernel was faster. At 1 or 2 leaves the
+    fused kernel keeps a 128x128 tile and was 0.95-0.98x ``linear`` on those shapes, where the
+    per-leaf GEMMs were 0.68x (Llama-3-8B o_proj, M >= 2048).
     """
     if leaves > MAX_FUSED_LEAVES:
         return False
-    return not (M * N >= 2048 * 4096 and R // leaves >= 1024)
+    return leaves <= 2 or not (M * N >= 2048 * 4096 and R // leaves >= 1024)
 
 
 TREE_TUNING = {
