@@ -169,9 +169,8 @@ def test_many_leaves_fall_back_to_unfused(monkeypatch):
 
 def test_use_fused_rule():
     assert tree_gemm.use_fused(512, 4096, 14336, 8)
-    assert not tree_gemm.use_fused(2048, 4096, 14336, 8)  # long leaves, large output
-    assert tree_gemm.use_fused(2048, 4096, 4096, 2)  # 2 leaves: a 128x128 tile
-    assert tree_gemm.use_fused(4096, 4096, 4096, 8)
+    assert tree_gemm.use_fused(4096, 4096, 14336, 8)
+    assert tree_gemm.use_fused(2048, 4096, 4096, 2)
     assert tree_gemm.use_fused(4096, 896, 4864, 8)
     assert not tree_gemm.use_fused(1, 16, 128, 128)  # more leaves than the kernel unrolls
 
@@ -186,9 +185,11 @@ def test_tree_configs_keep_one_mma_kind_and_chooser_in_range():
                 for nbytes in (2, 4):
                     i = tree_gemm._choose_tree(M=M, N=N, K=K, leaves=leaves, dtype_bytes=nbytes)
                     assert 0 <= i < len(tree_gemm.TREE_CONFIGS)
-    # The flat kernel's 128x128 tile with slot 0 in registers where its grid fills the GPU.
-    flat = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(4096, 4096, 14336, leaves=8)]
-    assert flat["VARIANT"] == "flat" and flat["REG_SLOTS"] == 1, flat
+    # The flat kernel: 128x256 where that grid fills the GPU, else 128x128 where it nearly does.
+    wide = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(4096, 4096, 14336, leaves=8)]
+    assert wide["VARIANT"] == "flat" and wide["BLOCK_N"] == 256, wide
+    narrow = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(2048, 896, 4864, leaves=8)]
+    assert narrow["VARIANT"] == "flat" and narrow["BLOCK_N"] == 128, narrow
     assert "VARIANT" not in tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(1, 4096, 14336, 8)]
 
 

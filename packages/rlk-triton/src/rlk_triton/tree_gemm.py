@@ -337,7 +337,11 @@ TREE_CONFIGS = (
     _flat(128, 256, 8, 2, 0, halves=True),  # 12: shallower pipeline (255 / 64 B / 160 KiB)
 )
 
-#: Flat config _choose_tree picks at >= 4 leaves where its grid (nearly) fills the GPU.
+#: Flat configs _choose_tree picks at >= 4 leaves: the 128x256 tile where its grid fills the
+#: GPU, else the 128x128 one where its grid nearly does. H200, 8 leaves, ratio to linear:
+#: Llama-3-8B down M=4096 0.76 (128x256) vs 0.65 (128x128); Llama-3-8B o M=2048 0.51 both;
+#: Qwen2 down M=2048 (64 tiles of 128x256) 0.30 vs 0.49 (docs/benchmarks/h200.md, session 3).
+_FLAT_WIDE = 8
 _FLAT_LARGE = 9
 
 #: First candidate (index into TREE_CONFIGS) by log2(leaves): the largest tile whose live fp32
@@ -348,14 +352,16 @@ _ORDER = (5, 4, 2, 3, 1, 0)
 
 
 def _choose_tree(M: int, N: int, K: int, leaves: int = 1, dtype_bytes: int = 2) -> int:
-    """Fused-kernel config: from 4 leaves on, the flat kernel's 128x128 tile where its grid
-    nearly fills the GPU; otherwise the largest _tree_kernel tile whose live fp32 tiles (the
+    """Fused-kernel config: from 4 leaves on, the flat kernel's 128x256 tile where its grid
+    fills the GPU, else its 128x128 tile where that grid nearly does; otherwise the largest _tree_kernel tile whose live fp32 tiles (the
     leaf accumulator and log2(leaves) pending subtrees) fit the registers, stepping down while
     the grid is short of one program per SM."""
     if dtype_bytes == 4:
         return 6
+    if leaves >= 4 and gemm._tiles(M, N, TREE_CONFIGS[_FLAT_WIDE]) >= gemm._NUM_SMS:
+        return _FLAT_WIDE
     # 3/4 of the SMs: one wave of 128x128 tiles against two of the unrolled kernel's smaller
-    # ones (a guess, not yet measured on the H200).
+    # ones (a guess; the H200 runs measured grids of 128 tiles and more).
     if leaves >= 4 and 4 * gemm._tiles(M, N, TREE_CONFIGS[_FLAT_LARGE]) >= 3 * gemm._NUM_SMS:
         return _FLAT_LARGE
     start = _START.get(leaves.bit_length() - 1, 0)
@@ -368,16 +374,13 @@ def _choose_tree(M: int, N: int, K: int, leaves: int = 1, dtype_bytes: int = 2) 
 def use_fused(M: int, N: int, R: int, leaves: int) -> bool:
     """Whether the fused kernel serves this shape (both paths have the same bits).
 
-    The fused kernel's tiles are small at many leaves (the pending subtrees live in
-    registers), so where the output is large and each leaf long the per-leaf GEMMs with
-    ``linear``'s large tiles were faster on the H200 in spite of their fp32 traffic (Llama-3-8B
-    down_proj, 8 leaves, M >= 2048); elsewhere the fused kernel was faster. At 1 or 2 leaves the
-    fused kernel keeps a 128x128 tile and was 0.95-0.98x ``linear`` on those shapes, where the
-    per-leaf GEMMs were 0.68x (Llama-3-8B o_proj, M >= 2048).
+    Up to MAX_FUSED_LEAVES it does: on the H200 it was faster than the per-leaf GEMMs at every
+    shape measured (session 3, 2 and 8 leaves; Llama-3-8B down_proj at 8 leaves, M=4096: 0.76x
+    ``linear`` against 0.68x, with the flat kernel's 128x256 tile). Session 2's rule sent
+    large-output, long-leaf shapes to the per-leaf GEMMs, when the fused kernel kept its pending
+    sums in registers and so had only small tiles.
     """
-    if leaves > MAX_FUSED_LEAVES:
-        return False
-    return leaves <= 2 or not (M * N >= 2048 * 4096 and R // leaves >= 1024)
+    return leaves <= MAX_FUSED_LEAVES
 
 
 TREE_TUNING = {
