@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument(
         "--model",
         default="tiny",
-        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, qwen2-0.5b, qwen3-0.6b, "
+        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, qwen2-0.5b, qwen3-0.6b, "
         "llama3-8b-4layers; random weights) or a local checkpoint directory (default: tiny)",
     )
     pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
