@@ -87,3 +87,12 @@ def test_rollout_tp4_train_tp2(tmp_path, capsys):
     (row,) = [r for r in report["rows"] if r["side"] == "rlk"]
     assert row["rollout_mode"] == "padded-tp4" and row["train_engine"] == "transformers-tp2"
     assert row["tokens"] == 9 and row["max_abs_dlogp"] == 0.0 and row["frac_differ"] == 0.0
+
+
+def test_rollout_tp8_train_tp1(tmp_path, capsys):
+    # tiny-mha8: 8 key/value heads, so 8 ranks split every layer and the vocabulary's 8 leaves.
+    report, _ = _cli(tmp_path, capsys, "--rollout-tp", "8", "--rollout-mode", "padded",
+                     "--model", "tiny-mha8")  # fmt: skip
+    (row,) = [r for r in report["rows"] if r["side"] == "rlk"]
+    assert row["rollout_mode"] == "padded-tp8" and row["train_engine"] == "transformers"
+    assert row["tokens"] == 9 and row["max_abs_dlogp"] == 0.0 and row["frac_differ"] == 0.0
