@@ -1,6 +1,7 @@
 """Tensor-parallel training step: rlk's tree-ordered TP vs the same model with stock all-reduce.
 
     python benchmarks/bench_tp.py [--model qwen2-0.5b] [--tp 2] [--samples 32] [--len 512]
+        [--leaves 8] [--exchange gather|halving]
 
 Both rows run the transformers integration on rlk kernels at the same TP degree, spawned over
 ``--tp`` GPUs with NCCL (:mod:`rlk.integrations.tp`): ``tree`` is the TP-invariant layout
@@ -46,7 +47,10 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--exchange", default="gather", choices=("gather", "halving"),
+                   help="how tree ranks combine their fp32 values (RLK_TP_EXCHANGE)")  # fmt: skip
     args = p.parse_args()
+    os.environ["RLK_TP_EXCHANGE"] = args.exchange  # inherited by the spawned ranks
 
     model = models.load_model(args.model, dtype=torch.bfloat16, device=args.device)
     samples = _samples(args.samples, args.len, model.config.vocab_size)
@@ -70,10 +74,11 @@ def main() -> int:
             print(f"{name:>9}: TP={world} step {results[name] * 1e3:9.1f} ms, "
                   f"{tokens / results[name]:10.0f} tokens/s", flush=True)  # fmt: skip
     ratio = results["stock"] / results["tree"]
-    print(f"| model | TP | tokens/step | tree ms | stock all-reduce ms | tree/stock throughput |")
-    print(f"| --- | --- | --- | --- | --- | --- |")
-    print(f"| {args.model} | {args.tp} | {tokens} | {results['tree'] * 1e3:.1f} | "
-          f"{results['stock'] * 1e3:.1f} | {ratio:.3f} |")  # fmt: skip
+    print("| model | TP | leaves | exchange | tokens/step | tree ms | stock all-reduce ms | "
+          "tree/stock throughput |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {args.model} | {args.tp} | {args.leaves} | {args.exchange} | {tokens} | "
+          f"{results['tree'] * 1e3:.1f} | {results['stock'] * 1e3:.1f} | {ratio:.3f} |")  # fmt: skip
     return 0
 
 

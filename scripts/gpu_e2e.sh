@@ -68,6 +68,7 @@ cons tp_train2 120 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-tp 2 --ro
 megatron megatron_tp2_qwen2 120 qwen2-0.5b 2
 run bench_tp 150 python3 benchmarks/bench_tp.py --model qwen2-0.5b --tp 2 --samples 16 --len 512 --repeat 1
 run bench_megatron_tp2 120 python3 benchmarks/bench_megatron.py --model qwen2-0.5b --tp 2
+run bench_tp_halving 150 python3 benchmarks/bench_tp.py --model qwen2-0.5b --tp 2 --samples 16 --len 512 --repeat 3 --exchange halving
 fi
 if [ "$PART" = recheck ]; then
 # After a change of VOCAB_LEAVES (logprobs bits) and the tree kernel: their GPU tests, conformance

@@ -30,9 +30,12 @@ def _grads(fn, tensors, g):
     return y.detach(), [t.grad for t in ts]
 
 
-def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64, 32, 5, 16)):
+def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64, 32, 5, 16),
+            exchange="gather"):  # fmt: skip
     """``device="cuda"``: NCCL, rank r on cuda:r. ``sizes``: M, K, N of the linears and T, H of
-    the vocabulary-parallel log-probs (whose V is 2 * VOCAB_LEAVES * ... see below)."""
+    the vocabulary-parallel log-probs (whose V is 2 * VOCAB_LEAVES * ... see below).
+    ``exchange``: how the ranks' fp32 subtree values are combined (``RLK_TP_EXCHANGE``)."""
+    os.environ["RLK_TP_EXCHANGE"] = exchange
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -78,6 +81,11 @@ def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64
             parts = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(parts, local)
             assert torch.equal(tree_gemm.tree_combine(parts), root1), f"{tag}: fp32 root"
+            for name in P.EXCHANGES:  # each exchange gives the fp32 root itself (M rows padded)
+                os.environ["RLK_TP_EXCHANGE"] = name
+                got = P._tree_reduce(local, world, None, None, torch.float32)
+                assert torch.equal(got, root1), f"{tag}: fp32 root by {name}"
+            os.environ["RLK_TP_EXCHANGE"] = exchange
             if dtype == torch.float32:
                 # Negative control: a stock all-reduce of the ranks' plain linears differs, so
                 # the equalities above are not vacuous at this size.

@@ -146,6 +146,13 @@ def test_tp4_equals_one_device(tmp_path):
     _spawn(tmp_path, 4, (torch.float32,), backward=False)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_halving_exchange_equals_one_device(tmp_path, world):
+    # RLK_TP_EXCHANGE=halving in the row-parallel forward, the column-parallel dX and the
+    # vocabulary-parallel dHidden: the one-device bits.
+    _spawn(tmp_path, world, (torch.float32,), True, "cpu", (3, 64, 32, 5, 16), "halving")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_nccl_tp2_equals_one_device(tmp_path):

@@ -26,6 +26,7 @@ on rlk_triton's GEMM (triton, cuda, rocm) serve these ops; others raise :class:`
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -125,6 +126,76 @@ def _all_gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
     return out
 
 
+#: How :func:`_tree_reduce` combines the ranks' fp32 subtree values (``RLK_TP_EXCHANGE``):
+#: ``gather`` all-gathers them and adds the top of the tree on every rank; ``halving`` adds
+#: them by recursive halving in the tree's order, then all-gathers the finished rows. The bits
+#: are the same (both add the same pairs, and an fp32 add of two numbers is correctly rounded
+#: and commutative); the bytes differ (docs/parallel.md, Communication).
+EXCHANGES = ("gather", "halving")
+
+
+def _exchange() -> str:
+    name = os.environ.get("RLK_TP_EXCHANGE", "gather")
+    if name not in EXCHANGES:
+        raise ValueError(f"RLK_TP_EXCHANGE must be one of {EXCHANGES}, got {name!r}")
+    return name
+
+
+def _halving_owner(rank: int, world: int) -> int:
+    """The row block (of ``world``) that ``rank`` holds after recursive halving: at step j it
+    keeps the lower half of its blocks if bit j of its rank is 0, else the upper half."""
+    lo, size, step = 0, world, 1
+    while step < world:
+        size //= 2
+        lo += size if rank & step else 0
+        step *= 2
+    return lo
+
+
+def _sendrecv(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+    import torch.distributed as dist
+
+    peer = peer if group is None else dist.get_global_rank(group, peer)
+    ops = [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
+def _tree_reduce(local, world, group, bias, dtype):
+    """``finish(top of the tree over the ranks' fp32 subtree values, bias, dtype)`` on every
+    rank: the deterministic replacement of an all-reduce. ``local``: this rank's fp32 [M, N]."""
+    import torch.distributed as dist
+
+    from rlk_triton import tree_gemm
+
+    if world == 1 or _exchange() == "gather":
+        root = tree_gemm.tree_combine(_all_gather(local, world, group))
+        return tree_gemm.finish(root, bias, dtype)
+    rank = dist.get_rank(group)
+    # Recursive halving: step j pairs rank r with r ^ 2^j, which holds the sibling subtree of
+    # level j for the same rows; each keeps half of its rows and adds the peer's values there.
+    # After log2(t) steps a rank holds 1/t of the rows summed by the whole tree.
+    M, N = local.shape
+    rows = -(-M // world)
+    buf = local.new_zeros(rows * world, N)
+    buf[:M] = local
+    lo, size, step = 0, world, 1
+    while step < world:
+        size //= 2
+        keep = lo + size if rank & step else lo
+        give = lo if rank & step else lo + size
+        recv = torch.empty(size * rows, N, dtype=buf.dtype, device=buf.device)
+        _sendrecv(buf[give * rows : (give + size) * rows], recv, rank ^ step, group)
+        buf[keep * rows : (keep + size) * rows] += recv
+        lo, step = keep, step * 2
+    mine = tree_gemm.finish(buf[lo * rows : (lo + 1) * rows], bias, dtype)
+    out = torch.empty(rows * world, N, dtype=dtype, device=local.device)
+    for r, block in enumerate(_all_gather(mine, world, group)):
+        b = _halving_owner(r, world)
+        out[b * rows : (b + 1) * rows] = block
+    return out[:M]
+
+
 # --------------------------------------------------------------------------------------------
 # One device
 # --------------------------------------------------------------------------------------------
@@ -190,9 +261,7 @@ class _RowParallel(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.table = table
         local = tree_gemm.subtree_sum(x, weight, leaves // world, table=table)
-        # Deterministic all-reduce: gather the subtree values, add them by the top of the tree.
-        root = tree_gemm.tree_combine(_all_gather(local, world, group))
-        return tree_gemm.finish(root, bias, x.dtype)
+        return _tree_reduce(local, world, group, bias, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -220,7 +289,9 @@ def row_parallel_linear(
     ``[..., N]``, bitwise equal to ``tree_linear(x_full, W_full, bias, leaves=leaves)``.
     Without an initialised process group it is ``tree_linear``.
 
-    Communication: one all-gather of t fp32 ``[M, N]`` tensors instead of an all-reduce.
+    Communication, instead of an all-reduce: one all-gather of t fp32 ``[M, N]`` tensors, or
+    with ``RLK_TP_EXCHANGE=halving`` a recursive-halving exchange of fp32 rows and an
+    all-gather of the finished rows (the same bits).
     Backward: local (no communication), as Megatron's row-parallel layer; dX is the K-slice of
     the one-device dX, dW the K-columns of the one-device dW.
     """
@@ -259,7 +330,7 @@ class _ColumnParallel(torch.autograd.Function):
             local = tree_gemm.tree_matmul(
                 dy, weight, ctx.leaves // ctx.world, table=ctx.table, key="linear.bwd_dx"
             )
-            dx = tree_gemm.tree_combine(_all_gather(local, ctx.world, ctx.group)).to(x.dtype)
+            dx = _tree_reduce(local, ctx.world, ctx.group, None, x.dtype)
         if ctx.needs_input_grad[1]:
             dw = gemm._matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw")
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -352,7 +423,6 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
         from rlk_triton import fused_logprobs as fl
-        from rlk_triton import tree_gemm
 
         hidden, weight, targets, bias, lse, ent = ctx.saved_tensors
         temperature, entropy, logits_dtype, vocab, offset, world, group, table = ctx.args
@@ -370,7 +440,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         if need_h:
             # hidden is replicated; its gradient sums over the vocabulary, which the ranks
             # split: this rank's subtree of the leaf tree, the top of the tree after a gather.
-            dh = tree_gemm.tree_combine(_all_gather(dh, world, group)).to(hidden.dtype)
+            dh = _tree_reduce(dh, world, group, None, hidden.dtype)
         return dh, dw, None, db, None, None, None, None, None, None, None
 
 
