@@ -11,7 +11,8 @@ K-ranges (a constant of the model, not of the parallelism):
 - :func:`row_parallel_linear` (rank r of t, t a power of two dividing ``leaves``): the rank
   holds the K-range of leaves ``[r*L/t, (r+1)*L/t)``, which is a subtree; it computes that
   subtree's fp32 value, all-gathers the t subtree values and adds them locally by the top of the
-  tree. Every rank gets the bits of :func:`tree_linear` on one device.
+  tree (or, with ``RLK_TP_EXCHANGE=halving``, adds them by recursive halving in the tree's
+  order). Every rank gets the bits of :func:`tree_linear` on one device.
 - :func:`column_parallel_linear`: each rank's N-slice of ``linear`` is already the slice of the
   one-device result (the forward reduces only K, which no rank splits); ``gather_output``
   concatenates the slices. Its backward's dX sums over N, which the ranks split: it uses the
