@@ -74,3 +74,27 @@ def test_backward_deterministic_and_rows_invariant():
     for i in (0, 4, 8):
         lp1 = fl.linear_logprobs(hid[i : i + 1], w, tgt[i : i + 1], table=TABLE)
         assert torch.equal(lp1, a[0][i : i + 1])
+
+
+@pytest.mark.parametrize("dtype,logits_dtype", [(torch.bfloat16, None), (torch.bfloat16,
+                         torch.float32), (torch.float32, None)])  # fmt: skip
+def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logits_dtype):
+    # V=300: 8 leaves of 38 rows. VOCAB_SLICE 128 puts 3 leaves in a slice, 1000 all of them,
+    # 16 cuts each leaf into sub-slices of 16, 16 and 6 rows (one buffer of leaf dlogits).
+    hid, w, b, tgt = _inputs(7, 64, 300, dtype, bias=True, seed=3)
+    g1, g2 = torch.randn(7), torch.randn(7)
+
+    def grads(vocab_slice):
+        monkeypatch.setattr(fl, "VOCAB_SLICE", vocab_slice)
+        args = [x.clone().requires_grad_() for x in (hid, w, b)]
+        lp, ent = fl.linear_logprobs(
+            args[0], args[1], tgt, args[2], 0.9, True, logits_dtype, table=TABLE
+        )
+        ((lp * g1).sum() + (ent * g2).sum()).backward()
+        return [a.grad for a in args]
+
+    want = grads(128)
+    for vocab_slice in (16, 1000):
+        got = grads(vocab_slice)
+        for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
+            assert torch.equal(x, y), (vocab_slice, name)

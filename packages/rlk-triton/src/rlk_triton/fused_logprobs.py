@@ -19,8 +19,10 @@ only on its own input row, so slicing changes no bit.
   vocabulary-parallel rank's dh is a subtree of the one-device tree (:func:`backward_slices`);
   nothing is batch-dependent and nothing uses atomics.
 
-Extra memory: one logits slice plus at most ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending
-sums of the dh tree, independent of V; the logits ``[T, V]`` never exist.
+Extra memory: one slice's dlogits (whole leaves, or one leaf where a leaf has more than
+``VOCAB_SLICE`` rows: its logits then run in ``VOCAB_SLICE``-row sub-slices), one logits
+(sub-)slice, and at most ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending sums of the dh tree,
+independent of V; the logits ``[T, V]`` never exist.
 """
 
 from __future__ import annotations
@@ -98,36 +100,49 @@ def backward_slices(
     dw = torch.empty_like(weight) if need_w else None
     db = torch.empty_like(bias) if need_b else None
 
+    def slice_dlogits(v0, v1):
+        """dlogits of rows [v0, v1) in hidden's dtype, with dW and dbias of those rows. A slice
+        wider than VOCAB_SLICE (one leaf, when a leaf is longer) runs its logits in VOCAB_SLICE
+        sub-slices written into one buffer: every element of these is per (token, row), so
+        the sub-slices change no bit, only the memory (one [T, VOCAB_SLICE] logits slice)."""
+        dlogits = torch.empty(T, v1 - v0, dtype=hidden.dtype, device=hidden.device)
+        for u0 in range(v0, v1, VOCAB_SLICE):
+            u1 = min(v1, u0 + VOCAB_SLICE)
+            b_u = bias[u0:u1] if bias is not None else None
+            logits = _logits(hidden, weight[u0:u1], b_u, logits_dtype, table)
+            view = dlogits[:, u0 - v0 : u1 - v0]
+            # Targets shifted into the sub-slice's columns: a target outside matches none.
+            d = lp_mod.logprobs_backward(
+                logits, targets - (vocab_offset + u0), lse, ent, g_lp, g_ent, temperature, table,
+                out=view if logits.dtype == hidden.dtype else None,
+            )  # fmt: skip
+            del logits
+            if d.dtype != hidden.dtype:  # one rounding of the logits-dtype value, as before
+                view.copy_(d.to(hidden.dtype))
+            if need_w:
+                dw[u0:u1] = gemm._matmul(
+                    view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"
+                )
+            if need_b:
+                db[u0:u1] = gemm._bias_grad(view, bias.dtype)
+        return dlogits
+
     def leaf_partials():
         for first in range(0, count, per):
             v0, v1 = first * leaf_len, min(V, (first + per) * leaf_len)
             if v0 >= v1:
                 yield from [None] * min(per, count - first)
                 continue
-            w_s = weight[v0:v1]
-            b_s = bias[v0:v1] if bias is not None else None
-            logits = _logits(hidden, w_s, b_s, logits_dtype, table)
-            # Targets shifted into the slice's columns: a target outside the slice matches none.
-            dlogits = lp_mod.logprobs_backward(
-                logits, targets - (vocab_offset + v0), lse, ent, g_lp, g_ent, temperature, table
-            )
-            del logits
-            if dlogits.dtype != hidden.dtype:
-                dlogits = dlogits.to(hidden.dtype)
-            if need_w:
-                dw[v0:v1] = gemm._matmul(
-                    dlogits.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"
-                )
-            if need_b:
-                db[v0:v1] = gemm._bias_grad(dlogits, bias.dtype)
+            dlogits = slice_dlogits(v0, v1)
             for leaf in range(first, min(first + per, count)):
                 a0, a1 = leaf * leaf_len - v0, min(V, (leaf + 1) * leaf_len) - v0
                 if not need_h or a0 >= a1:
                     yield None
                     continue
                 yield gemm._matmul(
-                    dlogits[:, a0:a1], w_s[a0:a1], None, torch.float32, table, "linear.bwd_dx"
-                )
+                    dlogits[:, a0:a1], weight[v0 + a0 : v0 + a1], None, torch.float32, table,
+                    "linear.bwd_dx",
+                )  # fmt: skip
 
     dh = tree_gemm.tree_combine(leaf_partials())  # count: a power of two
     if need_h and dh is None:  # no vocabulary rows at all

@@ -406,11 +406,14 @@ def logprobs_forward(
 
 
 def logprobs_backward(
-    logits, targets, lse, ent, g_lp, g_ent, temperature: float, table
+    logits, targets, lse, ent, g_lp, g_ent, temperature: float, table, out=None
 ) -> torch.Tensor:
-    """Launch the backward kernel: ``dlogits`` in the dtype of ``logits``."""
+    """Launch the backward kernel: ``dlogits`` in the dtype of ``logits`` (or written into
+    ``out``, a ``[T, V]`` tensor with unit column stride, e.g. columns of a larger buffer)."""
     T, V = logits.shape
-    dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    dlogits = (
+        torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out
+    )
     if T == 0:
         return dlogits
     entropy = ent is not None
