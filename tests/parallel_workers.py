@@ -81,10 +81,14 @@ def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64
             parts = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(parts, local)
             assert torch.equal(tree_gemm.tree_combine(parts), root1), f"{tag}: fp32 root"
-            for name in P.EXCHANGES:  # each exchange gives the fp32 root itself (M rows padded)
+            # Each exchange gives the fp32 root itself, with M = 3 rows (padded to the ranks)
+            # and 4 rows (no padding: halving sums into the given tensor).
+            four = (torch.cat([local, local[:1]]), torch.cat([root1, root1[:1]]))
+            for name in P.EXCHANGES:
                 os.environ["RLK_TP_EXCHANGE"] = name
-                got = P._tree_reduce(local, world, None, None, torch.float32)
-                assert torch.equal(got, root1), f"{tag}: fp32 root by {name}"
+                for part, want in ((local, root1), four):
+                    got = P._tree_reduce(part.clone(), world, None, None, torch.float32)
+                    assert torch.equal(got, want), f"{tag}: fp32 root by {name}, M={len(want)}"
             os.environ["RLK_TP_EXCHANGE"] = exchange
             if dtype == torch.float32:
                 # Negative control: a stock all-reduce of the ranks' plain linears differs, so

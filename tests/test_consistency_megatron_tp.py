@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-import rlk  # first: it picks Triton's CPU interpreter before Megatron imports triton
+import rlk  # noqa: F401  first: it picks Triton's CPU interpreter before Megatron imports triton
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")

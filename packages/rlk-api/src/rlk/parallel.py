@@ -164,7 +164,8 @@ def _sendrecv(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
 
 def _tree_reduce(local, world, group, bias, dtype):
     """``finish(top of the tree over the ranks' fp32 subtree values, bias, dtype)`` on every
-    rank: the deterministic replacement of an all-reduce. ``local``: this rank's fp32 [M, N]."""
+    rank: the deterministic replacement of an all-reduce. ``local``: this rank's fp32 [M, N],
+    a fresh value of the caller's that the halving exchange may sum into in place."""
     import torch.distributed as dist
 
     from rlk_triton import tree_gemm
@@ -178,8 +179,11 @@ def _tree_reduce(local, world, group, bias, dtype):
     # After log2(t) steps a rank holds 1/t of the rows summed by the whole tree.
     M, N = local.shape
     rows = -(-M // world)
-    buf = local.new_zeros(rows * world, N)
-    buf[:M] = local
+    if rows * world == M:
+        buf = local.contiguous()
+    else:
+        buf = local.new_zeros(rows * world, N)
+        buf[:M] = local
     lo, size, step = 0, world, 1
     while step < world:
         size //= 2
@@ -190,10 +194,12 @@ def _tree_reduce(local, world, group, bias, dtype):
         buf[keep * rows : (keep + size) * rows] += recv
         lo, step = keep, step * 2
     mine = tree_gemm.finish(buf[lo * rows : (lo + 1) * rows], bias, dtype)
+    # Gather each rank's finished rows straight into the row block it holds.
     out = torch.empty(rows * world, N, dtype=dtype, device=local.device)
-    for r, block in enumerate(_all_gather(mine, world, group)):
-        b = _halving_owner(r, world)
-        out[b * rows : (b + 1) * rows] = block
+    blocks = [_halving_owner(r, world) for r in range(world)]
+    dist.all_gather(
+        [out[b * rows : (b + 1) * rows] for b in blocks], mine.contiguous(), group=group
+    )
     return out[:M]
 
 

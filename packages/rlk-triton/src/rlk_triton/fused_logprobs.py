@@ -118,7 +118,7 @@ def backward_slices(
             )  # fmt: skip
             del logits
             if d.dtype != hidden.dtype:  # one rounding of the logits-dtype value, as before
-                view.copy_(d.to(hidden.dtype))
+                view.copy_(d)
             if need_w:
                 dw[u0:u1] = gemm._matmul(
                     view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"

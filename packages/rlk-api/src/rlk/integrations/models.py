@@ -1,9 +1,9 @@
 """Built-in random-init model configs, and loading a local transformers checkpoint.
 
 ``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, and ``tiny-mha`` / ``tiny-mha8`` whose 4 / 8
-key/value heads split over 4 / 8 tensor-parallel ranks) are small enough for the Triton interpreter on a
-CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes of the real models
-(random weights, nothing downloaded) for GPU runs.
+key/value heads split over 4 / 8 tensor-parallel ranks) are small enough for the Triton
+interpreter on a CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes
+of the real models (random weights, nothing downloaded) for GPU runs.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # 8 query and key/value heads of 8 dimensions: splits over 8 tensor-parallel ranks.
     "tiny-mha8": (
         "qwen3",
-        dict(_TINY, num_attention_heads=8, num_key_value_heads=8, head_dim=8,
-             tie_word_embeddings=True),
-    ),  # fmt: skip
+        dict(
+            _TINY,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=8,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2-0.5b": (
         "qwen2",
         dict(

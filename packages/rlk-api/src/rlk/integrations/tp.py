@@ -140,9 +140,7 @@ def _shard_param(module: nn.Module, name: str, dim: int, rank: int, world: int) 
                                        requires_grad=p.requires_grad))  # fmt: skip
 
 
-def shard_tp(
-    model: nn.Module, *, group: Any = None, stock_allreduce: bool = False
-) -> nn.Module:
+def shard_tp(model: nn.Module, *, group: Any = None, stock_allreduce: bool = False) -> nn.Module:
     """Make ``model`` (patched by ``patch_model(model, leaves=L)``) this process's rank of the
     tensor-parallel group ``group`` (default: the world), in place. The group size t must be a
     power of two dividing L, the attention and key/value heads, the intermediate size and the
@@ -244,7 +242,9 @@ def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < world:
-        raise RuntimeError(f"TP={world} on CUDA needs {world} GPUs, found {torch.cuda.device_count()}")
+        raise RuntimeError(
+            f"TP={world} on CUDA needs {world} GPUs, found {torch.cuda.device_count()}"
+        )
     with tempfile.TemporaryDirectory(prefix="rlk-tp-") as tmp:
         out = os.path.join(tmp, "out.pt")
         args = (world, os.path.join(tmp, "rendezvous"), out, device_type, backend, fn, args)
