@@ -68,7 +68,7 @@ def bench_shape(M, K, N, leaves=8, dtype=torch.bfloat16, *, configs=False, label
     lin_ms = median_ms(lambda: gemm.linear_forward(x, w, b, table))
     add("linear", lin_ms, lin_ms)
     cfg = tree_gemm.tree_config(table, "linear.fwd", M, N, K, leaves, x.element_size())
-    path = "fused" if tree_gemm.use_fused(M, N, K, leaves) else "unfused"
+    path = "fused" if tree_gemm.use_fused(leaves) else "unfused"
     ms = median_ms(lambda: tree_gemm.tree_linear_forward(x, w, b, leaves, table))
     add(f"tree_linear L={leaves} ({path})", ms, lin_ms)
     wt = w.t()

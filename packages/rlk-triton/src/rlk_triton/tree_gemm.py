@@ -371,8 +371,8 @@ def _choose_tree(M: int, N: int, K: int, leaves: int = 1, dtype_bytes: int = 2) 
     return 0
 
 
-def use_fused(M: int, N: int, R: int, leaves: int) -> bool:
-    """Whether the fused kernel serves this shape (both paths have the same bits).
+def use_fused(leaves: int) -> bool:
+    """Whether the fused kernel serves ``leaves`` leaves (both paths have the same bits).
 
     Up to MAX_FUSED_LEAVES it does: on the H200 it was faster than the per-leaf GEMMs at every
     shape measured (session 3, 2 and 8 leaves; Llama-3-8B down_proj at 8 leaves, M=4096: 0.76x
@@ -561,7 +561,7 @@ def tree_matmul(
     The fused kernel; bitwise equal to :func:`tree_matmul_unfused`.
     """
     _check_leaves(a.shape[1], leaves, "the reduced dimension")
-    if not use_fused(a.shape[0], b.shape[1], a.shape[1], leaves):
+    if not use_fused(leaves):
         return tree_matmul_unfused(a, b, leaves, table=table, key=key).to(out_dtype)
     return _fused(a, b, None, leaves, out_dtype, table, key)
 
@@ -584,7 +584,7 @@ def tree_linear_forward_unfused(x, weight, bias, leaves, table):
 
 
 def tree_linear_forward(x, weight, bias, leaves, table):
-    if not use_fused(x.shape[0], weight.shape[0], x.shape[1], leaves):
+    if not use_fused(leaves):
         return tree_linear_forward_unfused(x, weight, bias, leaves, table)
     return _fused(x, weight.t(), bias, leaves, x.dtype, table, "linear.fwd")
 
