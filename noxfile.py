@@ -31,19 +31,53 @@ def _install(session: nox.Session, *extra: str) -> None:
     session.install(*args, *extra)
 
 
+def _openblas_core_types() -> list[str | None]:
+    """The OpenBLAS kernel families the CPU tests run under (``OPENBLAS_CORETYPE``).
+
+    The Triton interpreter must give the same bits whatever BLAS numpy uses, so the fast tests
+    run twice: with Haswell's FMA kernels (those of most current x86-64 CPUs, AVX2 + FMA) and
+    with Sandybridge's (AVX, no FMA). A value set in the environment is used alone; on a CPU
+    without AVX2/FMA, or not x86-64, OpenBLAS picks its own (None).
+    """
+    import os
+    import platform
+
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        return [os.environ["OPENBLAS_CORETYPE"]]
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [None]
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return [None]
+    if "avx2" in flags and "fma" in flags:
+        return ["Haswell", "Sandybridge"]
+    return ["Sandybridge"] if "avx" in flags else [None]
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit, cross-package and conformance tests on CPU (Triton kernels under the interpreter)."""
+    """Unit, cross-package and conformance tests on CPU (Triton kernels under the interpreter).
+
+    Stage 1 runs the tests not marked ``slow`` under each OpenBLAS kernel family of
+    :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
+    runs) once. Arguments after ``--`` go to every pytest run.
+    """
     _install(session, "transformers", "megatron-core", "pytest", "pytest-xdist")
     session.run("rlk", "info")
-    session.run(
-        "pytest",
-        "-n",
-        "2",
-        "-q",
-        *session.posargs,
-        env={"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"},
-    )
+    cores = _openblas_core_types()
+    base = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"}
+    args = session.posargs
+    # A selection given after -- may hold no test of one stage (pytest's exit status 5).
+    ok = [0, 5] if args else [0]
+    for core in cores:
+        env = dict(base, OPENBLAS_CORETYPE=core) if core else base
+        session.log(f"stage 1: fast tests, OPENBLAS_CORETYPE={core or '(OpenBLAS default)'}")
+        session.run("pytest", "-n", "2", "-q", "-m", "not slow", *args, env=env, success_codes=ok)
+    env = dict(base, OPENBLAS_CORETYPE=cores[0]) if cores[0] else base
+    session.log("stage 2: slow tests (multi-process, long interpreter runs)")
+    session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
 
 
 @nox.session

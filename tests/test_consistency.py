@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from rlk import cli, consistency  # noqa: E402
 
 
+@pytest.mark.slow
 def test_cli_tiny_rlk_row_zero(tmp_path, capsys):
     out = tmp_path / "c.json"
     argv = ["consistency", "--model", "tiny", "--prompts", "3", "--new-tokens", "3"]

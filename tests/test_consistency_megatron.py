@@ -31,6 +31,7 @@ def _report(tmp_path, capsys, *extra):
     return rc, json.loads(out.read_text()), printed
 
 
+@pytest.mark.slow
 def test_cli_megatron_engine_rlk_row_zero(tmp_path, capsys):
     import torch.distributed as dist
 
@@ -45,6 +46,7 @@ def test_cli_megatron_engine_rlk_row_zero(tmp_path, capsys):
     assert not dist.is_initialized()  # the command tears its process group down
 
 
+@pytest.mark.slow
 def test_cli_megatron_engine_with_leaves_rlk_row_zero(tmp_path, capsys):
     rc, report, printed = _report(tmp_path, capsys, "--train-engine", "megatron", "--leaves", "8")
     assert rc == 0, printed

@@ -15,6 +15,8 @@ import rlk  # noqa: F401  first: it picks Triton's CPU interpreter before Megatr
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
+# Spawned gloo processes running Megatron-core under the interpreter.
+pytestmark = pytest.mark.slow
 
 from rlk import cli, consistency  # noqa: E402
 from rlk.integrations import models, training  # noqa: E402

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+# Every test here spawns gloo processes that run the tiny model under the interpreter.
+pytestmark = pytest.mark.slow
 
 from rlk import cli  # noqa: E402
 from rlk.integrations import models, tp, training  # noqa: E402

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # spawned gloo processes
 
 from fsdp_workers import MODEL, build, step, worker  # noqa: E402
 

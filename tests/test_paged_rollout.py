@@ -161,6 +161,7 @@ def test_gpu_paged_equals_padded_and_training(name):
     )
 
 
+@pytest.mark.slow
 def test_consistency_cli_paged_row_zero(tmp_path):
     import json
 

@@ -138,14 +138,17 @@ def _spawn(tmp_path, world, dtypes, backward, *extra):
     mp.spawn(_worker, args=args, nprocs=world, join=True)
 
 
+@pytest.mark.slow
 def test_tp2_equals_one_device(tmp_path):
     _spawn(tmp_path, 2, DTYPES, backward=True)
 
 
+@pytest.mark.slow
 def test_tp4_equals_one_device(tmp_path):
     _spawn(tmp_path, 4, (torch.float32,), backward=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_halving_exchange_equals_one_device(tmp_path, world):
     # RLK_TP_EXCHANGE=halving in the row-parallel forward, the column-parallel dX and the

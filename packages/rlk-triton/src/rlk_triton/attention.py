@@ -102,6 +102,13 @@ TUNING = {
     "paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=_choose_paged),
 }
 
+#: Under the Triton interpreter (CPU): the largest tiles (its cost is per program and per op).
+CPU_TUNING = {
+    "attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=lambda **_: 0),
+    "attention.bwd": tuning.Rule(configs=_BWD_CONFIGS, choose=lambda **_: 0),
+    "paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=lambda **_: 0),
+}
+
 
 # --------------------------------------------------------------------------------------------
 # Kernels

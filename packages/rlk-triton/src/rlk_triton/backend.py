@@ -7,6 +7,7 @@ import importlib
 
 from rlk import BackendImpl
 from rlk_triton import tuning
+from rlk_triton._triton import INTERPRET
 
 #: op -> module of rlk_triton holding its public function (one file per op family).
 OP_MODULES = {
@@ -41,10 +42,19 @@ def _modules():
 
 
 def default_table() -> dict[str, tuning.Rule]:
-    """The portable table: every kernel's ``TUNING`` rules, as its module declares them."""
+    """The portable table: every kernel's ``TUNING`` rules, as its module declares them.
+
+    Under Triton's interpreter (CPU) a module's ``CPU_TUNING`` rules replace its GPU ones: they
+    hold the same candidates (and sometimes more) but choose the widest tiles, since the
+    interpreter's cost is per program and per op. Tuning never changes a bit, and the
+    conformance kit runs every candidate, so this only changes the speed.
+    """
     table: dict[str, tuning.Rule] = {}
     for mod in _modules().values():
         table.update(getattr(mod, "TUNING", {}))
+    if INTERPRET:
+        for mod in _modules().values():
+            table.update(getattr(mod, "CPU_TUNING", {}))
     return table
 
 

@@ -20,25 +20,29 @@ def _rotary_kernel(
     COS,
     SIN,
     Y,
+    n_tokens,
     n_heads,
     HALF,
     BACKWARD: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    # Program (token, block of heads). Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
+    # Program (block of tokens, block of heads); tiles [tokens, heads, half]. Elementwise, so
+    # the block sizes change no bit. Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
     # Backward applies the transpose: dx1 = d1 c1 + d2 s2, dx2 = d2 c2 - d1 s1.
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
     cols = tl.arange(0, BLOCK_HALF)
-    col_ok = cols < HALF
-    mask = (heads < n_heads)[:, None] & col_ok[None, :]
-    cs = t * (2 * HALF) + cols
-    c1 = tl.load(COS + cs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(COS + cs + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(SIN + cs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(SIN + cs + HALF, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    offs = (t * n_heads + heads)[:, None] * (2 * HALF) + cols[None, :]
+    tc_ok = (t < n_tokens)[:, None] & (cols < HALF)[None, :]  # [tokens, half]
+    mask = tc_ok[:, None, :] & (heads < n_heads)[None, :, None]
+    cs = t[:, None] * (2 * HALF) + cols[None, :]
+    c1 = tl.load(COS + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(COS + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(SIN + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(SIN + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    rows = t[:, None] * n_heads + heads[None, :]  # [tokens, heads]
+    offs = rows[:, :, None] * (2 * HALF) + cols[None, None, :]
     a1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     a2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
@@ -103,6 +107,14 @@ TUNING = {
     "apply_rotary.dcos": Rule(configs=({"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4})),
 }
 
+#: Under the Triton interpreter (CPU), whose cost is per program and per op: many tokens per
+#: program (``tokens``, 1 when absent). Extra candidates, run by the tuning-invariance checks.
+_CPU_ROTARY = {"tokens": 64, "heads": 16, "num_warps": 4}
+CPU_TUNING = {
+    key: Rule(configs=(*TUNING[key].configs, _CPU_ROTARY), choose=lambda **_: 3)
+    for key in ("apply_rotary.fwd", "apply_rotary.bwd")
+}
+
 
 def _rotate(x, cos, sin, backward, table):
     T, NH, D = x.shape
@@ -110,15 +122,18 @@ def _rotate(x, cos, sin, backward, table):
     key = "apply_rotary.bwd" if backward else "apply_rotary.fwd"
     cfg = tuning.config(table, key, tokens=T, heads=NH, head_dim=D)
     block_heads = min(triton.next_power_of_2(NH), cfg["heads"])
+    block_tokens = cfg.get("tokens", 1)
     if T > 0 and NH > 0:
-        _rotary_kernel[(T, triton.cdiv(NH, block_heads))](
+        _rotary_kernel[(triton.cdiv(T, block_tokens), triton.cdiv(NH, block_heads))](
             x,
             cos,
             sin,
             y,
+            T,
             NH,
             D // 2,
             BACKWARD=backward,
+            BLOCK_TOKENS=block_tokens,
             BLOCK_HEADS=block_heads,
             BLOCK_HALF=triton.next_power_of_2(D // 2),
             num_warps=cfg["num_warps"],
