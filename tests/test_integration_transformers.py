@@ -60,8 +60,9 @@ def test_packed_and_cached_paths_match_padded():
         ).logits[0]
         torch.testing.assert_close(packed, torch.cat([la, lb]), rtol=1e-5, atol=1e-6)
         cache = DynamicCache(config=model.config)
-        pre = model(torch.tensor([a[:3]]), past_key_values=cache, use_cache=True).logits[0]
-        step = model(torch.tensor([a[3:4]]), past_key_values=cache, use_cache=True).logits[0]
+        kw = {rt.cache_kwarg(model): cache, "use_cache": True}
+        pre = model(torch.tensor([a[:3]]), **kw).logits[0]
+        step = model(torch.tensor([a[3:4]]), **kw).logits[0]
         torch.testing.assert_close(torch.cat([pre, step]), la[:4], rtol=1e-5, atol=1e-6)
 
 

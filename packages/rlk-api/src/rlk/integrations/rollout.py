@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 import rlk
+from rlk.integrations.transformers import cache_kwarg
 
 
 @dataclass
@@ -101,6 +102,7 @@ def generate(
     ids, mask = _left_pad(prompts, pad_token_id, device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    cache_name = cache_kwarg(model)
     out_tokens: list[torch.Tensor] = []
     out_lps: list[torch.Tensor] = []
     logits_dtype = torch.float32
@@ -110,9 +112,9 @@ def generate(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_name: cache},
         ).logits[:, -1, :]
         logits_dtype = logits.dtype
         if sampler == "rlk":

@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -302,8 +303,12 @@ def _attention_forward(
     past_key_values: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk."""
+    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk.
+
+    The KV cache arrives as ``past_key_values`` (transformers < 5.24) or ``cache`` (>= 5.24)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    past_key_values = _take_cache(past_key_values, kwargs)
 
     b, s, _ = hidden_states.shape
     hidden_shape = (b, s, -1, self.head_dim)
@@ -356,6 +361,7 @@ def _decoder_layer_forward(
     **kwargs: Any,
 ) -> torch.Tensor:
     """The HF pre-norm decoder layer with the post-attention RMSNorm fused with its residual add."""
+    past_key_values = _take_cache(past_key_values, kwargs)
     h = self.input_layernorm(hidden_states)
     h, _ = self.self_attn(
         hidden_states=h,
@@ -392,6 +398,26 @@ def _check_supported(model: nn.Module) -> None:
         raise NotImplementedError(f"rope_type {rope!r} depends on the sequence length")
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         raise NotImplementedError("sliding-window layers are not supported by rlk attention")
+
+
+def _take_cache(past_key_values: Any, kwargs: dict) -> Any:
+    """The KV cache of a layer or attention call, under either of its names.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` inside the models (the old name
+    is deprecated). A cache passed under a name the patched forward did not read would be
+    silently dropped (the decode steps would attend to the new token alone), so both are read
+    here, and both given at once is an error."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("got two KV caches: past_key_values and cache")
+    return past_key_values if past_key_values is not None else cache
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``"cache"`` on
+    transformers >= 5.24, ``"past_key_values"`` before."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _bind(module: nn.Module, fn: Any, patched: list[nn.Module]) -> None:
