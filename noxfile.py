@@ -80,6 +80,39 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
 
 
+#: The oldest and newest transformers rlk[transformers] admits (rlk.integrations.transformers.
+#: TESTED_TRANSFORMERS); constraints.txt pins the oldest for every other session.
+TRANSFORMERS_RANGE = ["5.17.0", "5.24.0"]
+
+
+@nox.session
+@nox.parametrize("transformers", TRANSFORMERS_RANGE)
+def transformers_range(session: nox.Session, transformers: str) -> None:
+    """The transformers integration on each end of the supported range: its tests, then
+    ``rlk consistency`` (both rollout modes must give exactly 0) on the Qwen2, Llama and Qwen3
+    tiny models."""
+    pins = session.create_tmp() + "/constraints.txt"
+    with open("constraints.txt") as src, open(pins, "w") as dst:
+        dst.writelines(line for line in src if not line.startswith("transformers"))
+    args = ["-c", pins]
+    for p in PACKAGES:
+        args += ["-e", p]
+    session.install(*args, f"transformers=={transformers}", "pytest", "pytest-xdist")
+    env = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"}
+    session.run(
+        "pytest",
+        "-n",
+        "2",
+        "-q",
+        "tests/test_integration_transformers.py",
+        "tests/test_paged_rollout.py",
+        "tests/test_consistency.py",
+        env=env,
+    )
+    for model in ("tiny", "tiny-llama", "tiny-qwen3"):
+        session.run("rlk", "consistency", "--model", model, "--quiet", env=env)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and format check over the whole tree."""

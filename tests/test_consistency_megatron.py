@@ -56,8 +56,11 @@ def test_cli_megatron_engine_with_leaves_rlk_row_zero(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_leaves(tmp_path, capsys):
-    with pytest.raises(ValueError, match="power of two"):
-        cli.main([*ARGS, "--leaves", "3", "--json", str(tmp_path / "c.json")])
+    """A usage error is one line and exit status 2, before any model is built."""
+    rc = cli.main([*ARGS, "--leaves", "3", "--json", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err == "rlk: error: leaves must be a power of two, got 3\n"
 
 
 def _samples(lengths, vocab, seed=0):

@@ -105,6 +105,68 @@ def test_unsupported_model_raises():
         rt.patch_model(model)
 
 
+def test_untested_transformers_version_warns_once(monkeypatch):
+    import warnings
+
+    a, b = (models.load_model("tiny", dtype=torch.float32) for _ in range(2))
+    monkeypatch.setattr(rt, "_installed_transformers", lambda: "5.99.0")
+    monkeypatch.setattr(rt, "_version_warned", False)
+    with pytest.warns(RuntimeWarning, match=r"tested with transformers 5\.17 to 5\.24"):
+        rt.patch_model(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rt.patch_model(b)  # once per process
+
+
+def test_changed_forward_conventions_raise():
+    """A decoder layer whose forward no longer takes the cache (under either name) is refused
+    before anything is patched, instead of silently dropping the KV cache."""
+    model = models.load_model("tiny", dtype=torch.float32)
+    layer = model.model.layers[0]
+    base = type(layer)
+
+    class RenamedDecoderLayer(base):
+        def forward(self, hidden_states, attention_mask=None, position_embeddings=None, kv=None):
+            return super().forward(hidden_states, attention_mask, past_key_values=kv)
+
+    layer.__class__ = RenamedDecoderLayer
+    with pytest.raises(RuntimeError, match="RenamedDecoderLayer.forward takes no past_key_values"):
+        rt.patch_model(model)
+    assert not rt.is_patched(model)
+
+
+def test_cache_under_either_name_reaches_the_attention():
+    """The patched layers read the KV cache as past_key_values (transformers < 5.24) and as
+    cache (>= 5.24); a prefill + decode through each name gives the same logits."""
+    from transformers import DynamicCache
+
+    model = rt.patch_model(models.load_model("tiny", dtype=torch.float32))
+    (a,) = _prompts([6], seed=3)
+    base = rt.decoder(model)
+    outs = []
+    with torch.no_grad(), rlk.use_backend("reference"):
+        full = base(torch.tensor([a])).last_hidden_state[0]
+        for name in ("past_key_values", "cache"):
+            cache = DynamicCache(config=model.config)
+            h = torch.tensor([a[:4]])
+            pos = torch.arange(4)[None]
+            emb = base.rotary_emb(h, pos)
+            x = base.embed_tokens(h)
+            for layer in base.layers:
+                x = layer(x, position_ids=pos, position_embeddings=emb, **{name: cache})
+            h = torch.tensor([a[4:]])
+            pos = torch.arange(4, 6)[None]
+            emb = base.rotary_emb(h, pos)
+            y = base.embed_tokens(h)
+            for layer in base.layers:
+                y = layer(y, position_ids=pos, position_embeddings=emb, **{name: cache})
+            outs.append(base.norm(torch.cat([x, y], 1))[0])
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], full, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="two KV caches"):
+        base.layers[0](x, position_embeddings=emb, past_key_values=cache, cache=DynamicCache())
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_hf_generate_with_transformers_caches(cache):
     """model.generate on the patched model (left padding, dynamic or static KV cache) scores

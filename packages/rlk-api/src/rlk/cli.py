@@ -137,17 +137,40 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def _cmd_consistency(args: argparse.Namespace) -> int:
-    import torch
 
     from rlk import consistency
 
     lo, _, hi = args.prompt_len.partition(":")
-    report = consistency.run(
+    try:
+        prompt_len = (int(lo), int(hi or lo))
+    except ValueError:
+        print(f"rlk: error: --prompt-len must be MIN:MAX, got {args.prompt_len!r}", file=sys.stderr)
+        return 2
+    try:
+        report = _run_consistency(args, prompt_len)
+    except consistency.UsageError as e:
+        print(f"rlk: error: {e}", file=sys.stderr)
+        return 2
+    print(consistency.format_table(report))
+    if args.json:
+        consistency.write_json(report, args.json)
+    ok = consistency.ok(report)
+    if not ok:
+        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> dict[str, Any]:
+    import torch
+
+    from rlk import consistency
+
+    return consistency.run(
         args.model,
         backend=args.backend,
         prompts=args.prompts,
         new_tokens=args.new_tokens,
-        prompt_len=(int(lo), int(hi or lo)),
+        prompt_len=prompt_len,
         micro_batch=args.micro_batch,
         seed=args.seed,
         temperature=args.temperature,
@@ -164,13 +187,6 @@ def _cmd_consistency(args: argparse.Namespace) -> int:
         rollout_tp=args.rollout_tp,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
-    print(consistency.format_table(report))
-    if args.json:
-        consistency.write_json(report, args.json)
-    ok = consistency.ok(report)
-    if not ok:
-        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
-    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

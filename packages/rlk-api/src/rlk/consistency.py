@@ -375,6 +375,93 @@ def _megatron_tp_worker(
         teardown()
 
 
+class UsageError(ValueError):
+    """An argument of :func:`run` that cannot work, found before anything runs."""
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_args(
+    model_name: str,
+    *,
+    backend: str | None,
+    prompts: int,
+    new_tokens: int,
+    prompt_len: tuple[int, int],
+    micro_batch: int,
+    temperature: float,
+    device: str | None,
+    rollout_modes: tuple[str, ...],
+    page_size: int,
+    max_batch: int | None,
+    train_engine: str,
+    leaves: int | None,
+    train_tp: int,
+    rollout_tp: int,
+) -> None:
+    """Raise :class:`UsageError` (or :class:`rlk.BackendError` for the backend) for arguments
+    of :func:`run` that cannot work, before the first model is built: a bad argument must not
+    cost the stock half of the run."""
+    import os
+
+    from rlk import _plugins
+    from rlk.integrations.models import CONFIGS
+
+    if model_name not in CONFIGS and not os.path.isdir(model_name):
+        raise UsageError(
+            f"unknown model {model_name!r}: a built-in config ({', '.join(CONFIGS)}) "
+            "or a local checkpoint directory"
+        )
+    for name, value in (("prompts", prompts), ("new_tokens", new_tokens)):
+        _positive(name, value)
+    _positive("micro_batch", micro_batch)
+    _positive("page_size", page_size)
+    _positive("max_batch", max_batch, allow_none=True)
+    lo, hi = prompt_len
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise UsageError(f"prompt_len must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise UsageError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    bad = [m for m in rollout_modes if m not in ROLLOUT_MODES]
+    if bad or not rollout_modes:
+        raise UsageError(f"rollout modes must be among {ROLLOUT_MODES}, got {rollout_modes!r}")
+    if train_engine not in TRAIN_ENGINES:
+        raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
+    if leaves is not None and (
+        isinstance(leaves, bool)
+        or not isinstance(leaves, int)
+        or leaves < 1
+        or leaves & (leaves - 1)
+    ):
+        raise UsageError(f"leaves must be a power of two, got {leaves!r}")
+    for name, tp in (("train_tp", train_tp), ("rollout_tp", rollout_tp)):
+        _positive(name, tp)
+        if tp == 1:
+            continue
+        if not leaves:
+            raise UsageError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
+        if leaves % tp or tp & (tp - 1):
+            raise UsageError(f"{name} must be a power of two dividing leaves = {leaves}")
+    try:
+        dev = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"device {device!r} is not a torch device ({e})") from None
+    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r}: this torch sees no CUDA/ROCm GPU")
+    if dev is not None and dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
+    if backend is not None:
+        with _plugins.use_backend(backend):
+            _plugins.current_backend(dev)
+
+
 def run(
     model_name: str = "tiny",
     *,
@@ -405,17 +492,23 @@ def run(
     the rlk side; ``train_tp``: the training engine's tensor parallelism, ``rollout_tp``: the
     rollout's (> 1: that many spawned processes, gloo on CPU and NCCL on GPUs; needs
     ``leaves``, of which each must be a power-of-two divisor)."""
-    if train_engine not in TRAIN_ENGINES:
-        raise ValueError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
-    for name, tp in (("train_tp", train_tp), ("rollout_tp", rollout_tp)):
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {tp!r}")
-        if tp == 1:
-            continue
-        if not leaves:
-            raise ValueError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
-        if leaves % tp or tp & (tp - 1):
-            raise ValueError(f"{name} must be a power of two dividing leaves = {leaves}")
+    check_args(
+        model_name,
+        backend=backend,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        prompt_len=prompt_len,
+        micro_batch=micro_batch,
+        temperature=temperature,
+        device=device,
+        rollout_modes=rollout_modes,
+        page_size=page_size,
+        max_batch=max_batch,
+        train_engine=train_engine,
+        leaves=leaves,
+        train_tp=train_tp,
+        rollout_tp=rollout_tp,
+    )
     teardown = None
     if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
         from rlk.integrations import megatron

@@ -53,6 +53,10 @@ ROTARY_CHUNK = 1024
 # The linears that are row-parallel under tensor parallelism (K split over the ranks): the ones
 # patch_model(leaves=...) runs on rlk.parallel.tree_linear.
 ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
+#: The oldest and newest transformers releases (major.minor) this integration is tested with:
+#: ``nox -s transformers_range`` runs the integration tests and ``rlk consistency`` on both.
+#: ``rlk[transformers]`` declares the same range.
+TESTED_TRANSFORMERS = ((5, 17), (5, 24))
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,6 +424,76 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+_version_warned = False
+
+
+def _installed_transformers() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_transformers(model: nn.Module) -> None:
+    """Warn (once) on a transformers release outside :data:`TESTED_TRANSFORMERS`; raise where
+    the model's forwards do not follow the conventions the patched forwards rely on.
+
+    A convention that changed silently (as ``past_key_values`` -> ``cache`` did in 5.24) would
+    otherwise give wrong log-probabilities without an error, so what can be checked from the
+    code's signatures is checked here, before anything is patched.
+    """
+    global _version_warned
+    import re
+    import warnings
+
+    (lo, hi), found = TESTED_TRANSFORMERS, _installed_transformers()
+    m = re.match(r"(\d+)\.(\d+)", found)
+    if m and not (lo <= (int(m[1]), int(m[2])) <= hi) and not _version_warned:
+        _version_warned = True
+        warnings.warn(
+            f"rlk's transformers integration is tested with transformers "
+            f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, this is {found}: run `rlk consistency` "
+            "(both rollout modes must give 0) before trusting its log-probabilities",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    problems = []
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import (  # noqa: F401
+            ALL_MASK_ATTENTION_FUNCTIONS,
+            flash_attention_mask,
+        )
+    except ImportError as e:
+        problems.append(f"the attention registry is not where rlk registers ({e})")
+    needs = {
+        "DecoderLayer": ("hidden_states", "attention_mask", "position_embeddings"),
+        "Attention": ("hidden_states", "position_embeddings", "attention_mask"),
+    }
+    seen = {type(model)}
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for suffix, names in needs.items():
+            if not cls.__name__.endswith(suffix):
+                continue
+            params = inspect.signature(cls.forward).parameters
+            missing = [n for n in names if n not in params]
+            if "past_key_values" not in params and "cache" not in params:
+                missing.append("past_key_values or cache")
+            if missing:
+                problems.append(f"{cls.__name__}.forward takes no {', '.join(missing)}")
+    params = inspect.signature(type(model).forward).parameters
+    if "past_key_values" not in params and "cache" not in params:
+        problems.append(f"{type(model).__name__}.forward takes no past_key_values or cache")
+    if problems:
+        raise RuntimeError(
+            f"transformers {found} changed conventions rlk's patched forwards rely on "
+            f"(tested: {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}): " + "; ".join(problems)
+        )
+
+
 def _bind(module: nn.Module, fn: Any, patched: list[nn.Module]) -> None:
     module.forward = types.MethodType(fn, module)
     patched.append(module)
@@ -449,6 +523,7 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
             )
         return model
     _check_supported(model)
+    _check_transformers(model)
     if leaves is not None:
         import rlk.parallel
 

@@ -1,0 +1,49 @@
+"""``rlk consistency`` checks its arguments before it builds a model: a usage error is one line,
+``rlk: error: ...``, with exit status 2 and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rlk import cli  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nosuch"], "unknown model 'nosuch'"),
+        (["--leaves", "3"], "leaves must be a power of two, got 3"),
+        (["--train-tp", "2"], "train_tp > 1 needs leaves"),
+        (["--rollout-tp", "2"], "rollout_tp > 1 needs leaves"),
+        (["--leaves", "8", "--rollout-tp", "3"], "rollout_tp must be a power of two dividing"),
+        (["--backend", "bogus"], "unknown rlk backend 'bogus'"),
+        (["--prompt-len", "x"], "--prompt-len must be MIN:MAX"),
+        (["--prompt-len", "9:3"], "prompt_len must be MIN:MAX with 1 <= MIN <= MAX"),
+        (["--prompts", "0"], "prompts must be an int >= 1"),
+        (["--micro-batch", "0"], "micro_batch must be an int >= 1"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--device", "nodevice"], "device 'nodevice' is not a torch device"),
+    ],
+)
+def test_usage_errors_are_one_line(argv, message, capsys, monkeypatch):
+    from rlk import consistency
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(consistency, "_run", must_not_run)
+    rc = cli.main(["consistency", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("rlk: error: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["consistency", "--device", "cuda"]) == 2
+    assert "sees no CUDA/ROCm GPU" in capsys.readouterr().err
