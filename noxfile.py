@@ -143,6 +143,6 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmark harness (needs a GPU; prints a table per op family)."""
-    _install(session)
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    """``rlk bench`` (needs a GPU; a table per op family; arguments after -- go to it)."""
+    _install(session, "transformers", "liger-kernel==0.8.5")
+    session.run("rlk", "bench", *session.posargs)

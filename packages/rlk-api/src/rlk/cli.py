@@ -189,6 +189,29 @@ def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> d
     )
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rlk import bench
+
+    if args.render:
+        parts = []
+        for path in args.render:
+            with open(path) as f:
+                parts.append(json.load(f))
+        report = bench.merge(parts)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+                f.write("\n")
+        text = bench.render_markdown(report)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(text)
+        else:
+            print(text, end="")
+        return 0
+    return bench.main(args.only, args.quick, args.json, args.markdown, args.argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="rlk", description="Deterministic, batch-invariant ops for RL."
@@ -270,7 +293,25 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     pk.add_argument("--quiet", action="store_true", help="no progress lines")
     pk.set_defaults(fn=_cmd_consistency)
+    pb = sub.add_parser("bench", help="time every op family against the strongest peer on this GPU")
+    pb.add_argument(
+        "--only", default=None, help="comma-separated families (default: all): gemm, attention, "
+        "norm, logprobs, sampling, e2e",
+    )  # fmt: skip
+    pb.add_argument("--quick", action="store_true", help="one or two shapes per family")
+    pb.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    pb.add_argument(
+        "--markdown", default=None, metavar="FILE", help="also write the tables as Markdown"
+    )
+    pb.add_argument(
+        "--render", default=None, nargs="+", metavar="JSON",
+        help="measure nothing: turn earlier --json reports (several: parts of one run, e.g. one "
+        "per GPU, merged) into Markdown (stdout or --markdown) and, with --json, one report",
+    )  # fmt: skip
+    pb.set_defaults(fn=_cmd_bench)
     args = p.parse_args(argv)
+    if args.cmd == "bench":
+        args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
     try:
         return args.fn(args)
     except _plugins.BackendError as e:

@@ -694,6 +694,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
         )
+    lines.append(
+        "tok/s: this command's own loops (one forward per decode step, no CUDA graphs; the "
+        "stock row is not transformers' generate). Engine speed: rlk bench --only e2e."
+    )
     return "\n".join(lines)
 
 

@@ -1,0 +1,291 @@
+"""``rlk bench``: every op family against the strongest implementation the machine has.
+
+Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling``, ``e2e``)
+has ``run(quick, emit)``, which times rlk's public op and its peers on the same random
+inputs, in this process, and passes each result row to ``emit`` as soon as it is measured.
+A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s]}``; ``impl`` is ``rlk`` or
+the peer's name (``cublas``, ``sdpa``, ``sdpa-flash``, ``liger``, ``compile``, ``torch``,
+``hf-generate``, ``stock``, ``stock+liger``).
+
+The report (``--json``) holds ``meta`` (commit, GPU, versions, the copy-bandwidth and cuBLAS
+ceilings measured in the same run), ``rows`` and ``failed`` (families that raised);
+:func:`render_markdown` turns it into the table document (``docs/benchmarks/h200.md``).
+
+Example::
+
+    rlk bench --quick --only gemm,norm
+    rlk bench --json docs/benchmarks/h200.json --markdown docs/benchmarks/h200.md
+    rlk bench --render docs/benchmarks/h200.json     # the Markdown of an earlier run
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import platform
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e")
+
+#: impl names that are rlk itself; every other impl of a row's (op, shape, dtype) is a peer.
+RLK_IMPLS = ("rlk",)
+
+
+def _commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        # A copy of the tree without its .git (a GPU machine's working copy): the commit the
+        # copy was made from, when whoever made it said so.
+        import os
+
+        return os.environ.get("RLK_COMMIT", "unknown (not a git checkout)")
+    return sha + ("+uncommitted" if dirty else "")
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "triton", "transformers", "liger-kernel", "rlk", "rlk-triton"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def meta(argv: list[str]) -> dict[str, Any]:
+    import torch
+
+    from rlk.bench._timing import ceilings
+
+    m = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": _versions(),
+        "command": "rlk bench " + " ".join(argv),
+    }
+    m.update(ceilings())
+    return m
+
+
+def run(
+    families: list[str], quick: bool, progress: Callable[[str], None] | None = None
+) -> tuple[list[dict], list[str]]:
+    """Run ``families``; returns ``(rows, failed families)``. A family that raises is reported
+    (traceback to stderr) and the others still run."""
+    rows: list[dict] = []
+    failed: list[str] = []
+
+    def emit(r: dict) -> None:
+        r = {"family": fam, **r}
+        rows.append(r)
+        if progress is not None:
+            extra = "".join(f"  {k} {r[k]:g}" for k in ("GB/s", "TFLOP/s") if k in r)
+            progress(
+                f"  {r['op']:<24} {r['shape']:<34} {r['dtype']:<5} {r['impl']:<12} "
+                f"{r['ms']:9.4f} ms{extra}  ({r['timing']})"
+            )
+
+    for fam in families:
+        if progress is not None:
+            progress(f"[{fam}]")
+        try:
+            importlib.import_module(f"rlk.bench.{fam}").run(quick=quick, emit=emit)
+        except Exception:
+            traceback.print_exc()
+            failed.append(fam)
+    return rows, failed
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (op, shape, dtype) with an rlk row: rlk's ms, the best peer, and
+    ``peer_ms / rlk_ms`` (above 1: rlk is faster)."""
+    groups: dict[tuple, dict[str, float]] = {}
+    order: list[tuple] = []
+    for r in rows:
+        key = (r.get("family", ""), r["op"], r["shape"], r["dtype"])
+        if key not in groups:
+            groups[key] = {}
+            order.append(key)
+        groups[key][r["impl"]] = r["ms"]
+    out = []
+    for key in order:
+        impls = groups[key]
+        rlk = [impls[i] for i in RLK_IMPLS if i in impls]
+        peers = {i: ms for i, ms in impls.items() if i not in RLK_IMPLS}
+        if not rlk or not peers:
+            continue
+        best = min(peers, key=peers.get)
+        out.append(
+            {
+                "family": key[0],
+                "op": key[1],
+                "shape": key[2],
+                "dtype": key[3],
+                "rlk_ms": rlk[0],
+                "peer": best,
+                "peer_ms": peers[best],
+                "peer_over_rlk": peers[best] / rlk[0],
+            }
+        )
+    return out
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    lines = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def format_family(rows: list[dict], family: str) -> str:
+    """The rows of one family, then its ``peer_ms / rlk_ms`` table."""
+    fam_rows = [r for r in rows if r.get("family") == family]
+    cols = ["op", "shape", "dtype", "impl", "ms", "GB/s", "TFLOP/s", "timing"]
+    body = [[_fmt(r.get(c, "")) for c in cols] for r in fam_rows]
+    text = _table(cols, body)
+    rat = [x for x in ratios(fam_rows)]
+    if rat:
+        cols2 = ["op", "shape", "dtype", "rlk ms", "best peer", "peer ms", "peer_ms / rlk_ms"]
+        body2 = [
+            [x["op"], x["shape"], x["dtype"], _fmt(x["rlk_ms"]), x["peer"], _fmt(x["peer_ms"])]
+            + [f"{x['peer_over_rlk']:.2f}"]
+            for x in rat
+        ]
+        text += "\n\n" + _table(cols2, body2)
+    return text
+
+
+def merge(parts: list[dict]) -> dict:
+    """One report from the reports of parts of one run (families split over processes or GPUs
+    of one machine): the rows and failures of all; ``meta`` of the first, with every part's
+    command, GPU and ceilings under ``parts``. A single report comes back unchanged."""
+    if len(parts) == 1:
+        return parts[0]
+    keep = ("command", "gpu", "copy_GBps", "cublas_bf16_TFLOPs", "commit", "date")
+    commits = {p["meta"]["commit"] for p in parts}
+    if len(commits) != 1:
+        raise ValueError(f"the parts measured different commits: {sorted(commits)}")
+    meta = dict(parts[0]["meta"], parts=[{k: p["meta"][k] for k in keep} for p in parts])
+    rows = [r for p in parts for r in p["rows"]]
+    failed = [f for p in parts for f in p.get("failed", [])]
+    return {"meta": meta, "rows": rows, "failed": failed}
+
+
+def render_markdown(report: dict) -> str:
+    """The benchmark document for one result file (what docs/benchmarks/<gpu>.md holds)."""
+    m = report["meta"]
+    v = ", ".join(f"{k} {x}" for k, x in m["versions"].items())
+    out = [
+        f"# Benchmarks: {m['gpu']}",
+        "",
+        "Generated by `rlk bench --render` from the JSON file beside this one; do not edit.",
+        "",
+        f"- command: `{m['command']}`"
+        if "parts" not in m
+        else "- commands (one process each, same machine): "
+        + "; ".join(f"`{p['command']}`" for p in m["parts"]),
+        f"- commit measured: `{m['commit']}`, {m['date']}",
+        f"- versions: {v}",
+        f"- ceilings measured in the same run: copy {m['copy_GBps']:.0f} GB/s (read + write), "
+        f"cuBLAS bf16 {m['cublas_bf16_TFLOPs']:.0f} TFLOP/s",
+        "- `peer_ms / rlk_ms` above 1: rlk is faster than the fastest peer row of that shape.",
+        "- `timing`: `events` is the median of do_bench over single calls (each >= 50 us); "
+        "`graph xN` a CUDA graph of N calls; `launch-bound` a short call that could not be "
+        "captured, so its time includes the launch.",
+    ]
+    if report.get("failed"):
+        out.append(f"- families that failed in this run: {', '.join(report['failed'])}")
+    worst = {}
+    for x in ratios(report["rows"]):
+        if x["family"] not in worst or x["peer_over_rlk"] < worst[x["family"]]["peer_over_rlk"]:
+            worst[x["family"]] = x
+    if worst:
+        out += ["", "## Worst ratio per family", ""]
+        body = [
+            [f, x["op"], x["shape"], x["peer"], f"{x['peer_over_rlk']:.2f}"]
+            for f, x in worst.items()
+        ]
+        out.append(_table(["family", "op", "shape", "best peer", "peer_ms / rlk_ms"], body))
+    fams = []
+    for r in report["rows"]:
+        if r.get("family") not in fams:
+            fams.append(r.get("family"))
+    for fam in fams:
+        out += ["", f"## {fam}", "", format_family(report["rows"], fam)]
+    return "\n".join(out) + "\n"
+
+
+def _write_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+
+
+def main(
+    only: str | None, quick: bool, json_path: str | None, md_path: str | None, argv: list[str]
+) -> int:
+    """The ``rlk bench`` command; returns the exit status."""
+    import torch
+
+    families = [f.strip() for f in (only or ",".join(FAMILIES)).split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        print(f"rlk: error: unknown families {unknown}; choose from {FAMILIES}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("rlk: error: rlk bench needs a CUDA/ROCm GPU, and this torch sees none",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    report: dict[str, Any] = {"meta": meta(argv)}
+    say(
+        f"ceilings: copy {report['meta']['copy_GBps']:.0f} GB/s, "
+        f"cuBLAS bf16 {report['meta']['cublas_bf16_TFLOPs']:.0f} TFLOP/s"
+    )
+    report["rows"], report["failed"] = [], []
+    for fam in families:
+        # One family at a time, the report rewritten after each: a run cut short by a time
+        # limit keeps what it measured.
+        rows, failed = run([fam], quick, say)
+        report["rows"] += rows
+        report["failed"] += failed
+        if json_path:
+            _write_json(report, json_path)
+    rows, failed = report["rows"], report["failed"]
+    for fam in families:
+        if any(r.get("family") == fam for r in rows):
+            print(f"\n## {fam}\n\n{format_family(rows, fam)}", flush=True)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(render_markdown(report))
+    if failed:
+        print(f"rlk: families that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,109 @@
+"""Timing and result rows shared by the benchmark families (CUDA only).
+
+Every figure is the median of ``triton.testing.do_bench`` (CUDA events) on random data. A call
+shorter than :data:`MIN_US` would measure launch overhead, not the kernel: such a call is timed
+as a CUDA graph of as many calls as make the replay at least that long, and the row says so
+(``timing: "graph xN"``); where capture fails, the plain median is kept and the row says
+``timing: "launch-bound"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: Shortest timed call, in microseconds, that measures the GPU and not the launch.
+MIN_US = 50.0
+
+#: Device the families allocate on. Benchmarks are for GPUs; tests set "cpu" to check that the
+#: families run end to end (tiny quick shapes, timing stubbed).
+DEVICE = "cuda"
+
+
+def median_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (CUDA events, through triton's do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[float, str]:
+    """``(ms per call, how it was timed)``; short calls are timed as a CUDA graph of many."""
+    ms = median_ms(fn)
+    if ms * 1e3 >= MIN_US:
+        return ms, "events"
+    n = max(2, math.ceil(2 * MIN_US / max(ms * 1e3, 1.0)))
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                fn()
+        total = median_ms(graph.replay)
+    except Exception:  # a peer or op that cannot be captured (host syncs, allocator use)
+        torch.cuda.synchronize()
+        return ms, "launch-bound"
+    return total / n, f"graph x{n}"
+
+
+def _copy_gbs() -> float:
+    n = 1 << 30  # 1 GiB each way, far above the 60 MB L2
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * n / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def _cublas_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
+
+
+def ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (GB/s, read + write) and cuBLAS bf16 TFLOP/s, measured
+    in the same process as the rows so each table can be read against them."""
+    return {"copy_GBps": round(_copy_gbs(), 1), "cublas_bf16_TFLOPs": round(_cublas_tflops(), 1)}
+
+
+def row(
+    op: str,
+    shape: str,
+    dtype: str,
+    impl: str,
+    ms: float,
+    *,
+    timing: str = "events",
+    nbytes: float = 0.0,
+    flops: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result: ``op`` (e.g. ``rms_norm.fwd``), ``shape``, ``dtype``, ``impl`` (``rlk`` or
+    a peer's name), ``ms`` per call; GB/s and TFLOP/s from the bytes and flops the op must
+    move and do."""
+    r: dict[str, Any] = {"op": op, "shape": shape, "dtype": dtype, "impl": impl}
+    r["ms"] = round(ms, 6)
+    r["timing"] = timing
+    if nbytes:
+        r["GB/s"] = round(nbytes / ms / 1e6, 1)
+    if flops:
+        r["TFLOP/s"] = round(flops / ms / 1e9, 1)
+    r.update(extra)
+    return r
+
+
+def timed(op: str, shape: str, dtype: str, impl: str, fn: Callable[[], Any], **kw) -> dict:
+    """:func:`row` for ``fn`` timed by :func:`time_call`."""
+    ms, how = time_call(fn)
+    return row(op, shape, dtype, impl, ms, timing=how, **kw)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]

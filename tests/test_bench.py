@@ -1,0 +1,112 @@
+"""``rlk bench``: the report, its ratios, merging and rendering, the CLI without a GPU, and every
+family run end to end on CPU (tiny shapes, timing stubbed: speed is measured on GPUs only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlk import bench, cli
+from rlk.bench import _timing
+
+
+def _row(op, impl, ms, family="gemm", shape="s", dtype="bf16"):
+    return {"family": family, **_timing.row(op, shape, dtype, impl, ms)}
+
+
+def _report(rows, commit="abc", command="rlk bench"):
+    meta = {
+        "date": "2026-11-30T00:00:00+00:00",
+        "commit": commit,
+        "gpu": "NVIDIA H200",
+        "versions": {"torch": "2.11"},
+        "command": command,
+        "copy_GBps": 4300.0,
+        "cublas_bf16_TFLOPs": 790.0,
+    }
+    return {"meta": meta, "rows": rows, "failed": []}
+
+
+def test_ratios_take_the_fastest_peer():
+    rows = [
+        _row("linear.fwd", "rlk", 2.0),
+        _row("linear.fwd", "cublas", 1.0),
+        _row("linear.fwd", "other", 0.5),
+        _row("attention.fwd", "sdpa", 1.0, family="attention"),  # no rlk row: no ratio
+    ]
+    (r,) = bench.ratios(rows)
+    assert r["peer"] == "other" and r["peer_over_rlk"] == pytest.approx(0.25)
+
+
+def test_render_and_merge(tmp_path):
+    a = _report([_row("linear.fwd", "rlk", 2.0), _row("linear.fwd", "cublas", 1.0)])
+    b = _report([_row("e2e.train", "rlk", 4.0, "e2e"), _row("e2e.train", "stock", 5.0, "e2e")])
+    b["meta"]["command"] = "rlk bench --only e2e"
+    merged = bench.merge([a, b])
+    assert len(merged["rows"]) == 4 and len(merged["meta"]["parts"]) == 2
+    text = bench.render_markdown(merged)
+    assert "| gemm   | linear.fwd | s     | cublas    | 0.50" in text
+    assert "`rlk bench --only e2e`" in text
+    with pytest.raises(ValueError, match="different commits"):
+        bench.merge([a, _report([], commit="def")])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = tmp_path / "m.json"
+    assert cli.main(["bench", "--render", str(pa), str(pb), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"] == merged["rows"]
+
+
+def test_cli_without_a_gpu_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--quick"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "rlk: error: rlk bench needs a CUDA/ROCm GPU, and this torch sees none\n"
+    )
+    assert cli.main(["bench", "--only", "nosuch"]) == 2
+    assert "unknown families ['nosuch']" in capsys.readouterr().err
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Families allocate on the CPU and each timed function runs twice (for real) instead of
+    being timed."""
+    monkeypatch.setattr(_timing, "DEVICE", "cpu")
+
+    def run_twice(fn):
+        fn()
+        fn()
+        return 1.0, "events"
+
+    monkeypatch.setattr(_timing, "time_call", run_twice)
+
+
+def _run(monkeypatch, module, **shapes):
+    rows = []
+    for name, value in shapes.items():
+        monkeypatch.setattr(module, name, value)
+    module.run(quick=True, emit=rows.append)
+    return rows
+
+
+def test_gemm_family_runs(on_cpu, monkeypatch):
+    from rlk.bench import gemm
+
+    monkeypatch.setattr(gemm, "BACKWARD", [("t", 8, 64, 32)])
+    rows = _run(monkeypatch, gemm, QUICK_SHAPES=[("t", 64, 32)], QUICK_MS=[1, 8])
+    assert {(r["op"], r["impl"]) for r in rows} == {
+        (op, impl) for op in ("linear.fwd", "linear.fwd+bwd") for impl in ("rlk", "cublas")
+    }
+
+
+def test_attention_family_runs(on_cpu, monkeypatch):
+    from rlk.bench import attention
+
+    monkeypatch.setattr(attention, "QUICK_DECODE", [(2, 32, 4, 2, 16, 8)])
+    rows = _run(monkeypatch, attention, QUICK_SHAPES=[(2, 16, 4, 2, 16)])
+    impls = {(r["op"], r["impl"]) for r in rows}
+    assert ("attention.fwd+bwd", "rlk") in impls and ("attention.fwd", "sdpa") in impls
+    assert ("paged_attention.decode", "rlk") in impls
