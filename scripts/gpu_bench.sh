@@ -1,44 +1,61 @@
 #!/usr/bin/env bash
-# `rlk bench` on an H200 machine (offline) inside one 10-minute device call, after the GPU
-# checks of the kernels changed since the last GPU run.
-#   OUT=... bash scripts/gpu_bench.sh      (env: QUICK=1 for --quick; DEADLINE seconds, def. 570)
-# With two GPUs the kernel families run on GPU 0 and the end-to-end family on GPU 1 at the same
-# time (two processes of one run); `rlk bench --render` merges them into $OUT/h200.json and
-# $OUT/h200.md. With one GPU they run one after the other. A summary is printed last.
+# `rlk bench` on an H200 machine (offline) inside one 10-minute device call, with the GPU checks
+# of the kernels changed since the last GPU run.
+#   OUT=... bash scripts/gpu_bench.sh   (env: QUICK=1 for --quick; ONLY=fam,fam to run those
+#                                        families alone; DEADLINE seconds, default 560)
+# Each family runs as its own `rlk bench --only <family>` process with its own time limit (the
+# report is rewritten after every row, so a family cut short keeps what it measured). With two
+# GPUs the families are split over two lanes, one per GPU, running at the same time; with one
+# they run one after the other. `rlk bench --render` merges the parts into $OUT/h200.json and
+# $OUT/h200.md. A summary is printed last.
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+# Everything is written under W; $OUT receives h200.json, h200.md, summary.txt and logs.tgz
+# (every file of W), since the device tool returns few files.
+RESULTS=${OUT:-gpu-out}; W=$(mktemp -d); OUT=$W
 export PYTHONUNBUFFERED=1
 source scripts/gpu_install.sh
-T0=$(date +%s); DEADLINE=${DEADLINE:-570}
+T0=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - $(date +%s) + T0 )); }
 Q=(); [ "${QUICK:-0}" = 1 ] && Q=(--quick)
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
-# Checks: the rotary kernel's GPU tests and its conformance (every config of every table).
-RLK_VALIDATE=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-  packages/rlk-triton/tests/test_rotary.py > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests rc=$?" >> "$OUT/summary.txt"
-RLK_VALIDATE=1 timeout 120 rlk conformance --backend cuda --full --quiet --ops apply_rotary \
-  > "$OUT/conformance.txt" 2>&1
-echo "conformance rc=$?" >> "$OUT/summary.txt"
+step() {  # step NAME SECONDS CMD...: output to NAME.txt, status and wall time to summary.txt
+  local name=$1 secs=$2 t=$(date +%s); shift 2
+  local l=$(left); [ "$secs" -gt "$l" ] && secs=$l
+  if [ "$secs" -lt 20 ]; then echo "$name: not run (deadline)" >> "$OUT/summary.txt"; return; fi
+  timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: rc=$? $(( $(date +%s) - t ))s (limit ${secs}s)" >> "$OUT/summary.txt"
+}
+fam() { step "bench_$1" "$2" rlk bench "${Q[@]}" --only "$1" --json "$OUT/bench_$1.json"; }
+checks() {
+  RLK_VALIDATE=1 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    packages/rlk-triton/tests/test_rotary.py
+  RLK_VALIDATE=1 step conformance 120 rlk conformance --backend cuda --full --quiet \
+    --ops apply_rotary
+}
+consistency() {  # the contract at this commit on the GPU, both rollout modes
+  step consistency 150 rlk consistency --model qwen2-0.5b --prompts 64 --new-tokens 128 \
+    --micro-batch 8 --rollout-mode both --quiet --json "$OUT/consistency.json"
+}
+lane0() { fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; consistency; }
+lane1() { checks; fam e2e 330; fam logprobs 200; }
 
-kernels=(rlk bench "${Q[@]}" --only gemm,attention,norm,logprobs,sampling --json "$OUT/kernels.json")
-e2e=(rlk bench "${Q[@]}" --only e2e --json "$OUT/e2e.json")
-if [ "$NGPU" -ge 2 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout $(left) "${kernels[@]}" > "$OUT/kernels.txt" 2> "$OUT/kernels.log" &
-  CUDA_VISIBLE_DEVICES=1 timeout $(left) "${e2e[@]}" > "$OUT/e2e.txt" 2> "$OUT/e2e.log" &
+if [ -n "${ONLY:-}" ]; then
+  for f in ${ONLY//,/ }; do fam "$f" 400; done
+elif [ "$NGPU" -ge 2 ]; then
+  (export CUDA_VISIBLE_DEVICES=0; lane0) &
+  (export CUDA_VISIBLE_DEVICES=1; lane1) &
   wait
 else
-  timeout $(left) "${kernels[@]}" > "$OUT/kernels.txt" 2> "$OUT/kernels.log"
-  timeout $(left) "${e2e[@]}" > "$OUT/e2e.txt" 2> "$OUT/e2e.log"
+  lane0; lane1
 fi
-parts=(); for f in kernels e2e; do [ -s "$OUT/$f.json" ] && parts+=("$OUT/$f.json"); done
+parts=(); for f in "$OUT"/bench_*.json; do [ -s "$f" ] && parts+=("$f"); done
 if [ ${#parts[@]} -gt 0 ]; then
   rlk bench --render "${parts[@]}" --json "$OUT/h200.json" --markdown "$OUT/h200.md" > /dev/null
 fi
-tar czf "$OUT/logs.tgz" -C "$OUT" --exclude=logs.tgz . 2>/dev/null
-echo "== $(( $(date +%s) - T0 ))s; $(cat "$OUT/gpu.txt" | tr '\n' ' ')"
+mkdir -p "$RESULTS"; tar czf "$RESULTS/logs.tgz" -C "$W" .
+for f in h200.json h200.md summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
+echo "== $(( $(date +%s) - T0 ))s; $(tr '\n' ' ' < "$OUT/gpu.txt")"
 cat "$OUT/summary.txt"
-tail -3 "$OUT/gpu_tests.txt"; tail -4 "$OUT/conformance.txt"
-for f in kernels e2e; do echo "-- $f: $(tail -2 "$OUT/$f.log" | tr '\n' ' ')"; done
-[ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## gemm/p' "$OUT/h200.md"
+for f in gpu_tests conformance consistency; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
+[ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/h200.md"

@@ -110,3 +110,31 @@ def test_attention_family_runs(on_cpu, monkeypatch):
     impls = {(r["op"], r["impl"]) for r in rows}
     assert ("attention.fwd+bwd", "rlk") in impls and ("attention.fwd", "sdpa") in impls
     assert ("paged_attention.decode", "rlk") in impls
+
+
+def _rlk_ops(rows):
+    return {r["op"] for r in rows if r["impl"] == "rlk"}
+
+
+def test_norm_family_runs(on_cpu, monkeypatch):
+    from rlk.bench import norm
+
+    shapes = {"rms_norm": [(8, 64)], "silu_and_mul": [(8, 32)], "apply_rotary": [(8, 4, 2, 16)]}
+    rows = _run(monkeypatch, norm, SHAPES=shapes)
+    assert _rlk_ops(rows) == {
+        f"{op}.{p}"
+        for op in ("rms_norm", "rms_norm_residual", "silu_and_mul", "apply_rotary")
+        for p in ("fwd", "fwd+bwd")
+    }
+    assert {r["impl"] for r in rows} >= {"rlk", "compile"}
+
+
+def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
+    from rlk.bench import logprobs, sampling
+
+    shapes = {"logprobs": [(8, 512)], "linear_logprobs": [(8, 64, 512)]}
+    rows = _run(monkeypatch, logprobs, SHAPES=shapes)
+    assert _rlk_ops(rows) == {"logprobs.fwd", "logprobs.fwd+bwd", "linear_logprobs.fwd+bwd"}
+    rows = _run(monkeypatch, sampling, SHAPES=[(4, 512)])
+    assert _rlk_ops(rows) == {"sample.temperature", "sample.top_k_top_p"}
+    assert {r["impl"] for r in rows} >= {"rlk", "torch"}

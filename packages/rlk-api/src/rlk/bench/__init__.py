@@ -88,16 +88,22 @@ def meta(argv: list[str]) -> dict[str, Any]:
 
 
 def run(
-    families: list[str], quick: bool, progress: Callable[[str], None] | None = None
+    families: list[str],
+    quick: bool,
+    progress: Callable[[str], None] | None = None,
+    on_row: Callable[[list[dict], list[str]], None] | None = None,
 ) -> tuple[list[dict], list[str]]:
     """Run ``families``; returns ``(rows, failed families)``. A family that raises is reported
-    (traceback to stderr) and the others still run."""
+    (traceback to stderr) and the others still run. ``on_row(rows, failed)`` is called after
+    every row and every failure."""
     rows: list[dict] = []
     failed: list[str] = []
 
     def emit(r: dict) -> None:
         r = {"family": fam, **r}
         rows.append(r)
+        if on_row is not None:
+            on_row(rows, failed)
         if progress is not None:
             extra = "".join(f"  {k} {r[k]:g}" for k in ("GB/s", "TFLOP/s") if k in r)
             progress(
@@ -113,6 +119,8 @@ def run(
         except Exception:
             traceback.print_exc()
             failed.append(fam)
+            if on_row is not None:
+                on_row(rows, failed)
     return rows, failed
 
 
@@ -270,16 +278,16 @@ def main(
         f"ceilings: copy {report['meta']['copy_GBps']:.0f} GB/s, "
         f"cuBLAS bf16 {report['meta']['cublas_bf16_TFLOPs']:.0f} TFLOP/s"
     )
-    report["rows"], report["failed"] = [], []
-    for fam in families:
-        # One family at a time, the report rewritten after each: a run cut short by a time
-        # limit keeps what it measured.
-        rows, failed = run([fam], quick, say)
-        report["rows"] += rows
-        report["failed"] += failed
+
+    def save(rows: list[dict], failed: list[str]) -> None:
+        # The report is rewritten after every row: a run cut short by a time limit keeps what
+        # it measured.
         if json_path:
-            _write_json(report, json_path)
-    rows, failed = report["rows"], report["failed"]
+            _write_json({**report, "rows": rows, "failed": failed}, json_path)
+
+    rows, failed = run(families, quick, say, save)
+    report["rows"], report["failed"] = rows, failed
+    save(rows, failed)
     for fam in families:
         if any(r.get("family") == fam for r in rows):
             print(f"\n## {fam}\n\n{format_family(rows, fam)}", flush=True)
