@@ -138,3 +138,31 @@ def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
     rows = _run(monkeypatch, sampling, SHAPES=[(4, 512)])
     assert _rlk_ops(rows) == {"sample.temperature", "sample.top_k_top_p"}
     assert {r["impl"] for r in rows} >= {"rlk", "torch"}
+
+
+def test_e2e_family_runs(on_cpu, monkeypatch):
+    """The end-to-end family on the tiny model (its own wall-clock timing, kept: on CPU it only
+    has to run); every row the result file's readers look for comes out."""
+    from rlk.bench import e2e
+
+    rows = _run(
+        monkeypatch,
+        e2e,
+        QUICK_MODELS=("tiny",),
+        QUICK_BATCHES=(2,),
+        QUICK_NEW_TOKENS=2,
+        QUICK_TRAIN_SEQS=2,
+        QUICK_TRAIN_LEN=8,
+        PROMPT_LEN=(3, 5),
+        TRAIN_ITERS=1,
+    )
+    got = {(r["op"], r["impl"]) for r in rows}
+    assert got >= {
+        ("e2e.rollout.padded", "hf-generate"),
+        ("e2e.rollout.padded", "rlk"),
+        ("e2e.rollout.paged", "hf-generate"),
+        ("e2e.rollout.paged", "rlk"),
+        ("e2e.train", "stock"),
+        ("e2e.train", "rlk"),
+    }
+    assert all(r["tok_s"] > 0 for r in rows)

@@ -1,0 +1,309 @@
+"""End-to-end benchmarks: rollout and training tokens per second on whole models.
+
+Models: the built-in random-weight configs of :mod:`rlk.integrations.models` (:data:`MODELS`),
+bf16, on :data:`rlk.bench._timing.DEVICE`. Each model is loaded once; its stock rows run it
+unpatched (transformers as shipped, SDPA attention) and its rlk rows run the same weights under
+:func:`~rlk.integrations.transformers.patch_model`.
+
+Rollout (``B`` random prompts of 16-64 tokens, seeded; :data:`NEW_TOKENS` sampled per prompt at
+temperature 1, no top-k / top-p, nothing stops early, so every engine makes ``B * NEW_TOKENS``
+tokens):
+
+- ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
+  left-padded batch; ``rlk`` is :func:`rlk.integrations.rollout.generate` (left-padded batch,
+  ``DynamicCache``, ``rlk.sample`` + ``rlk.logprobs``).
+- ``e2e.rollout.paged``: ``rlk`` is :func:`rlk.integrations.paged.generate_paged` (paged KV
+  cache, continuous batching, all ``B`` requests admitted at once). transformers has no paged
+  engine, so this op's peer row is the padded ``hf-generate`` run emitted a second time, marked
+  ``same_run_as: e2e.rollout.padded``.
+
+Each engine first makes the very same run untimed (same prompts, same number of new tokens), so
+that whatever is built per shape stays out of the timed run: Triton compiles rlk's kernels per
+specialisation, and SDPA's default backend on an H200 (cuDNN) builds an execution plan for each
+new key/value length, i.e. at every decode step (a warm-up of 8 tokens left ~120 plan builds,
+~45 ms each, inside a timed 128-token hf-generate run). A row's ``ms`` is the wall time of one
+run (device synchronised at both ends), with ``tok_s`` (new tokens per second) and
+``new_tokens``.
+
+Training (``e2e.train``): :data:`TRAIN_SEQS` random sequences of :data:`TRAIN_LEN` tokens packed
+into one ``[1, TRAIN_SEQS * TRAIN_LEN]`` row whose ``position_ids`` restart per sequence (all
+three impls; field ``layout``). Forward, the log-probability of every token after each
+sequence's first, their sum, backward:
+
+- ``stock``: ``model(...).logits``, ``log_softmax`` + ``gather`` in fp32
+  (:func:`rlk.integrations.training.packed_logprobs` with ``use_rlk=False``);
+- ``stock+liger``: the stock decoder's hidden states, then Liger's fused linear cross-entropy
+  with ``reduction="none"`` (per-token losses = -log-probs); skipped when liger is missing;
+- ``rlk``: the patched decoder's hidden states, then :func:`rlk.linear_logprobs`
+  (:func:`~rlk.integrations.training.packed_logprobs`, as ``rlk consistency`` trains).
+
+A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
+:data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
+of the packed row (``tokens``).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlk.bench import _timing
+from rlk.consistency import _sync, random_prompts
+from rlk.integrations import paged, rollout, training
+from rlk.integrations.models import load_model
+from rlk.integrations.rollout import Sample
+from rlk.integrations.transformers import decoder, patch_model, unpatch_model
+
+MODELS = ("qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers")
+BATCHES = (8, 64)
+NEW_TOKENS = 128
+TRAIN_SEQS = 8
+TRAIN_LEN = 512
+
+QUICK_MODELS = ("qwen2-0.5b",)
+QUICK_BATCHES = (8,)
+QUICK_NEW_TOKENS = 32
+QUICK_TRAIN_SEQS = 8
+QUICK_TRAIN_LEN = 128
+
+#: Prompt lengths (min, max), drawn per prompt.
+PROMPT_LEN = (16, 64)
+TRAIN_WARMUP = 1
+TRAIN_ITERS = 3
+PAGE_SIZE = 16
+PAD_ID = 0
+SEED = 0
+DTYPE = torch.bfloat16
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _wall(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), seconds)``, the device idle at both ends."""
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout engines: (model, prompts, new tokens) -> new tokens made
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    device = next(model.parameters()).device
+    ids, mask = rollout._left_pad(prompts, PAD_ID, device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        max_new_tokens=new,
+        # No early stop: every row makes `new` tokens, as the rlk engines do (the built-in
+        # configs have no EOS; with one, this keeps it from being sampled).
+        min_new_tokens=new,
+        # Unset, transformers would default to top_k=50; 0 turns the filter off, like rlk's.
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        pad_token_id=PAD_ID,
+    )
+    made = out.shape[1] - ids.shape[1]
+    if made != new:
+        raise RuntimeError(f"hf generate made {made} new tokens per row, not {new}")
+    return len(prompts) * made
+
+
+def _rlk_padded(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    ro = rollout.generate(
+        model, prompts, new, temperature=1.0, top_k=0, top_p=1.0, sampler="rlk", pad_token_id=PAD_ID
+    )
+    return ro.new_tokens
+
+
+def _rlk_paged(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    # As `rlk consistency` runs it: every request admitted at once.
+    b = len(prompts)
+    ro = paged.generate_paged(
+        model,
+        prompts,
+        new,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        page_size=PAGE_SIZE,
+        max_batch=b,
+        max_step_tokens=max(2048, b),
+    )
+    return ro.new_tokens
+
+
+def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[str, Any]:
+    _say(f"e2e: {shape} {op} {impl} (warm-up, then timed)")
+    engine(model, prompts, new)  # the warm-up: the same run, untimed
+    tokens, seconds = _wall(lambda: engine(model, prompts, new), device)
+    if tokens != len(prompts) * new:
+        raise RuntimeError(f"{impl} {op} made {tokens} tokens, not {len(prompts)} x {new}")
+    return _timing.row(
+        op,
+        shape,
+        "bf16",
+        impl,
+        seconds * 1e3,
+        timing="wall, 1 run",
+        tok_s=round(tokens / seconds, 1),
+        new_tokens=tokens,
+    )
+
+
+def _rollouts(model, name: str, b: int, new: int, device, emit) -> None:
+    prompts = random_prompts(b, model.config.vocab_size, *PROMPT_LEN, seed=SEED + b)
+    shape = f"{name} B={b} new={new}"
+    padded, paged_op = "e2e.rollout.padded", "e2e.rollout.paged"
+    unpatch_model(model)
+    hf = _rollout_row(padded, "hf-generate", _hf_generate, model, prompts, new, shape, device)
+    emit(hf)
+    patch_model(model)
+    emit(_rollout_row(padded, "rlk", _rlk_padded, model, prompts, new, shape, device))
+    # transformers has no paged engine: the paged op's peer is the same hf-generate run.
+    emit(dict(hf, op=paged_op, same_run_as=padded))
+    emit(_rollout_row(paged_op, "rlk", _rlk_paged, model, prompts, new, shape, device))
+
+
+# --------------------------------------------------------------------------------------------
+# Training steps: forward, per-token log-probs, sum, backward
+# --------------------------------------------------------------------------------------------
+
+
+def _train_samples(vocab: int, n: int, length: int) -> list[Sample]:
+    """``n`` random sequences of ``length`` tokens. The "prompt" is the first token, so every
+    later token is a target (``length - 1`` log-probs per sequence)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    rows = torch.randint(0, vocab, (n, length), generator=g).tolist()
+    return [Sample(r[:1], r[1:], torch.zeros(0)) for r in rows]
+
+
+def _stock_step(model, samples: list[Sample]) -> None:
+    lps = training.packed_logprobs(model, samples, use_rlk=False)
+    torch.cat(lps).sum().backward()
+
+
+def _rlk_step(model, samples: list[Sample]) -> None:
+    lps = training.packed_logprobs(model, samples, use_rlk=True)
+    torch.cat(lps).sum().backward()
+
+
+def _liger_step(flce, model, samples: list[Sample]) -> None:
+    # The same packed row and target rows as packed_logprobs builds.
+    ids, pos, rows, targets = training._pack(samples, next(model.parameters()).device)
+    hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    nll = flce(
+        hidden[0].index_select(0, rows), head.weight, targets, bias=head.bias, reduction="none"
+    )
+    (-nll).sum().backward()
+
+
+def _liger() -> Callable | None:
+    """Liger's fused linear cross-entropy (functional API), or None when it cannot load."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as e:  # not installed, or built against another torch / triton
+        _say(f"e2e: liger-kernel not importable, no stock+liger rows ({type(e).__name__}: {e})")
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def _train_seconds(model, step, samples: list[Sample], device) -> float:
+    times = []
+    for i in range(TRAIN_WARMUP + TRAIN_ITERS):
+        model.zero_grad(set_to_none=True)
+        _, seconds = _wall(lambda: step(model, samples), device)
+        if i >= TRAIN_WARMUP:
+            times.append(seconds)
+    model.zero_grad(set_to_none=True)  # the gradients are a model's worth of memory
+    return statistics.median(times)
+
+
+def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> None:
+    samples = _train_samples(model.config.vocab_size, n, length)
+    shape, tokens = f"{name} {n}x{length}", n * length
+    impls: list[tuple[str, bool, Callable]] = [("stock", False, _stock_step)]
+    if flce is not None:
+        impls.append(("stock+liger", False, lambda m, s: _liger_step(flce, m, s)))
+    impls.append(("rlk", True, _rlk_step))
+    for impl, patched, step in impls:
+        if patched:
+            patch_model(model)
+        else:
+            unpatch_model(model)
+        _say(f"e2e: {shape} e2e.train {impl} ({TRAIN_WARMUP} warm-up, {TRAIN_ITERS} timed)")
+        try:
+            seconds = _train_seconds(model, step, samples, device)
+        except Exception as e:
+            if impl != "stock+liger":
+                raise
+            # An optional peer: its failure must not cost the rlk row after it.
+            model.zero_grad(set_to_none=True)
+            _say(f"e2e: stock+liger failed, row skipped ({type(e).__name__}: {e})")
+            continue
+        emit(
+            _timing.row(
+                "e2e.train",
+                shape,
+                "bf16",
+                impl,
+                seconds * 1e3,
+                timing=f"wall, median of {TRAIN_ITERS}",
+                tok_s=round(tokens / seconds, 1),
+                tokens=tokens,
+                layout=f"packed 1x{tokens}",
+            )
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Family entry point
+# --------------------------------------------------------------------------------------------
+
+
+def _bench_model(name: str, batches, new: int, n: int, length: int, device, emit, flce) -> None:
+    _say(f"e2e: loading {name} (random weights, bf16, {device})")
+    model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
+    try:
+        for b in batches:
+            _rollouts(model, name, b, new, device, emit)
+        _trainings(model, name, n, length, device, emit, flce)
+    finally:
+        unpatch_model(model)
+
+
+def run(quick: bool, emit: Callable[[dict], None]) -> None:
+    device = torch.device(_timing.DEVICE)
+    if quick:
+        models, batches, new = QUICK_MODELS, QUICK_BATCHES, QUICK_NEW_TOKENS
+        n, length = QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN
+    else:
+        models, batches, new, n, length = MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN
+    flce = _liger()
+    for name in models:
+        # The model is local to _bench_model: gone on return, so its memory can be released
+        # before the next one loads.
+        _bench_model(name, batches, new, n, length, device, emit, flce)
+        _free(device)
