@@ -24,13 +24,31 @@ Standalone, for tuning the fused kernel's chooser::
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cuda_table, format_rows, median_ms, require_cuda, row  # noqa: E402
+from rlk.bench import _table
+from rlk.bench._timing import median_ms, row
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA/ROCm GPU")
+
+
+def cuda_table():
+    """The tuning table backend ``cuda`` runs with (the portable one if rlk-cuda is absent)."""
+    from rlk_triton import backend
+
+    tables = backend.known_tables()
+    return tables.get("cuda", tables["triton"])
+
+
+def format_rows(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    return _table(cols, [[f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
+                          for c in cols] for r in rows])  # fmt: skip
+
 
 # (model, projection, K, N): the row-parallel (K-split) projections.
 SHAPES = [

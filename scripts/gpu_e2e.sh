@@ -57,7 +57,7 @@ if [ "$PART" = lanes ]; then
     tests/test_parallel.py
   RLK_VALIDATE=1 run conformance_lp 120 rlk conformance --backend cuda --full --quiet \
     --ops logprobs,linear_logprobs
-  run bench_lp 150 python3 benchmarks/run.py --quick --only logprobs,fused_logprobs
+  run bench_lp 150 rlk bench --quick --only logprobs
 ) &
 wait
 fi
@@ -79,7 +79,7 @@ if [ "$PART" = recheck ]; then
     packages/rlk-triton/tests/test_logprobs.py packages/rlk-triton/tests/test_fused_logprobs.py
   RLK_VALIDATE=1 run conformance_lp 110 rlk conformance --backend cuda --full --quiet \
     --ops logprobs,linear_logprobs
-  run bench_lp 50 python3 benchmarks/run.py --quick --only logprobs,fused_logprobs
+  run bench_lp 50 rlk bench --quick --only logprobs
 ) &
 (
   export CUDA_VISIBLE_DEVICES=1

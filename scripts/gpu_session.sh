@@ -5,7 +5,7 @@
 # consistency (rlk consistency, 64 prompts x 256 tokens, qwen2-0.5b and qwen3-0.6b, padded and
 # paged rollouts), tp (rollout TP=2 / training TP=2 against TP=1, and benchmarks/bench_tp.py; 2
 # GPUs), megatron (Megatron-core recompute at TP 1 and 2, and benchmarks/bench_megatron.py),
-# bench (benchmarks/run.py). Logs and JSON go to $OUT (default ./gpu-out); a summary is last.
+# bench (rlk bench). Logs and JSON go to $OUT (default ./gpu-out); a summary is last.
 # RLK_VALIDATE=1 (value checks that read the device) only for tests and conformance: the timed
 # stages run as users run.
 set -uo pipefail
@@ -59,7 +59,7 @@ for s in "${stages[@]}"; do
         done
       fi ;;
     bench)
-      python3 benchmarks/run.py "${bench_args[@]}" --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+      rlk bench "${bench_args[@]}" --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
       summary+=("bench: rc=$? $(grep -c '^| ' "$OUT/bench.txt") table lines") ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

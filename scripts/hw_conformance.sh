@@ -8,7 +8,7 @@
 #
 #   bash scripts/hw_conformance.sh rocm|ascend [--quick]
 #
-# --quick: quick conformance shapes and `benchmarks/run.py --quick` (a smoke run; the summary
+# --quick: quick conformance shapes and `rlk bench --quick` (a smoke run; the summary
 # says so). Environment: OUT (default hw-out/<backend>-<date>), PYTHON (default python3),
 # CONF_TIMEOUT / BENCH_TIMEOUT in seconds (default 7200 each).
 # Writes under $OUT: info.txt/json, device.txt, conformance.txt/json/err, bench.txt/json, and
@@ -65,7 +65,7 @@ timeout "${CONF_TIMEOUT:-7200}" "${rlk_cmd[@]}" "${conf_args[@]}" \
 conf_rc=$?
 tail -25 "$OUT/conformance.txt" >&2
 
-bench_cmd=("$PY" benchmarks/run.py "${bench_args[@]}" --json "$OUT/bench.json")
+bench_cmd=("$PY" -m rlk.cli bench "${bench_args[@]}" --json "$OUT/bench.json")
 echo "== ${bench_cmd[*]}" >&2
 rm -f "$OUT/bench.json"
 RLK_BACKEND=$backend timeout "${BENCH_TIMEOUT:-7200}" "${bench_cmd[@]}" > "$OUT/bench.txt" 2>&1

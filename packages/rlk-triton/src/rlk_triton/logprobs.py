@@ -42,7 +42,7 @@ CHUNK = 1024
 #: vocabulary-parallel group may have any power-of-two size up to this. Each leaf costs a row a
 #: column tree and the fused backward a dh GEMM, so it is no larger than the TP degrees served
 #: (32 leaves made the forward 2.6x and linear_logprobs' forward+backward 1.6x slower on the
-#: H200 than one leaf; docs/benchmarks/h200.md, session 3).
+#: H200 than one leaf).
 VOCAB_LEAVES = 8
 
 

@@ -340,7 +340,7 @@ TREE_CONFIGS = (
 #: Flat configs _choose_tree picks at >= 4 leaves: the 128x256 tile where its grid fills the
 #: GPU, else the 128x128 one where its grid nearly does. H200, 8 leaves, ratio to linear:
 #: Llama-3-8B down M=4096 0.76 (128x256) vs 0.65 (128x128); Llama-3-8B o M=2048 0.51 both;
-#: Qwen2 down M=2048 (64 tiles of 128x256) 0.30 vs 0.49 (docs/benchmarks/h200.md, session 3).
+#: Qwen2 down M=2048 (64 tiles of 128x256) 0.30 vs 0.49 (H200, bench_tree_gemm.py).
 _FLAT_WIDE = 8
 _FLAT_LARGE = 9
 
@@ -375,7 +375,7 @@ def use_fused(leaves: int) -> bool:
     """Whether the fused kernel serves ``leaves`` leaves (both paths have the same bits).
 
     Up to MAX_FUSED_LEAVES it does: on the H200 it was faster than the per-leaf GEMMs at every
-    shape measured (session 3, 2 and 8 leaves; Llama-3-8B down_proj at 8 leaves, M=4096: 0.76x
+    shape measured on an H200 (2 and 8 leaves; Llama-3-8B down_proj at 8 leaves, M=4096: 0.76x
     ``linear`` against 0.68x, with the flat kernel's 128x256 tile). Session 2's rule sent
     large-output, long-leaf shapes to the per-leaf GEMMs, when the fused kernel kept its pending
     sums in registers and so had only small tiles.
