@@ -159,3 +159,83 @@ def rlk_backends():
         )
         for name, load in _loaders().items()
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Misbehaving plugins: each breaks the plugin contract in one way; rlk must report it by name
+# and keep every other backend working. Install one with
+# ``reset_registry(extra_plugins=[Misbehaving(kind)])``. They serve the CPU at a priority above
+# every real backend, so ``auto`` meets them first.
+# --------------------------------------------------------------------------------------------
+
+
+def _raise(what):
+    def fn():
+        raise RuntimeError(f"boom: {what} exploded")
+
+    return fn
+
+
+def _good_load():
+    return _impl({"accuracy"})
+
+
+#: kind -> (BackendSpec fields that differ from a good spec, words the report must contain)
+MISBEHAVING_SPECS = {
+    "available_raises": ({"is_available": _raise("is_available")}, "is_available() raised"),
+    "available_none": ({"is_available": lambda: None}, "is_available() returned None"),
+    "available_not_bool": ({"is_available": lambda: ("yes", "")}, "not (bool, str)"),
+    "priority_none": ({"priority": None}, "priority must be an int"),
+    "priority_str": ({"priority": "high"}, "priority must be an int"),
+    "devices_str": ({"device_types": "cpu"}, "device_types must be"),
+    "load_not_callable": ({"load": "rlk_fake:load"}, "load must be callable"),
+    "load_raises": ({"load": _raise("load")}, "failed to load: boom"),
+    "load_garbage": ({"load": lambda: "not an impl"}, "loader returned str"),
+    "ops_not_callable": (
+        {"load": lambda: _impl({"accuracy"}, {"linear": "not a function"})},
+        "linear with no callable",
+    ),
+}
+
+
+class Misbehaving:
+    """A plugin named ``fake_<kind>`` declaring one backend ``fake_<kind>`` that misbehaves."""
+
+    def __init__(self, kind: str):
+        self.__name__ = f"fake_{kind}"  # pluggy names a registered plugin by its __name__
+        self.kind = kind
+
+    @rlk.hookimpl
+    def rlk_backends(self):
+        fields = dict(
+            name=self.__name__,
+            priority=1000,
+            device_types=("cpu",),
+            is_available=lambda: (True, ""),
+            load=_good_load,
+            distribution="rlk-tests",
+        )
+        fields.update(MISBEHAVING_SPECS[self.kind][0])
+        return [BackendSpec(**fields)]
+
+
+class RaisingHook:
+    """A plugin whose ``rlk_backends()`` hook itself raises."""
+
+    __name__ = "fake_hook_raises"
+
+    @rlk.hookimpl
+    def rlk_backends(self):
+        raise RuntimeError("boom: hook exploded")
+
+
+class GarbageHook:
+    """A plugin whose hook returns something other than a list of BackendSpec records."""
+
+    def __init__(self, result, name="fake_hook_garbage"):
+        self.__name__ = name
+        self.result = result
+
+    @rlk.hookimpl
+    def rlk_backends(self):
+        return self.result

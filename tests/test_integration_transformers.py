@@ -210,3 +210,16 @@ def test_rotary_table_does_not_depend_on_the_modules_device_values():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     stale = rotary(torch.empty(1), pos)  # the module itself does change, so the test can fail
     assert not torch.equal(stale[0][0], want[0][0])
+
+
+def test_checkpoint_directory_must_hold_safetensors(tmp_path):
+    """A pickled ``pytorch_model.bin`` is refused (unpickling can run code); safetensors load."""
+    model = models.load_model("tiny", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "st")
+    loaded = models.load_model(str(tmp_path / "st"), dtype=torch.float32)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+    pickled = tmp_path / "bin"
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        models.load_model(str(pickled), dtype=torch.float32)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
 
+import fake_backends
 import pytest
 import torch
 
@@ -116,23 +118,97 @@ def test_unavailable_backend_gives_the_reason(plugins):
         pass
 
 
-def test_duplicate_names_name_both_distributions(monkeypatch):
+def test_duplicate_names_name_both_distributions(plugins):
+    plugins(_spec("reference", distribution="evil-dist"))
+    with pytest.raises(BackendError) as e, rlk.use_backend("reference"):
+        pass
+    assert "rlk-reference" in str(e.value) and "evil-dist" in str(e.value)
+    with rlk.use_backend("triton"):  # the other backends keep working
+        rlk.silu_and_mul(torch.randn(2, 8))
+
+
+def _info():
+    from rlk import cli
+
+    return {b["name"]: b for b in cli.info_dict()["backends"]}
+
+
+def _works(name):
+    with rlk.use_backend(name):
+        y = rlk.rms_norm(torch.randn(3, 8), torch.ones(8))
+    assert y.shape == (3, 8)
+
+
+@pytest.mark.parametrize("kind", sorted(fake_backends.MISBEHAVING_SPECS))
+def test_misbehaving_backend_is_reported_by_name_and_the_others_work(monkeypatch, kind):
     monkeypatch.delenv("RLK_BACKEND", raising=False)
+    name, words = f"fake_{kind}", fake_backends.MISBEHAVING_SPECS[kind][1]
     try:
-        with pytest.raises(BackendError) as e:
-            _plugins.reset_registry(
-                extra_plugins=[_Plugin(_spec("reference", distribution="evil-dist"))]
-            )
-        assert "rlk-reference" in str(e.value) and "evil-dist" in str(e.value)
+        _plugins.reset_registry(extra_plugins=[fake_backends.Misbehaving(kind)])
+        entry = _info()[name]
+        assert entry["broken"] and not entry["available"] and words in entry["reason"]
+        with (
+            pytest.raises(BackendError, match=f"'{name}'.*{re.escape(words)}"),
+            rlk.use_backend(name),
+        ):
+            pass
+        # auto meets it first on the CPU: an error naming it, never the next backend down
+        with pytest.raises(BackendError, match=f"'{name}'.*{re.escape(words)}.*RLK_BACKEND"):
+            rlk.current_backend("cpu")
+        _works("reference")
+        _works("triton")
     finally:
         _plugins.reset_registry()
 
 
-def test_hook_returning_garbage_is_an_error(monkeypatch):
+@pytest.mark.parametrize(
+    "plugin, words",
+    [
+        (fake_backends.RaisingHook(), "rlk_backends() hook raised RuntimeError: boom"),
+        (fake_backends.GarbageHook(["not a spec"]), "returned str, not a BackendSpec"),
+        (fake_backends.GarbageHook(7), "returned int, not a list"),
+        (fake_backends.GarbageHook([_spec("no-dash")]), "invalid backend name 'no-dash'"),
+    ],
+)
+def test_broken_plugin_is_reported_by_name_and_the_others_work(monkeypatch, plugin, words):
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
     try:
-        with pytest.raises(BackendError, match="not a BackendSpec"):
-            _plugins.reset_registry(extra_plugins=[_Plugin("not a spec")])
+        _plugins.reset_registry(extra_plugins=[plugin])
+        entry = _info()[plugin.__name__]
+        assert entry["broken"] and words in entry["reason"]
+        with pytest.raises(BackendError, match=re.escape(words)), rlk.use_backend(plugin.__name__):
+            pass
+        # It might have served any device at any priority, so auto does not guess past it.
+        with pytest.raises(BackendError, match=f"'{plugin.__name__}'.*RLK_BACKEND"):
+            rlk.current_backend("cpu")
+        _works("reference")
+        _works("triton")
     finally:
+        _plugins.reset_registry()
+
+
+def test_plugin_whose_entry_point_fails_to_import_is_reported(monkeypatch):
+    import importlib.metadata as md
+
+    class _EP:
+        name, value, dist = "fake_import", "rlk_no_such_module.plugin", None
+
+        def load(self):
+            raise ImportError("No module named 'rlk_no_such_module'")
+
+    real = md.entry_points
+
+    def entry_points(**kw):
+        return [*real(**kw), _EP()] if kw.get("group") == "rlk" else real(**kw)
+
+    monkeypatch.setattr(md, "entry_points", entry_points)
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+    try:
+        _plugins.reset_registry()
+        assert "No module named" in _info()["fake_import"]["reason"]
+        _works("reference")
+    finally:
+        monkeypatch.undo()
         _plugins.reset_registry()
 
 
@@ -172,7 +248,30 @@ def test_loader_failure_is_a_reason_not_a_crash(plugins):
         rlk.use_backend("broken"),
     ):
         pass
-    assert rlk.current_backend("cpu") != "broken"
+    # auto never moves on to the next backend: it says what failed and how to choose.
+    with pytest.raises(BackendError) as e:
+        rlk.current_backend("cpu")
+    msg = str(e.value)
+    assert "'broken' failed to load: libvendor.so" in msg
+    assert "RLK_BACKEND=<name>" in msg and "rlk.use_backend" in msg and "triton" in msg
+    _works("triton")
+
+
+def test_unavailable_backends_are_passed_over(plugins):
+    plugins(_spec("elsewhere", priority=1000, available=(False, "no such accelerator")))
+    assert rlk.current_backend("cpu") == "triton"
+
+
+def test_auto_never_picks_reference_where_another_backend_serves_the_device(plugins):
+    assert rlk.current_backend("meta") == "reference"  # nothing else serves meta tensors
+    plugins(_spec("meta_only", devices=("meta",), available=(False, "no meta hardware")))
+    with pytest.raises(BackendError) as e:
+        rlk.current_backend("meta")
+    msg = str(e.value)
+    assert "meta_only: no meta hardware" in msg and "'reference' backend is not picked" in msg
+    assert "RLK_BACKEND=<name>" in msg
+    with rlk.use_backend("reference"):  # an explicit choice still works
+        assert rlk.current_backend("meta") == "reference"
 
 
 def test_env_var_and_context_manager(plugins, monkeypatch):
@@ -237,6 +336,31 @@ def test_cli_info_json():
     names = {b["name"]: b for b in d["backends"]}
     assert names["reference"]["available"] is True
     assert "torch" in d["versions"]
+
+
+@pytest.mark.skipif(bool(torch.version.hip), reason="rocm is available on ROCm builds")
+def test_cli_info_with_an_unavailable_choice_still_prints_the_table():
+    r = _cli("info", env={"RLK_BACKEND": "rocm"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "selected: none (RLK_BACKEND=rocm)" in r.stdout
+    assert "not a ROCm build" in r.stdout and "not a ROCm build" in r.stderr
+    for name in ("reference", "triton", "cuda", "rocm", "ascend"):
+        assert name in r.stdout
+
+
+def test_cli_info_shows_broken_plugins(monkeypatch, capsys):
+    from rlk import cli
+
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+    try:
+        _plugins.reset_registry(extra_plugins=[fake_backends.Misbehaving("load_raises")])
+        assert cli.main(["info"]) == 2  # auto cannot choose: its first choice is broken
+        out, err = capsys.readouterr()
+        assert "fake_load_raises" in out and "broken: " in out and "boom: load" in out
+        assert "reference" in out and "triton" in out
+        assert "boom: load" in err and err.count("\n") == 1
+    finally:
+        _plugins.reset_registry()
 
 
 def test_cli_unknown_backend_is_one_paragraph_without_traceback():

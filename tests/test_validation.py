@@ -3,11 +3,17 @@ backend code runs (a spy backend whose ops all fail proves nothing was launched)
 
 from __future__ import annotations
 
+import ast
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
 import rlk
+import rlk.parallel
 from rlk import _plugins
+from rlk import _validate as chk
 from rlk._plugins import BackendImpl, BackendSpec
 
 bf16 = torch.bfloat16
@@ -172,6 +178,8 @@ CASES = {
     "attn cu count": (_attn(cu_seqlens_k=cu(0, 7)), ValueError, "cu_seqlens_k"),
     "attn more q than k": (_attn(cu_seqlens_q=cu(0, 4, 5)), ValueError, "queries"),
     "attn causal type": (_attn(causal="yes"), TypeError, "causal"),
+    "attn causal int": (_attn(causal=1), TypeError, "causal"),
+    "attn head dim zero": (_attn(q=r(5, 4, 0), k=r(7, 2, 0), v=r(7, 2, 0)), ValueError, "head dim"),
     "attn scale": (_attn(scale=-1.0), ValueError, "scale"),
     # paged attention
     "paged page out of range": (
@@ -183,6 +191,11 @@ CASES = {
     "paged too short": (_paged(seq_lens=cu(20, 1)), ValueError, "seq_lens"),
     "paged seq_lens shape": (_paged(seq_lens=cu(20)), ValueError, "seq_lens"),
     "paged cu length": (_paged(cu_seqlens_q=cu(0, 3)), ValueError, "cu_seqlens_q"),
+    "paged head dim zero": (
+        _paged(q=r(3, 4, 0), k_cache=r(6, 16, 2, 0), v_cache=r(6, 16, 2, 0)),
+        ValueError,
+        "head dim",
+    ),
     "paged block_table dtype": (
         _paged(block_table=torch.tensor([[0, 1], [2, 3]])),
         TypeError,
@@ -203,6 +216,16 @@ CASES = {
     "logprobs target length": (lambda: rlk.logprobs(r(5, 10), T), ValueError, "targets"),
     "logprobs temperature": (lambda: rlk.logprobs(r(4, 10), T, 0.0), ValueError, "temperature"),
     "logprobs 3-D": (lambda: rlk.logprobs(r(1, 4, 10), T), ValueError, "logits"),
+    "logprobs entropy str": (
+        lambda: rlk.logprobs(r(4, 10), T, return_entropy="False"),
+        TypeError,
+        "return_entropy",
+    ),
+    "logprobs entropy int": (
+        lambda: rlk.logprobs(r(4, 10), T, return_entropy=0),
+        TypeError,
+        "return_entropy",
+    ),
     # linear_logprobs
     "llp hidden mismatch": (
         lambda: rlk.linear_logprobs(r(4, 8), r(10, 9), T),
@@ -220,6 +243,18 @@ CASES = {
         "logits_dtype",
     ),
     "llp bias": (lambda: rlk.linear_logprobs(r(4, 8), r(10, 8), T, r(9)), ValueError, "bias"),
+    "llp entropy str": (
+        lambda: rlk.linear_logprobs(r(4, 8), r(10, 8), T, return_entropy="no"),
+        TypeError,
+        "return_entropy",
+    ),
+    "vocab-parallel llp entropy str": (
+        lambda: rlk.parallel.vocab_parallel_linear_logprobs(
+            r(4, 8), r(10, 8), T, return_entropy="False"
+        ),
+        TypeError,
+        "return_entropy",
+    ),
     # policy_loss
     "pl agg": (_pl(agg="mean"), ValueError, "agg"),
     "pl old shape": (_pl(old_logprobs=r(2, 4)), ValueError, "old_logprobs"),
@@ -240,6 +275,13 @@ CASES = {
     "grpo size one": (lambda: rlk.grpo_advantages(r(10), 1), ValueError, "group_size"),
     "grpo float size": (lambda: rlk.grpo_advantages(r(10), 2.0), TypeError, "group_size"),
     "grpo 2-D": (lambda: rlk.grpo_advantages(r(2, 5), 5), ValueError, "rewards"),
+    "grpo eps zero": (lambda: rlk.grpo_advantages(r(10), 5, eps=0.0), ValueError, "eps"),
+    "grpo eps negative": (lambda: rlk.grpo_advantages(r(10), 5, eps=-1e-6), ValueError, "eps"),
+    "grpo norm_std str": (
+        lambda: rlk.grpo_advantages(r(10), 5, norm_std="False"),
+        TypeError,
+        "norm_std",
+    ),
     # sample
     "sample seeds length": (_sample(seeds=torch.arange(2)), ValueError, "seeds"),
     "sample seeds dtype": (_sample(seeds=torch.zeros(3)), TypeError, "seeds"),
@@ -249,6 +291,12 @@ CASES = {
     "sample top_k float": (_sample(top_k=2.5), TypeError, "top_k"),
     "sample temperature": (_sample(temperature=-0.5), ValueError, "temperature"),
     "sample offsets": (_sample(offsets=torch.full((3,), -1)), ValueError, "offsets"),
+    "sample offsets int": (_sample(offsets=-1), ValueError, "offsets"),
+    "sample seeds overflow": (_sample(seeds=2**64), ValueError, "seeds"),
+    "sample top_p nan": (_sample(top_p=float("nan")), ValueError, "top_p"),
+    "sample top_p nan tensor": (_sample(top_p=torch.full((3,), float("nan"))), ValueError, "top_p"),
+    "sample temperature nan": (_sample(temperature=float("nan")), ValueError, "temperature"),
+    "sample temperature inf": (_sample(temperature=float("inf")), ValueError, "temperature"),
 }
 
 
@@ -262,3 +310,91 @@ def test_bad_input_is_rejected_naming_the_argument(case):
 def test_good_input_reaches_the_backend():
     with pytest.raises(AssertionError, match="reach the backend"):
         rlk.linear(r(2, 3), r(4, 3))
+
+
+def _meta_sample(**params):
+    logits = torch.empty(3, 10, device="meta")
+    seeds = torch.empty(3, dtype=torch.int64, device="meta")
+    return rlk.sample(logits, seeds, 0, **params)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_p": float("nan")},
+        {"top_p": 1.5},
+        {"top_p": 0.0},
+        {"top_k": -1},
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+    ],
+    ids=str,
+)
+def test_sample_checks_python_numbers_on_the_host_on_any_device(monkeypatch, params):
+    # Off CPU, with RLK_VALIDATE off, tensors' values go unchecked; numbers never do.
+    monkeypatch.setenv("RLK_VALIDATE", "0")
+    with pytest.raises(ValueError, match=next(iter(params))):
+        _meta_sample(**params)
+
+
+def test_sample_number_checks_read_no_device(monkeypatch):
+    # A meta tensor has no values: any device read would raise before the backend is reached.
+    monkeypatch.setenv("RLK_VALIDATE", "1")
+    with pytest.raises(AssertionError, match="reach the backend"):
+        _meta_sample(temperature=0.7, top_k=5, top_p=0.9)
+
+
+@pytest.mark.parametrize(
+    "raw, on",
+    [
+        ("1", True),
+        (" 1", True),
+        ("TRUE", True),
+        ("Yes\n", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        (" No ", False),
+        ("OFF", False),
+        ("", False),
+    ],
+)
+def test_rlk_validate_parsing(monkeypatch, raw, on):
+    monkeypatch.setenv("RLK_VALIDATE", raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chk.value_checks_enabled(torch.empty(1, device="meta")) is on
+
+
+def test_rlk_validate_unset_is_off(monkeypatch):
+    monkeypatch.delenv("RLK_VALIDATE")
+    assert chk.value_checks_enabled(torch.empty(1, device="meta")) is False
+    assert chk.value_checks_enabled(torch.empty(1)) is True  # CPU: always (no device to sync)
+
+
+def test_rlk_validate_unknown_value_warns_once_and_checks(monkeypatch):
+    monkeypatch.setattr(chk, "_warned", set())
+    monkeypatch.setenv("RLK_VALIDATE", "enable")
+    meta = torch.empty(1, device="meta")
+    with pytest.warns(RuntimeWarning, match="RLK_VALIDATE='enable'"):
+        assert chk.value_checks_enabled(meta) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chk.value_checks_enabled(meta) is True
+
+
+def test_rlk_loads_files_with_weights_only():
+    """Every torch.load in rlk's sources passes weights_only=True: a pickle can run code."""
+    root = Path(__file__).resolve().parents[1] / "packages"
+    calls = []
+    for path in root.glob("*/src/**/*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                kw = {k.arg: k.value for k in node.keywords}
+                safe = (
+                    isinstance(kw.get("weights_only"), ast.Constant)
+                    and kw["weights_only"].value is True
+                )
+                calls.append((f"{path.relative_to(root)}:{node.lineno}", safe))
+    assert calls, "no torch.load found: the search is broken"
+    assert [where for where, safe in calls if not safe] == []

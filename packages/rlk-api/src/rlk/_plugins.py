@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -110,72 +111,196 @@ class BackendSpec:
         return "*" in self.device_types or device_type in self.device_types
 
 
-def _validate_spec(spec: object, plugin: str) -> BackendSpec:
-    if not isinstance(spec, BackendSpec):
-        raise BackendError(f"plugin {plugin!r} returned {type(spec).__name__}, not a BackendSpec")
-    if not spec.name or not spec.name.isidentifier():
-        raise BackendError(f"plugin {plugin!r} declared an invalid backend name {spec.name!r}")
-    return spec
+def _spec_problem(spec: BackendSpec) -> str | None:
+    """What is wrong with the fields of a spec whose name is valid, or None."""
+    p = spec.priority
+    if isinstance(p, bool) or not isinstance(p, int):
+        return f"its priority must be an int, got {p!r}"
+    d = spec.device_types
+    if not isinstance(d, tuple) or not d or not all(isinstance(t, str) and t for t in d):
+        return f"its device_types must be a non-empty tuple of device type names, got {d!r}"
+    for attr in ("is_available", "load"):
+        if not callable(getattr(spec, attr)):
+            return f"its {attr} must be callable, got {type(getattr(spec, attr)).__name__}"
+    return None
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A backend, or a whole plugin, that misbehaved before it could be used, and why.
+
+    ``name`` is the backend's name, or the plugin's (its entry point's name) when the plugin
+    failed before declaring a valid backend. ``priority`` is None when it could not be read:
+    ``auto`` then assumes the broken one might have been preferred on any device and refuses to
+    choose (see :meth:`Registry.auto`).
+    """
+
+    name: str
+    distribution: str
+    reason: str
+    priority: int | None = None
+    device_types: tuple[str, ...] = ("*",)
+
+    def serves(self, device_type: str) -> bool:
+        return "*" in self.device_types or device_type in self.device_types
+
+
+#: The float64 oracle. It claims accuracy only, so ``auto`` picks it only where no other
+#: installed backend serves the device type.
+ORACLE = "reference"
+
+
+def _how_to_choose(names: Sequence[str]) -> str:
+    return (
+        "choose a backend explicitly with RLK_BACKEND=<name> or rlk.use_backend(<name>) "
+        f"(installed: {', '.join(names) or 'none'})"
+    )
 
 
 class Registry:
-    """The installed backends, discovered once through the ``rlk`` entry-point group."""
+    """The installed backends, discovered once through the ``rlk`` entry-point group.
+
+    Plugins are contained: one whose entry point fails to import, whose hook raises or
+    returns something other than valid :class:`BackendSpec` records, or that declares a name
+    another plugin declares too, is recorded in :attr:`broken` (shown by ``rlk info``, raised
+    as a :class:`BackendError` naming it when selected) and every other backend keeps working.
+    """
 
     def __init__(self, extra_plugins: Sequence[object] = ()):
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(_Spec)
+        self._specs: dict[str, BackendSpec] = {}
+        self._broken: dict[str, Broken] = {}  # backend names that cannot be used
+        self._broken_plugins: list[Broken] = []  # plugins that declared nothing usable
+        self._dists: dict[int, str] = {}
         from rlk import _builtin
 
         self._pm.register(_builtin, name="rlk")
-        self._pm.load_setuptools_entrypoints(PROJECT)
+        self._dists[id(_builtin)] = "rlk"
+        self._load_entry_points()
         for p in extra_plugins:
             self._pm.register(p)
-        self._specs: dict[str, BackendSpec] = {}
-        dists = {
-            id(plugin): getattr(dist, "project_name", None) or dist.metadata["name"]
-            for plugin, dist in self._pm.list_plugin_distinfo()
-        }
         for impl in self._pm.hook.rlk_backends.get_hookimpls():
-            plugin_name = self._pm.get_name(impl.plugin) or "?"
-            dist = dists.get(id(impl.plugin), plugin_name)
-            for spec in impl.function() or ():
-                spec = _validate_spec(spec, plugin_name)
-                if spec.distribution == "?":
-                    spec = _replace(spec, distribution=dist)
-                if spec.name in self._specs:
-                    other = self._specs[spec.name]
-                    raise BackendError(
-                        f"two plugins declare the backend {spec.name!r}: distribution "
-                        f"{other.distribution!r} and distribution {spec.distribution!r}. "
-                        "Uninstall one of them."
-                    )
-                self._specs[spec.name] = spec
+            plugin = self._pm.get_name(impl.plugin) or "?"
+            dist = self._dists.get(id(impl.plugin), plugin)
+            try:
+                declared = impl.function()
+            except Exception as e:
+                self._plugin_broken(plugin, dist, f"its rlk_backends() hook raised {_exc(e)}")
+                continue
+            if declared is None:
+                continue
+            if not isinstance(declared, (list, tuple)):
+                what = type(declared).__name__
+                self._plugin_broken(plugin, dist, f"rlk_backends() returned {what}, not a list")
+                continue
+            for spec in declared:
+                self._declare(spec, plugin, dist)
         self._loaded: dict[str, BackendImpl] = {}
         self._lock = threading.Lock()
 
+    def _load_entry_points(self) -> None:
+        # pluggy's load_setuptools_entrypoints stops at the first plugin that fails to import;
+        # here that plugin is reported and the others still load.
+        import importlib.metadata as md
+
+        for ep in md.entry_points(group=PROJECT):
+            dist = ep.dist.name if ep.dist is not None else ep.name
+            try:
+                plugin = ep.load()
+                self._pm.register(plugin, name=ep.name)
+            except Exception as e:
+                why = f"its entry point {ep.value!r} failed: {_exc(e)}"
+                self._plugin_broken(ep.name, dist, why)
+                continue
+            self._dists[id(plugin)] = dist
+
+    def _plugin_broken(self, plugin: str, dist: str, why: str) -> None:
+        reason = f"plugin {plugin!r} (distribution {dist!r}) is broken: {why}"
+        self._broken_plugins.append(Broken(plugin, dist, reason))
+
+    def _declare(self, spec: object, plugin: str, dist: str) -> None:
+        name = getattr(spec, "name", None)
+        if not isinstance(spec, BackendSpec):
+            why = f"it returned {type(spec).__name__}, not a BackendSpec"
+        elif not isinstance(name, str) or not name.isidentifier():
+            why = f"it declared an invalid backend name {name!r}"
+        else:
+            why = None
+        if why:
+            self._plugin_broken(plugin, dist, why)
+            return
+        if spec.distribution == "?":
+            spec = _replace(spec, distribution=dist)
+        problem = _spec_problem(spec)
+        if problem:
+            why = f"rlk backend {name!r} (distribution {spec.distribution!r}) is broken: {problem}"
+            self._broken.setdefault(name, Broken(name, spec.distribution, why))
+            self._specs.pop(name, None)
+        elif name in self._specs:
+            # Two plugins with one name: neither is used, since rlk cannot tell which is meant.
+            other = self._specs.pop(name)
+            self._broken[name] = Broken(
+                name,
+                f"{other.distribution}, {spec.distribution}",
+                f"two plugins declare the backend {name!r}: distribution {other.distribution!r} "
+                f"and distribution {spec.distribution!r}. Uninstall one of them.",
+                max(other.priority, spec.priority),
+                other.device_types + spec.device_types,
+            )
+        elif name not in self._broken:  # (a third plugin declaring an ambiguous name)
+            self._specs[name] = spec
+
     @property
     def specs(self) -> dict[str, BackendSpec]:
+        """The usable backends' specs, highest priority first."""
         return dict(sorted(self._specs.items(), key=lambda kv: (-kv[1].priority, kv[0])))
 
+    @property
+    def broken(self) -> list[Broken]:
+        """Backends and plugins that cannot be used, and why (``rlk info`` lists them)."""
+        return [*self._broken.values(), *self._broken_plugins]
+
     def spec(self, name: str) -> BackendSpec:
-        if name not in self._specs:
-            installed = ", ".join(self.specs) or "none"
-            hint = EXTRAS.get(name)
-            how = (
-                f' Install it with: pip install "{hint}".'
-                if hint
-                else ' Vendor backends come with pip install "rlk[cuda]", "rlk[rocm]" or '
-                "\"rlk[ascend]\"; any package registering an 'rlk' entry point adds one."
-            )
-            raise BackendError(
-                f"unknown rlk backend {name!r}. Installed backends: {installed}.{how}"
-            )
-        return self._specs[name]
+        if name in self._specs:
+            return self._specs[name]
+        broken = self._broken.get(name) or next(
+            (b for b in self._broken_plugins if b.name == name), None
+        )
+        if broken is not None:
+            raise BackendError(broken.reason)
+        installed = ", ".join(self.specs) or "none"
+        hint = EXTRAS.get(name)
+        how = (
+            f' Install it with: pip install "{hint}".'
+            if hint
+            else ' Vendor backends come with pip install "rlk[cuda]", "rlk[rocm]" or '
+            "\"rlk[ascend]\"; any package registering an 'rlk' entry point adds one."
+        )
+        raise BackendError(f"unknown rlk backend {name!r}. Installed backends: {installed}.{how}")
+
+    def status(self, name: str) -> tuple[bool, str]:
+        """``is_available()`` of backend ``name``; a check that raises or returns anything but
+        ``(bool, str)`` is a :class:`BackendError` naming the backend."""
+        spec = self.spec(name)
+        broken = f"rlk backend {name!r} (distribution {spec.distribution!r}) is broken: its"
+        try:
+            result = spec.is_available()
+        except Exception as e:
+            raise BackendError(f"{broken} is_available() raised {_exc(e)}") from e
+        if not (
+            isinstance(result, tuple)
+            and len(result) == 2
+            and isinstance(result[0], bool)
+            and isinstance(result[1], str)
+        ):
+            raise BackendError(f"{broken} is_available() returned {result!r}, not (bool, str)")
+        return result
 
     def load(self, name: str, *, complete: bool = True) -> BackendImpl:
         """Load backend ``name``. With ``complete``, a backend missing any op is an error."""
         spec = self.spec(name)
-        ok, reason = spec.is_available()
+        ok, reason = self.status(name)
         if not ok:
             raise BackendError(f"rlk backend {name!r} is installed but not available: {reason}")
         with self._lock:
@@ -187,9 +312,15 @@ class Registry:
                     raise BackendError(f"rlk backend {name!r} failed to load: {e}") from e
                 if not isinstance(impl, BackendImpl):
                     raise BackendError(f"backend {name!r} loader returned {type(impl).__name__}")
+                if not isinstance(impl.ops, Mapping):
+                    what = type(impl.ops).__name__
+                    raise BackendError(f"backend {name!r} loader returned ops as a {what}")
                 unknown = set(impl.ops) - set(OPS)
                 if unknown:
                     raise BackendError(f"backend {name!r} provides unknown ops {sorted(unknown)}")
+                bad = [op for op, fn in impl.ops.items() if not callable(fn)]
+                if bad:
+                    raise BackendError(f"backend {name!r} serves {', '.join(bad)} with no callable")
                 self._loaded[name] = impl
         if complete and impl.missing():
             raise BackendError(
@@ -200,28 +331,65 @@ class Registry:
         return impl
 
     def auto(self, device_type: str) -> str:
-        """The highest-priority available backend serving ``device_type``."""
+        """The backend ``auto`` selects for ``device_type`` tensors.
+
+        The highest-priority backend serving the device type that is available here and
+        implements every op. Backends unavailable on this machine (``is_available`` says why)
+        and incomplete ones are passed over. Anything else that fails (a loader, a check, a
+        broken plugin) stops the selection with a :class:`BackendError`: moving on to the next
+        backend would silently swap the kernels, and so the bits. :data:`ORACLE` (the float64
+        reference, which claims accuracy only) is picked only for device types that no other
+        installed backend serves.
+        """
+        candidates: list[tuple[float, str, Broken | None]] = [
+            (spec.priority, name, None)
+            for name, spec in self._specs.items()
+            if name != ORACLE and spec.serves(device_type)
+        ]
+        candidates += [
+            (math.inf if b.priority is None else b.priority, b.name, b)
+            for b in self.broken
+            if b.serves(device_type)
+        ]
+        candidates.sort(key=lambda c: (-c[0], c[1]))
         reasons = []
-        for name, spec in self.specs.items():
-            if not spec.serves(device_type):
-                continue
-            ok, reason = spec.is_available()
-            if ok:
-                # A backend that does not serve every op is never picked: rlk does not mix
-                # kernels of two backends, so it would fail at its first missing op.
-                try:
+        for _, name, broken in candidates:
+            try:
+                if broken is not None:
+                    raise BackendError(broken.reason)
+                ok, reason = self.status(name)
+                if ok:
                     missing = self.load(name, complete=False).missing()
-                except BackendError as e:
-                    missing, reason = None, str(e)
-                if missing == []:
-                    return name
-                if missing:
-                    reason = f"does not implement {', '.join(missing)}"
-            reasons.append(f"{name}: {reason}")
+            except BackendError as e:
+                raise BackendError(
+                    f"auto cannot choose a backend for {device_type!r} tensors: "
+                    f"{str(e).rstrip('.')}. auto never moves past a backend that failed (the "
+                    "next one would silently change the kernels, and the bits): fix it, or "
+                    f"{_how_to_choose(list(self.specs))}."
+                ) from e
+            if not ok:
+                reasons.append(f"{name}: {reason}")
+            elif missing:  # rlk never mixes the kernels of two backends
+                reasons.append(f"{name}: does not implement {', '.join(missing)}")
+            else:
+                return name
+        if not candidates and ORACLE in self._specs:
+            return ORACLE
         raise BackendError(
-            f"no available rlk backend serves device type {device_type!r}"
+            f"no available rlk backend serves {device_type!r} tensors"
             + (f" ({'; '.join(reasons)})" if reasons else "")
+            + (
+                f". The float64 {ORACLE!r} backend is not picked automatically for a device "
+                "type another installed backend serves"
+                if candidates and ORACLE in self._specs
+                else ""
+            )
+            + f"; {_how_to_choose(list(self.specs))}."
         )
+
+
+def _exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _replace(spec: BackendSpec, **kw: Any) -> BackendSpec:
@@ -264,8 +432,10 @@ def current_backend(device: Any = None) -> str:
     """Name of the backend that serves ``device`` now (default: cuda if present, else cpu).
 
     Honours ``rlk.use_backend`` and ``RLK_BACKEND``; ``auto`` picks the highest-priority
-    available backend for the device type. Raises :class:`BackendError` with the reason when the
-    requested backend is unknown, unavailable, or does not serve that device.
+    available backend for the device type (:meth:`Registry.auto`: never past one that failed,
+    and the reference only where no other backend serves the device). Raises
+    :class:`BackendError` with the reason when the requested backend is unknown, unavailable,
+    broken, or does not serve that device, or when ``auto`` cannot choose.
     """
     device_type = _device_type(device)
     reg = registry()
@@ -277,7 +447,7 @@ def current_backend(device: Any = None) -> str:
             log.info("rlk: backend %r selected for %s tensors", name, device_type)
         return name
     spec = reg.spec(name)
-    ok, reason = spec.is_available()
+    ok, reason = reg.status(name)
     if not ok:
         raise BackendError(f"rlk backend {name!r} is installed but not available: {reason}")
     if not spec.serves(device_type):

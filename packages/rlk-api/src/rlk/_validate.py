@@ -1,12 +1,14 @@
 """Input checks shared by the public ops. Every message names the argument.
 
 Checks that read tensor values (index ranges, monotone offsets) force a device sync; they run
-always on CPU tensors and, on accelerators, when ``RLK_VALIDATE=1`` (the test suites set it).
+always on CPU tensors and, on accelerators, when ``RLK_VALIDATE`` is on (the test suites set
+it). Python numbers are checked always: that costs no device work.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -14,12 +16,44 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+_warned: set[str] = set()
+
+
+def validate_requested() -> bool:
+    """``RLK_VALIDATE``: 1/true/yes/on or 0/false/no/off (any case, spaces ignored; unset is
+    off). Any other value warns once and turns the checks on: a switch meant to add safety
+    fails closed rather than silently meaning off."""
+    raw = os.environ.get("RLK_VALIDATE", "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    if raw not in _warned:
+        _warned.add(raw)
+        warnings.warn(
+            f"RLK_VALIDATE={raw!r} is not one of 1/0, true/false, yes/no, on/off; "
+            "value checks are on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
 
 def value_checks_enabled(t: torch.Tensor) -> bool:
     """Whether checks that read values (and so sync the device) run for ``t``."""
     if t.device.type == "cpu":
         return True
-    return os.environ.get("RLK_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
+    return validate_requested()
+
+
+def flag(name: str, v: object) -> bool:
+    """A real bool: a truthy string such as ``"False"`` must not switch a flag on."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:

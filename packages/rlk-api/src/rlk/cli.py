@@ -47,37 +47,55 @@ def _device() -> dict[str, Any]:
 
 
 def info_dict() -> dict[str, Any]:
+    """What ``rlk info`` shows. ``selected`` is None when the requested backend (auto or a name)
+    cannot serve this machine's device; ``error`` then says why, and the table is still there."""
     reg = _plugins.registry()
     device = _device()
+    selected, error = None, None
     try:
         selected = _plugins.current_backend(device["type"])
     except _plugins.BackendError as e:
-        if _plugins._requested() != "auto":
-            raise  # an explicit choice that cannot be honoured is an error
-        selected = f"none ({e})"
+        error = str(e)
     backends = []
     for name, spec in reg.specs.items():
-        ok, reason = spec.is_available()
         entry: dict[str, Any] = {
             "name": name,
-            "available": ok,
-            "reason": reason,
+            "available": False,
+            "broken": False,
             "priority": spec.priority,
             "device_types": list(spec.device_types),
             "distribution": spec.distribution,
             "description": spec.description,
         }
-        if ok:
+        try:
+            entry["available"], entry["reason"] = reg.status(name)
+        except _plugins.BackendError as e:
+            entry["broken"], entry["reason"] = True, str(e)
+        if entry["available"]:
             try:
                 impl = reg.load(name, complete=False)
                 entry["missing_ops"] = impl.missing()
                 entry["delegated"] = dict(impl.delegated)
                 entry["claims"] = sorted(impl.claims)
-            except _plugins.BackendError as e:
-                entry["available"], entry["reason"] = False, str(e)
+            except _plugins.BackendError as e:  # available, yet its loader failed
+                entry["available"], entry["broken"], entry["reason"] = False, True, str(e)
         backends.append(entry)
+    for b in reg.broken:  # plugins that declared nothing usable, and ambiguous names
+        backends.append(
+            {
+                "name": b.name,
+                "available": False,
+                "broken": True,
+                "reason": b.reason,
+                "priority": b.priority,
+                "device_types": list(b.device_types),
+                "distribution": b.distribution,
+                "description": "",
+            }
+        )
     return {
         "selected": selected,
+        "error": error,
         "requested": _plugins._requested(),
         "device": device,
         "versions": _versions(),
@@ -88,15 +106,21 @@ def info_dict() -> dict[str, Any]:
 def _print_info(d: dict[str, Any]) -> None:
     dev = d["device"]
     print(f"device:   {dev['type']} ({dev['name']})")
-    print(f"selected: {d['selected']} (RLK_BACKEND={d['requested']})")
+    print(f"selected: {d['selected'] or 'none'} (RLK_BACKEND={d['requested']})")
+    if d["error"]:
+        print(f"          {d['error']}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
     print("backends:")
     for b in d["backends"]:
         mark = "*" if b["name"] == d["selected"] else " "
-        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        if b["broken"]:
+            state = f"broken: {b['reason']}"
+        else:
+            state = "available" if b["available"] else f"unavailable: {b['reason']}"
         devices = ",".join(b["device_types"])
+        prio = "?" if b["priority"] is None else b["priority"]
         print(
-            f" {mark} {b['name']:<10} prio {b['priority']:>3}  devices {devices:<10} "
+            f" {mark} {b['name']:<10} prio {prio:>3}  devices {devices:<10} "
             f"[{b['distribution']}] {state}"
         )
         if b.get("missing_ops"):
@@ -111,6 +135,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2))
     else:
         _print_info(d)
+    if d["error"]:  # the table is printed either way; the exit status says rlk cannot run here
+        print(f"rlk: error: {d['error']}", file=sys.stderr)
+        return 2
     return 0
 
 

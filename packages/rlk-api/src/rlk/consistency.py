@@ -328,7 +328,7 @@ class MegatronTP:
             args = (self.world, rendezvous, self.device, self.config, weights, self.leaves)
             args += (self.backend, samples, groups, temperature, logits_dtype, out)
             mp.spawn(_megatron_tp_worker, args=args, nprocs=self.world, join=True)
-            res = torch.load(out)
+            res = torch.load(out, weights_only=True)
         return res["logprobs"], res["seconds"]
 
 
@@ -346,7 +346,7 @@ def _megatron_tp_worker(
     dev, teardown = megatron.init_distributed(rank, world, init_file, device)
     try:
         with rlk.use_backend(backend) if backend else contextlib.nullcontext():
-            state = torch.load(weights)
+            state = torch.load(weights, weights_only=True)
             dtype = next(iter(state.values())).dtype
             mg = megatron.build_gpt_model(config, dtype=dtype, leaves=leaves)
             megatron.load_hf_weights(mg, state, config, rank=rank, world_size=world)

@@ -488,6 +488,7 @@ def vocab_parallel_linear_logprobs(
     device, targets, temperature, logits_dtype = check_linear_logprobs(
         hidden, weight, targets, bias, temperature, logits_dtype, weight.shape[0] * world
     )
+    return_entropy = chk.flag("return_entropy", return_entropy)
     if world > 1:
         from rlk_triton import logprobs as lp_mod
 
@@ -501,7 +502,7 @@ def vocab_parallel_linear_logprobs(
     table = _tree_backend(device, "vocab_parallel_linear_logprobs")
     return _VocabParallelLogprobs.apply(
         hidden.contiguous(), weight, targets.contiguous(), bias, temperature,
-        bool(return_entropy), logits_dtype, rank, world, group, table,
+        return_entropy, logits_dtype, rank, world, group, table,
     )  # fmt: skip
 
 

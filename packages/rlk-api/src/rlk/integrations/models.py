@@ -123,7 +123,7 @@ def load_model(
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
     """A built-in config with seeded random weights, or a local checkpoint directory
-    (``config.json`` + safetensors; never downloads)."""
+    (``config.json`` + safetensors; never downloads, and never reads pickled ``.bin`` weights)."""
     from transformers import AutoModelForCausalLM
 
     if os.path.isdir(name_or_dir):
@@ -131,6 +131,7 @@ def load_model(
             name_or_dir,
             dtype=dtype,
             local_files_only=True,
+            use_safetensors=True,  # a pickled checkpoint (.bin) could run code when loaded
             attn_implementation=attn_implementation,
         ).to(device)
     else:

@@ -238,7 +238,8 @@ def _entry(rank, world, init_file, out, device_type, backend, fn, args):
 def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None = None) -> Any:
     """Run ``fn(rank, world, device, *args)`` in ``world`` new processes (gloo on CPU; NCCL on
     CUDA with rank r on ``cuda:r``) under ``rlk.use_backend(backend)``; returns rank 0's result.
-    ``fn`` must be importable (a module-level function)."""
+    ``fn`` must be importable (a module-level function) and return tensors, plain Python data or
+    rollout records (the result comes back through ``torch.load(weights_only=True)``)."""
     import torch.multiprocessing as mp
 
     if device_type == "cuda" and torch.cuda.device_count() < world:
@@ -249,7 +250,12 @@ def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None
         out = os.path.join(tmp, "out.pt")
         args = (world, os.path.join(tmp, "rendezvous"), out, device_type, backend, fn, args)
         mp.spawn(_entry, args=args, nprocs=world, join=True)
-        return torch.load(out, weights_only=False)
+        # weights_only: tensors and plain data only, plus the rollout's records by name
+        # (add_safe_globals, unlike the safe_globals context manager, exists since torch 2.4).
+        from rlk.integrations.rollout import RolloutResult, Sample
+
+        torch.serialization.add_safe_globals([RolloutResult, Sample])
+        return torch.load(out, weights_only=True)
 
 
 def build_sharded(config, weights: str, dtype, device, leaves: int, stock_allreduce=False):
