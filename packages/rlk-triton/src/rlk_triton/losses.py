@@ -1,15 +1,24 @@
 """RL objectives on padded ``[B, L]`` tensors: ``policy_loss``, ``kl_penalty``, ``grpo_advantages``.
 
-Per-token terms are computed in fp32. Every floating-point sum has one order, fixed by constants
-of this module: a sequence's tokens are accumulated lane-wise in blocks of :data:`BLOCK_L`
-(lane ``i`` adds tokens ``i, i + BLOCK_L, ...`` in ascending order), then the lanes are added by
-the fixed binary tree of :func:`rlk_triton.logprobs.tree_sum`; the sequences are combined the
-same way in blocks of :data:`BLOCK_B` by a single program. Counts are integer sums (exact).
-So the loss does not depend on tuning, and no step of the forward syncs with the host: the
-metrics are 0-d views of a device buffer.
+Semantics: the docstrings of ``rlk.policy_loss``, ``rlk.kl_penalty`` and ``rlk.grpo_advantages``
+(the arguments arrive validated and normalised). Per-token terms are computed in fp32. Every
+floating-point sum has one order, fixed by constants of this module: a sequence's tokens are
+accumulated lane-wise in blocks of :data:`BLOCK_L` (lane ``i`` adds tokens ``i, i + BLOCK_L,
+...`` in ascending order), then the lanes are added by the fixed binary tree of
+:func:`rlk_triton.logprobs.tree_sum`; the sequences are combined the same way in blocks of
+:data:`BLOCK_B` by a single program, and so are a GRPO group's members (in their order in the
+batch) in blocks of :data:`BLOCK_G`. Counts are integer sums (exact). So the results do not
+depend on tuning, and no step syncs with the host: the metrics are 0-d views of a device buffer.
+
+policy_loss runs three kernels: per sequence (a first pass over the tokens when the sequence
+needs a statistic first: GSPO's mean log-ratio, a sequence-level importance weight, a rejection
+statistic), then one program for the batch (aggregation, metrics, the gradient's scale), then
+per token for the backward (no atomics).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,19 +32,51 @@ BLOCK_L = 256
 BLOCK_B = 256
 #: Rewards per block of a GRPO group's sums.
 BLOCK_G = 64
+#: Log importance ratios are clamped to this bound before ``exp`` (verl's safety bound).
+LOG_RATIO_BOUND = 20.0
 
 AGG_CODES = {
     "token-mean": 0,
-    "seq-mean-token-sum": 1,
-    "seq-mean-token-mean": 2,
-    "seq-mean-token-sum-norm": 3,
+    "token-sum": 1,
+    "seq-mean-token-sum": 2,
+    "seq-mean-token-mean": 3,
+    "seq-mean-token-sum-norm": 4,
+    "row-mean-token-mean": 5,
+    "row-mean-token-sum-norm": 6,
 }
+#: Rejection options, bit ``i`` of the kernels' ``RS`` flags; thresholds ``thr[2i], thr[2i+1]``.
+REJECT_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 KL_CODES = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
+ADV_CODES = {"grpo": 0, "rloo": 1, "reinforce++-baseline": 2, "reinforce++": 3}
+NORM_CODES = {"group": 0, "none": 1, "batch": 2}
 #: Names of the policy-loss metrics, in the order of the metrics buffer.
-METRICS = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "dual_clip_fraction")
+METRICS = (
+    "clip_fraction",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "dual_clip_fraction",
+    "is_weight_mean",
+    "reject_fraction",
+)
 
-_NF = 4  # float stats per sequence: pg sum, (old - new) sum, ratio sum, ratio max
-_NI = 3  # int stats per sequence: tokens, clipped tokens, dual-clipped tokens
+# Per-sequence stats: floats (pg sum, (old - new) sum, ratio sum, ratio max, IS weight sum or
+# sequence weight, mean log-ratio, sequence weight), ints (kept tokens, clipped, dual-clipped,
+# tokens of mask, sequence kept).
+_NF = 7
+_NI = 5
 
 
 def _log2(n: int) -> int:
@@ -48,20 +89,9 @@ def _log2(n: int) -> int:
 
 
 @jit
-def _pg_terms(
-    lp,
-    old,
-    adv,
-    rollout,
-    clip_low,
-    clip_high,
-    clip_c,
-    tis_cap,
-    DUAL: tl.constexpr,
-    TIS: tl.constexpr,
-):
-    """Per-token ``(ratio, pg, d pg / d lp, clipped, dual_clipped)`` in fp32."""
-    ratio = tl.exp(lp - old)
+def _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL: tl.constexpr):
+    """Per-token ``(pg, d pg / d lp, clipped, dual_clipped)`` in fp32 for a ratio whose
+    gradient with respect to the token's log-prob is the ratio itself."""
     unclipped = -adv * ratio
     clipped = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
     was_clipped = clipped > unclipped
@@ -74,11 +104,74 @@ def _pg_terms(
         dual = (adv < 0) & (bound < pg)
         pg = tl.where(dual, bound, pg)
         dpg = tl.where(dual, 0.0, dpg)
-    if TIS:
-        w = tl.minimum(tl.exp(old - rollout), tis_cap)
-        pg = pg * w
-        dpg = dpg * w
-    return ratio, pg, dpg, was_clipped, dual
+    return pg, dpg, was_clipped, dual
+
+
+@jit
+def _bounded(w, is_min, is_max, MODE: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr):
+    """Importance weights bounded by ``[is_min, is_max]``: clamped (MODE 0) or zeroed outside."""
+    if MODE == 0:
+        if HAS_MIN:
+            w = tl.maximum(w, is_min)
+        if HAS_MAX:
+            w = tl.minimum(w, is_max)
+    else:
+        out = w != w  # all False (w is finite)
+        if HAS_MIN:
+            out = out | (w < is_min)
+        if HAS_MAX:
+            out = out | (w > is_max)
+        w = tl.where(out, 0.0, w)
+    return w
+
+
+@jit
+def _clamp_log(x):
+    return tl.minimum(tl.maximum(x, -20.0), 20.0)
+
+
+@jit
+def _token_keep(dc, thr_ptr, RS: tl.constexpr):
+    """Tokens the token-level rejection options keep (``dc``: old - rollout, clamped)."""
+    keep = dc == dc  # all True
+    if RS & 1:  # token_k1 = -dc within [log lower, log upper]
+        keep = keep & (-dc >= tl.load(thr_ptr + 0)) & (-dc <= tl.load(thr_ptr + 1))
+    if RS & 2:
+        keep = keep & (dc * dc * 0.5 <= tl.load(thr_ptr + 3))
+    if RS & 4:
+        keep = keep & (tl.exp(dc) - 1.0 - dc <= tl.load(thr_ptr + 5))
+    return keep
+
+
+@jit
+def _seq_keep(s1, s2, s3, m2, m3, n, thr_ptr, RS: tl.constexpr):
+    """Sequences the sequence-level rejection options keep, from the sums ``s1..s3`` of
+    k1..k3 over the sequence's tokens, the maxima ``m2``/``m3`` and the token count ``n``."""
+    keep = n >= 0  # all True
+    nf = n.to(tl.float32)
+    if RS & 8:
+        keep = keep & (s1 >= tl.load(thr_ptr + 6)) & (s1 <= tl.load(thr_ptr + 7))
+    if RS & 16:
+        keep = keep & (s2 <= tl.load(thr_ptr + 9))
+    if RS & 32:
+        keep = keep & (s3 <= tl.load(thr_ptr + 11))
+    if RS & 64:
+        mean1 = _safe_div(s1, nf)
+        keep = keep & (mean1 >= tl.load(thr_ptr + 12)) & (mean1 <= tl.load(thr_ptr + 13))
+    if RS & 128:
+        keep = keep & (_safe_div(s2, nf) <= tl.load(thr_ptr + 15))
+    if RS & 256:
+        keep = keep & (_safe_div(s3, nf) <= tl.load(thr_ptr + 17))
+    if RS & 512:
+        keep = keep & (m2 <= tl.load(thr_ptr + 19))
+    if RS & 1024:
+        keep = keep & (m3 <= tl.load(thr_ptr + 21))
+    return keep
+
+
+@jit
+def _safe_div(num, den):
+    return tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-30)), 0.0)
 
 
 @jit
@@ -97,19 +190,20 @@ def _load_tokens(
     s_adv_l,
     s_roll,
     s_mask,
-    TIS: tl.constexpr,
+    ROLL: tl.constexpr,
 ):
+    """A block of tokens: ``(mask, lp, old, adv, old - rollout)`` (0 where masked out)."""
     b = seqs.to(tl.int64)[:, None]
     l = offs[None, :]
     m = ok & (tl.load(mask_ptr + b * s_mask + l, mask=ok, other=0).to(tl.float32) != 0)
     lp = tl.load(lp_ptr + b * s_lp + l, mask=m, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + b * s_old + l, mask=m, other=0.0).to(tl.float32)
     adv = tl.load(adv_ptr + b * s_adv_b + l * s_adv_l, mask=m, other=0.0).to(tl.float32)
-    if TIS:
-        roll = tl.load(roll_ptr + b * s_roll + l, mask=m, other=0.0).to(tl.float32)
+    if ROLL:
+        delta = old - tl.load(roll_ptr + b * s_roll + l, mask=m, other=0.0).to(tl.float32)
     else:
-        roll = old
-    return m, lp, old, adv, roll
+        delta = old - old
+    return m, lp, old, adv, delta
 
 
 @jit
@@ -119,6 +213,7 @@ def _policy_seq_kernel(
     adv_ptr,
     roll_ptr,
     mask_ptr,
+    thr_ptr,
     seqf_ptr,
     seqi_ptr,
     B,
@@ -132,19 +227,100 @@ def _policy_seq_kernel(
     clip_low,
     clip_high,
     clip_c,
-    tis_cap,
+    is_min,
+    is_max,
     BLOCK_L: tl.constexpr,
     LOG2_BLOCK_L: tl.constexpr,
     SEQS: tl.constexpr,
     DUAL: tl.constexpr,
-    TIS: tl.constexpr,
+    ROLL: tl.constexpr,
+    SEQ_RATIO: tl.constexpr,
+    IS: tl.constexpr,
+    IS_MODE: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    HAS_MAX: tl.constexpr,
+    RS: tl.constexpr,
+    PRE: tl.constexpr,
 ):
     seqs = tl.program_id(0) * SEQS + tl.arange(0, SEQS)
     seq_ok = seqs < B
     cols = tl.arange(0, BLOCK_L)
-    acc_pg = tl.zeros([SEQS, BLOCK_L], tl.float32)
-    acc_kl = tl.zeros([SEQS, BLOCK_L], tl.float32)
-    acc_r = tl.zeros([SEQS, BLOCK_L], tl.float32)
+    zero = tl.zeros([SEQS, BLOCK_L], tl.float32)
+    seq_keep = seqs >= 0  # all True
+    ell_mean = tl.zeros([SEQS], tl.float32)
+    w_seq = tl.zeros([SEQS], tl.float32) + 1.0
+    n_mask = tl.zeros([SEQS], tl.int32)
+    # First pass: the statistics a sequence needs before its tokens' terms.
+    if PRE:
+        acc_ell = zero
+        acc_d = zero
+        acc_1 = zero
+        acc_2 = zero
+        acc_3 = zero
+        max_2 = tl.zeros([SEQS], tl.float32)
+        max_3 = tl.zeros([SEQS], tl.float32)
+        n_kept = tl.zeros([SEQS], tl.int32)
+        for l0 in range(0, L, BLOCK_L):
+            offs = l0 + cols
+            ok = seq_ok[:, None] & (offs < L)[None, :]
+            m, lp, old, adv, delta = _load_tokens(
+                lp_ptr,
+                old_ptr,
+                adv_ptr,
+                roll_ptr,
+                mask_ptr,
+                seqs,
+                offs,
+                ok,
+                s_lp,
+                s_old,
+                s_adv_b,
+                s_adv_l,
+                s_roll,
+                s_mask,
+                ROLL,
+            )
+            dc = _clamp_log(delta)
+            kept = m & _token_keep(dc, thr_ptr, RS)
+            k2 = dc * dc * 0.5
+            k3 = tl.exp(dc) - 1.0 - dc
+            acc_ell += tl.where(kept, lp - old, 0.0)
+            acc_d += delta
+            acc_1 -= dc
+            acc_2 += tl.where(m, k2, 0.0)
+            acc_3 += tl.where(m, k3, 0.0)
+            max_2 = tl.maximum(max_2, tl.max(tl.where(m, k2, 0.0), axis=1))
+            max_3 = tl.maximum(max_3, tl.max(tl.where(m, k3, 0.0), axis=1))
+            n_mask += tl.sum(m.to(tl.int32), axis=1)
+            n_kept += tl.sum(kept.to(tl.int32), axis=1)
+        if RS >= 8:
+            seq_keep = _seq_keep(
+                tree_sum(acc_1, LOG2_BLOCK_L),
+                tree_sum(acc_2, LOG2_BLOCK_L),
+                tree_sum(acc_3, LOG2_BLOCK_L),
+                max_2,
+                max_3,
+                n_mask,
+                thr_ptr,
+                RS,
+            )
+        if SEQ_RATIO:
+            ell_mean = _safe_div(tree_sum(acc_ell, LOG2_BLOCK_L), n_kept.to(tl.float32))
+        if IS == 2:
+            w_seq = _bounded(
+                tl.exp(_clamp_log(tree_sum(acc_d, LOG2_BLOCK_L))),
+                is_min,
+                is_max,
+                IS_MODE,
+                HAS_MIN,
+                HAS_MAX,
+            )
+        n_mask = tl.zeros([SEQS], tl.int32)  # counted again below
+    s_ratio = tl.exp(ell_mean)
+    acc_pg = zero
+    acc_kl = zero
+    acc_r = zero
+    acc_w = zero
     r_max = tl.zeros([SEQS], tl.float32)  # ratios are > 0, and an empty sequence reports 0
     n = tl.zeros([SEQS], tl.int32)
     n_clip = tl.zeros([SEQS], tl.int32)
@@ -152,7 +328,7 @@ def _policy_seq_kernel(
     for l0 in range(0, L, BLOCK_L):
         offs = l0 + cols
         ok = seq_ok[:, None] & (offs < L)[None, :]
-        m, lp, old, adv, roll = _load_tokens(
+        m, lp, old, adv, delta = _load_tokens(
             lp_ptr,
             old_ptr,
             adv_ptr,
@@ -167,44 +343,66 @@ def _policy_seq_kernel(
             s_adv_l,
             s_roll,
             s_mask,
-            TIS,
+            ROLL,
         )
-        ratio, pg, _, was_clipped, dual = _pg_terms(
-            lp, old, adv, roll, clip_low, clip_high, clip_c, tis_cap, DUAL, TIS
-        )
-        acc_pg += tl.where(m, pg, 0.0)
-        acc_kl += tl.where(m, old - lp, 0.0)
-        acc_r += tl.where(m, ratio, 0.0)
-        r_max = tl.maximum(r_max, tl.max(tl.where(m, ratio, 0.0), axis=1))
-        n += tl.sum(m.to(tl.int32), axis=1)
-        n_clip += tl.sum((m & was_clipped).to(tl.int32), axis=1)
-        n_dual += tl.sum((m & dual).to(tl.int32), axis=1)
-    f = seqf_ptr + seqs * 4
+        kept = m & seq_keep[:, None]
+        if RS % 8 != 0:
+            kept = kept & _token_keep(_clamp_log(delta), thr_ptr, RS)
+        if SEQ_RATIO:
+            ratio = zero + s_ratio[:, None]
+        else:
+            ratio = tl.exp(lp - old)
+        pg, _, was_clipped, dual = _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL)
+        if IS == 1:
+            w = _bounded(tl.exp(_clamp_log(delta)), is_min, is_max, IS_MODE, HAS_MIN, HAS_MAX)
+            pg = pg * w
+            acc_w += tl.where(m, w, 0.0)
+        elif IS == 2:
+            pg = pg * w_seq[:, None]
+        acc_pg += tl.where(kept, pg, 0.0)
+        acc_kl += tl.where(kept, old - lp, 0.0)
+        acc_r += tl.where(kept, ratio, 0.0)
+        r_max = tl.maximum(r_max, tl.max(tl.where(kept, ratio, 0.0), axis=1))
+        n += tl.sum(kept.to(tl.int32), axis=1)
+        n_mask += tl.sum(m.to(tl.int32), axis=1)
+        n_clip += tl.sum((kept & was_clipped).to(tl.int32), axis=1)
+        n_dual += tl.sum((kept & dual).to(tl.int32), axis=1)
+    if IS == 1:
+        w_stat = tree_sum(acc_w, LOG2_BLOCK_L)
+    else:
+        w_stat = w_seq
+    f = seqf_ptr + seqs * 7
     tl.store(f + 0, tree_sum(acc_pg, LOG2_BLOCK_L), mask=seq_ok)
     tl.store(f + 1, tree_sum(acc_kl, LOG2_BLOCK_L), mask=seq_ok)
     tl.store(f + 2, tree_sum(acc_r, LOG2_BLOCK_L), mask=seq_ok)
     tl.store(f + 3, r_max, mask=seq_ok)
-    i = seqi_ptr + seqs * 3
+    tl.store(f + 4, w_stat, mask=seq_ok)
+    tl.store(f + 5, ell_mean, mask=seq_ok)
+    tl.store(f + 6, w_seq, mask=seq_ok)
+    i = seqi_ptr + seqs * 5
     tl.store(i + 0, n, mask=seq_ok)
     tl.store(i + 1, n_clip, mask=seq_ok)
     tl.store(i + 2, n_dual, mask=seq_ok)
-
-
-@jit
-def _safe_div(num, den):
-    return tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1.0)), 0.0)
+    tl.store(i + 3, n_mask, mask=seq_ok)
+    tl.store(i + 4, seq_keep.to(tl.int32), mask=seq_ok)
 
 
 @jit
 def _policy_batch_kernel(
     seqf_ptr,
     seqi_ptr,
+    norms_ptr,
     loss_ptr,
     met_ptr,
-    tot_ptr,
+    coef_ptr,
     B,
-    L,
     AGG: tl.constexpr,
+    PER_SEQ_MEAN: tl.constexpr,
+    NORM_LEN: tl.constexpr,
+    TOK_GIVEN: tl.constexpr,
+    SEQ_GIVEN: tl.constexpr,
+    IS: tl.constexpr,
+    IS_NORM: tl.constexpr,
     BLOCK_B: tl.constexpr,
     LOG2_BLOCK_B: tl.constexpr,
 ):
@@ -213,47 +411,82 @@ def _policy_batch_kernel(
     acc_pg_mean = tl.zeros([1, BLOCK_B], tl.float32)
     acc_kl = tl.zeros([1, BLOCK_B], tl.float32)
     acc_r = tl.zeros([1, BLOCK_B], tl.float32)
+    acc_w = tl.zeros([1, BLOCK_B], tl.float32)
     r_max = tl.zeros([1], tl.float32)
     n_tok = tl.zeros([1], tl.int32)
     n_seq = tl.zeros([1], tl.int32)
     n_clip = tl.zeros([1], tl.int32)
     n_dual = tl.zeros([1], tl.int32)
+    n_mask = tl.zeros([1], tl.int32)
+    n_mask_seq = tl.zeros([1], tl.int32)
     for b0 in range(0, B, BLOCK_B):
         b = b0 + lanes
         ok = b < B
-        pg = tl.load(seqf_ptr + b * 4 + 0, mask=ok, other=0.0)[None, :]
-        n = tl.load(seqi_ptr + b * 3 + 0, mask=ok, other=0)[None, :]
+        f = seqf_ptr + b * 7
+        i = seqi_ptr + b * 5
+        pg = tl.load(f + 0, mask=ok, other=0.0)[None, :]
+        n = tl.load(i + 0, mask=ok, other=0)[None, :]
+        nm = tl.load(i + 3, mask=ok, other=0)[None, :]
         acc_pg += pg
         acc_pg_mean += _safe_div(pg, n.to(tl.float32))
-        acc_kl += tl.load(seqf_ptr + b * 4 + 1, mask=ok, other=0.0)[None, :]
-        acc_r += tl.load(seqf_ptr + b * 4 + 2, mask=ok, other=0.0)[None, :]
-        r_max = tl.maximum(
-            r_max, tl.max(tl.load(seqf_ptr + b * 4 + 3, mask=ok, other=0.0)[None, :], axis=1)
-        )
+        acc_kl += tl.load(f + 1, mask=ok, other=0.0)[None, :]
+        acc_r += tl.load(f + 2, mask=ok, other=0.0)[None, :]
+        r_max = tl.maximum(r_max, tl.max(tl.load(f + 3, mask=ok, other=0.0)[None, :], axis=1))
+        w = tl.load(f + 4, mask=ok, other=0.0)[None, :]
+        if IS == 2:  # the mean over sequences with tokens of the sequence weights
+            w = tl.where(nm > 0, w, 0.0)
+        acc_w += w
         n_tok += tl.sum(n, axis=1)
         n_seq += tl.sum((n > 0).to(tl.int32), axis=1)
-        n_clip += tl.sum(tl.load(seqi_ptr + b * 3 + 1, mask=ok, other=0)[None, :], axis=1)
-        n_dual += tl.sum(tl.load(seqi_ptr + b * 3 + 2, mask=ok, other=0)[None, :], axis=1)
+        n_mask += tl.sum(nm, axis=1)
+        n_mask_seq += tl.sum((nm > 0).to(tl.int32), axis=1)
+        n_clip += tl.sum(tl.load(i + 1, mask=ok, other=0)[None, :], axis=1)
+        n_dual += tl.sum(tl.load(i + 2, mask=ok, other=0)[None, :], axis=1)
+    one = tl.arange(0, 1)
     pg_sum = tree_sum(acc_pg, LOG2_BLOCK_B)
     tok = n_tok.to(tl.float32)
-    seq = n_seq.to(tl.float32)
-    if AGG == 0:
-        loss = _safe_div(pg_sum, tok)
-    elif AGG == 1:
-        loss = _safe_div(pg_sum, seq)
-    elif AGG == 2:
-        loss = _safe_div(tree_sum(acc_pg_mean, LOG2_BLOCK_B), seq)
+    if TOK_GIVEN:
+        tok = tl.load(norms_ptr + one)
+    if AGG >= 5:
+        seq = tl.zeros([1], tl.float32) + B
     else:
-        loss = _safe_div(pg_sum, tl.zeros_like(pg_sum) + L)
-    one = tl.arange(0, 1)
+        seq = n_seq.to(tl.float32)
+    if SEQ_GIVEN:
+        seq = tl.load(norms_ptr + 1 + one)
+    if PER_SEQ_MEAN:
+        num = tree_sum(acc_pg_mean, LOG2_BLOCK_B)
+    else:
+        num = pg_sum
+    if AGG == 0:
+        den = tok
+    elif AGG == 1:
+        den = tl.zeros([1], tl.float32) + 1.0
+    else:
+        den = seq
+        if NORM_LEN:
+            den = den * tl.load(norms_ptr + 2 + one)
+    w_mean = tl.zeros([1], tl.float32)
+    if IS == 1:
+        w_mean = _safe_div(tree_sum(acc_w, LOG2_BLOCK_B), n_mask.to(tl.float32))
+    elif IS == 2:
+        w_mean = _safe_div(tree_sum(acc_w, LOG2_BLOCK_B), n_mask_seq.to(tl.float32))
+    if IS_NORM == 1:
+        z = tl.where(w_mean > 1e-8, w_mean, 1.0)
+    elif IS_NORM == 2:
+        z = tl.load(norms_ptr + 3 + one)
+    else:
+        z = tl.zeros([1], tl.float32) + 1.0
+    loss = tl.math.div_rn(_safe_div(num, den), z)
     tl.store(loss_ptr + one, loss)
-    tl.store(met_ptr + one, _safe_div(n_clip.to(tl.float32), tok))
-    tl.store(met_ptr + 1 + one, _safe_div(tree_sum(acc_kl, LOG2_BLOCK_B), tok))
-    tl.store(met_ptr + 2 + one, _safe_div(tree_sum(acc_r, LOG2_BLOCK_B), tok))
+    tl.store(coef_ptr + one, tl.math.div_rn(_safe_div(tl.zeros([1], tl.float32) + 1.0, den), z))
+    n_tokf = n_tok.to(tl.float32)
+    tl.store(met_ptr + one, _safe_div(n_clip.to(tl.float32), n_tokf))
+    tl.store(met_ptr + 1 + one, _safe_div(tree_sum(acc_kl, LOG2_BLOCK_B), n_tokf))
+    tl.store(met_ptr + 2 + one, _safe_div(tree_sum(acc_r, LOG2_BLOCK_B), n_tokf))
     tl.store(met_ptr + 3 + one, r_max)
-    tl.store(met_ptr + 4 + one, _safe_div(n_dual.to(tl.float32), tok))
-    tl.store(tot_ptr + one, n_tok)
-    tl.store(tot_ptr + 1 + one, n_seq)
+    tl.store(met_ptr + 4 + one, _safe_div(n_dual.to(tl.float32), n_tokf))
+    tl.store(met_ptr + 5 + one, w_mean)
+    tl.store(met_ptr + 6 + one, _safe_div((n_mask - n_tok).to(tl.float32), n_mask.to(tl.float32)))
 
 
 @jit
@@ -264,8 +497,10 @@ def _policy_bwd_kernel(
     adv_ptr,
     roll_ptr,
     mask_ptr,
+    thr_ptr,
+    seqf_ptr,
     seqi_ptr,
-    tot_ptr,
+    coef_ptr,
     dlp_ptr,
     B,
     L,
@@ -279,18 +514,25 @@ def _policy_bwd_kernel(
     clip_low,
     clip_high,
     clip_c,
-    tis_cap,
-    AGG: tl.constexpr,
+    is_min,
+    is_max,
+    PER_SEQ_MEAN: tl.constexpr,
     SEQS: tl.constexpr,
     BLOCK: tl.constexpr,
     DUAL: tl.constexpr,
-    TIS: tl.constexpr,
+    ROLL: tl.constexpr,
+    SEQ_RATIO: tl.constexpr,
+    IS: tl.constexpr,
+    IS_MODE: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    HAS_MAX: tl.constexpr,
+    RS: tl.constexpr,
 ):
     seqs = tl.program_id(0) * SEQS + tl.arange(0, SEQS)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     seq_ok = seqs < B
     ok = seq_ok[:, None] & (offs < L)[None, :]
-    m, lp, old, adv, roll = _load_tokens(
+    m, lp, old, adv, delta = _load_tokens(
         lp_ptr,
         old_ptr,
         adv_ptr,
@@ -305,21 +547,30 @@ def _policy_bwd_kernel(
         s_adv_l,
         s_roll,
         s_mask,
-        TIS,
+        ROLL,
     )
-    _, _, dpg, _, _ = _pg_terms(lp, old, adv, roll, clip_low, clip_high, clip_c, tis_cap, DUAL, TIS)
-    one = tl.zeros([SEQS], tl.float32) + 1.0
-    if AGG == 0:
-        w = _safe_div(one, one * tl.load(tot_ptr).to(tl.float32))
-    elif AGG == 1:
-        w = _safe_div(one, one * tl.load(tot_ptr + 1).to(tl.float32))
-    elif AGG == 2:
-        n = tl.load(seqi_ptr + seqs * 3, mask=seq_ok, other=0).to(tl.float32)
-        w = _safe_div(_safe_div(one, n), one * tl.load(tot_ptr + 1).to(tl.float32))
+    f = seqf_ptr + seqs * 7
+    i = seqi_ptr + seqs * 5
+    kept = m & (tl.load(i + 4, mask=seq_ok, other=0) != 0)[:, None]
+    if RS % 8 != 0:
+        kept = kept & _token_keep(_clamp_log(delta), thr_ptr, RS)
+    if SEQ_RATIO:
+        ratio = (
+            tl.zeros([SEQS, BLOCK], tl.float32)
+            + tl.exp(tl.load(f + 5, mask=seq_ok, other=0.0))[:, None]
+        )
     else:
-        w = _safe_div(one, one * L)
+        ratio = tl.exp(lp - old)
+    _, dpg, _, _ = _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL)
+    if IS == 1:
+        dpg = dpg * _bounded(tl.exp(_clamp_log(delta)), is_min, is_max, IS_MODE, HAS_MIN, HAS_MAX)
+    elif IS == 2:
+        dpg = dpg * tl.load(f + 6, mask=seq_ok, other=0.0)[:, None]
+    w = tl.zeros([SEQS], tl.float32) + tl.load(coef_ptr)
+    if PER_SEQ_MEAN:
+        w = _safe_div(w, tl.load(i + 0, mask=seq_ok, other=0).to(tl.float32))
     g = tl.load(g_ptr)
-    dlp = tl.where(m, (g * w)[:, None] * dpg, 0.0)
+    dlp = tl.where(kept, (g * w)[:, None] * dpg, 0.0)
     tl.store(
         dlp_ptr + seqs.to(tl.int64)[:, None] * s_dlp + offs[None, :],
         dlp.to(dlp_ptr.dtype.element_ty),
@@ -333,7 +584,7 @@ def _policy_bwd_kernel(
 
 
 @jit
-def _kl_terms(d, KIND: tl.constexpr):
+def _kl_terms(d, clamp, KIND: tl.constexpr, CLAMP: tl.constexpr, ST: tl.constexpr):
     """``(kl, d kl / d d)`` per token for ``d = logprobs - ref_logprobs``."""
     if KIND == 0:
         kl = d
@@ -343,33 +594,74 @@ def _kl_terms(d, KIND: tl.constexpr):
         dkl = d
     elif KIND == 2:
         raw = tl.exp(-d) + d - 1.0
-        kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
-        dkl = tl.where((raw >= -10.0) & (raw <= 10.0), 1.0 - tl.exp(-d), 0.0)
+        dkl = 1.0 - tl.exp(-d)
+        kl = raw
+        if CLAMP:
+            kl = tl.minimum(tl.maximum(raw, -clamp), clamp)
+            dkl = tl.where((raw >= -clamp) & (raw <= clamp), dkl, 0.0)
     else:
         kl = tl.abs(d)
         dkl = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    if ST:  # straight through: the gradient of k2
+        dkl = d
     return kl, dkl
 
 
 @jit
-def _kl_fwd_kernel(lp_ptr, ref_ptr, out_ptr, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
+def _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS: tl.constexpr):
+    lp = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    d = lp - tl.load(ref_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if BIAS:
+        w = tl.exp(lp - tl.load(old_ptr + offs, mask=ok, other=0.0).to(tl.float32))
+    else:
+        w = d
+    return d, w
+
+
+@jit
+def _kl_fwd_kernel(
+    lp_ptr,
+    ref_ptr,
+    old_ptr,
+    out_ptr,
+    N,
+    clamp,
+    KIND: tl.constexpr,
+    CLAMP: tl.constexpr,
+    ST: tl.constexpr,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    d = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float32) - tl.load(
-        ref_ptr + offs, mask=ok, other=0.0
-    ).to(tl.float32)
-    kl, _ = _kl_terms(d, KIND)
+    d, w = _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS)
+    kl, _ = _kl_terms(d, clamp, KIND, CLAMP, ST)
+    if BIAS:
+        kl = kl * w
     tl.store(out_ptr + offs, kl, mask=ok)
 
 
 @jit
-def _kl_bwd_kernel(lp_ptr, ref_ptr, g_ptr, dlp_ptr, N, KIND: tl.constexpr, BLOCK: tl.constexpr):
+def _kl_bwd_kernel(
+    lp_ptr,
+    ref_ptr,
+    old_ptr,
+    g_ptr,
+    dlp_ptr,
+    N,
+    clamp,
+    KIND: tl.constexpr,
+    CLAMP: tl.constexpr,
+    ST: tl.constexpr,
+    BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    d = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float32) - tl.load(
-        ref_ptr + offs, mask=ok, other=0.0
-    ).to(tl.float32)
-    _, dkl = _kl_terms(d, KIND)
+    d, w = _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS)
+    kl, dkl = _kl_terms(d, clamp, KIND, CLAMP, ST)
+    if BIAS:  # d (kl * w) = (dkl + kl) * w, since dw / dlp = w
+        dkl = (dkl + kl) * w
     g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(dlp_ptr + offs, (g * dkl).to(dlp_ptr.dtype.element_ty), mask=ok)
 
@@ -380,43 +672,106 @@ def _kl_bwd_kernel(lp_ptr, ref_ptr, g_ptr, dlp_ptr, N, KIND: tl.constexpr, BLOCK
 
 
 @jit
-def _grpo_kernel(
+def _group_kernel(
     r_ptr,
+    start_ptr,
+    count_ptr,
     out_ptr,
-    n_groups,
-    G,
+    n_seg,
+    span,
     eps,
     GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     LOG2_BLOCK_G: tl.constexpr,
-    NORM_STD: tl.constexpr,
+    EST: tl.constexpr,
+    STD: tl.constexpr,
 ):
-    groups = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
-    g_ok = groups < n_groups
-    base = groups.to(tl.int64)[:, None] * G
+    """Per group (a segment of ``r`` of at most ``span`` members): GRPO / RLOO / baseline
+    advantages of its members; ``STD``: GRPO divided by the group's std."""
+    segs = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    s_ok = segs < n_seg
+    base = tl.load(start_ptr + segs, mask=s_ok, other=0).to(tl.int64)[:, None]
+    cnt = tl.load(count_ptr + segs, mask=s_ok, other=0)
     cols = tl.arange(0, BLOCK_G)
     acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-    for i0 in range(0, G, BLOCK_G):
-        ok = g_ok[:, None] & ((i0 + cols) < G)[None, :]
+    for i0 in range(0, span, BLOCK_G):
+        ok = (i0 + cols)[None, :] < cnt[:, None]
         acc += tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    size = tl.zeros([GROUPS], tl.float32) + G
-    mean = tl.math.div_rn(tree_sum(acc, LOG2_BLOCK_G), size)
-    if NORM_STD:
+    size = cnt.to(tl.float32)
+    single = cnt == 1
+    mean = tl.where(single, 0.0, _safe_div(tree_sum(acc, LOG2_BLOCK_G), size))  # alone: 0
+    if STD:
         acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-        for i0 in range(0, G, BLOCK_G):
-            ok = g_ok[:, None] & ((i0 + cols) < G)[None, :]
+        for i0 in range(0, span, BLOCK_G):
+            ok = (i0 + cols)[None, :] < cnt[:, None]
             r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             d = tl.where(ok, r - mean[:, None], 0.0)
             acc += d * d
-        std = tl.math.sqrt_rn(tl.math.div_rn(tree_sum(acc, LOG2_BLOCK_G), size - 1.0))
-        den = std + eps
-    for i0 in range(0, G, BLOCK_G):
-        ok = g_ok[:, None] & ((i0 + cols) < G)[None, :]
+        std = tl.math.sqrt_rn(_safe_div(tree_sum(acc, LOG2_BLOCK_G), size - 1.0))
+        den = tl.where(single, 1.0, std) + eps
+    for i0 in range(0, span, BLOCK_G):
+        ok = (i0 + cols)[None, :] < cnt[:, None]
         r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         adv = r - mean[:, None]
-        if NORM_STD:
+        if STD:
             adv = tl.math.div_rn(adv, den[:, None])
+        elif EST == 1:
+            n1 = tl.maximum(size - 1.0, 1.0)[:, None]
+            adv = tl.where(single[:, None], r, tl.math.div_rn(adv * size[:, None], n1))
         tl.store(out_ptr + base + i0 + cols[None, :], adv, mask=ok)
+
+
+@jit
+def _batch_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    out_ptr,
+    N,
+    eps,
+    WHITEN: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    LOG2_BLOCK_B: tl.constexpr,
+):
+    """One program over the batch. ``WHITEN``: ``(x - mu) / sqrt(var + 1e-8)`` with the
+    ``w``-weighted mean and unbiased variance of ``x`` (REINFORCE++). Else ``y / (std + eps)``
+    with the unbiased std of ``x`` (GRPO with the batch std)."""
+    lanes = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([1, BLOCK_B], tl.float32)
+    acc_w = tl.zeros([1, BLOCK_B], tl.float32)
+    for i0 in range(0, N, BLOCK_B):
+        ok = (i0 + lanes) < N
+        x = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)[None, :]
+        if WHITEN:
+            w = tl.load(w_ptr + i0 + lanes, mask=ok, other=0).to(tl.float32)[None, :]
+        else:
+            w = tl.where(ok, 1.0, 0.0)[None, :]
+        acc += w * x
+        acc_w += w
+    total = tree_sum(acc_w, LOG2_BLOCK_B)
+    mu = _safe_div(tree_sum(acc, LOG2_BLOCK_B), total)
+    acc = tl.zeros([1, BLOCK_B], tl.float32)
+    for i0 in range(0, N, BLOCK_B):
+        ok = (i0 + lanes) < N
+        x = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)[None, :]
+        if WHITEN:
+            w = tl.load(w_ptr + i0 + lanes, mask=ok, other=0).to(tl.float32)[None, :]
+        else:
+            w = tl.where(ok, 1.0, 0.0)[None, :]
+        d = x - mu[:, None]
+        acc += w * (d * d)
+    var = tl.where(total >= 2.0, _safe_div(tree_sum(acc, LOG2_BLOCK_B), total - 1.0), 0.0)
+    if WHITEN:
+        den = tl.math.sqrt_rn(var + 1e-8)
+    else:
+        den = tl.math.sqrt_rn(var) + eps
+    for i0 in range(0, N, BLOCK_B):
+        ok = (i0 + lanes) < N
+        if WHITEN:
+            y = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32) - mu
+        else:
+            y = tl.load(y_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i0 + lanes, tl.math.div_rn(y, den), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,6 +822,7 @@ TUNING = {
             {"GROUPS": 64, "num_warps": 8},
         ),
     ),
+    "grpo_advantages.batch": tuning.Rule(configs=({"num_warps": 4}, {"num_warps": 8})),
 }
 
 
@@ -490,14 +846,55 @@ def _policy_inputs(lp, old, adv, mask, rollout):
     return lp, old, adv, mask, rollout, strides
 
 
+def _reject_table(reject, device) -> tuple[int, torch.Tensor]:
+    """``(RS bit flags, thresholds [22] fp32)``: k1 bounds as logs, the others as given."""
+    thr = [0.0] * (2 * len(REJECT_OPTIONS))
+    flags = 0
+    for option, spec in (reject or {}).items():
+        i = REJECT_OPTIONS.index(option)
+        est = option.rsplit("_", 1)[1]
+        lo, hi = spec if isinstance(spec, tuple | list) else (None, spec)
+        if est == "k1":
+            lo = 1.0 / hi if lo is None else lo
+            lo, hi = math.log(lo), math.log(hi)
+        flags |= 1 << i
+        thr[2 * i], thr[2 * i + 1] = (lo or 0.0), hi
+    return flags, _host_floats(thr, device)
+
+
+def _host_floats(values: list[float], device) -> torch.Tensor:
+    """Python floats as an fp32 tensor on ``device`` without a host synchronisation: a copy
+    from pageable memory (or a Python scalar written into a CUDA tensor) makes the host wait
+    for the GPU, at every call; a pinned, non-blocking copy does not."""
+    t = torch.tensor(values, dtype=torch.float32)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _norms(device, num_tokens, num_seqs, norm_length, is_normalize) -> torch.Tensor:
+    """``[num_tokens, num_seqs, norm_length, IS divisor]`` fp32 on the device, no host sync
+    (a 0-d tensor argument is copied on the device)."""
+    given = (num_tokens, num_seqs, norm_length, is_normalize)
+    plain = [
+        float(v) if v is not None and not isinstance(v, (bool, torch.Tensor)) else 0.0
+        for v in given
+    ]
+    norms = _host_floats(plain, device)
+    for i, v in enumerate(given):
+        if isinstance(v, torch.Tensor):  # after the copy above, on the same stream
+            norms[i : i + 1].copy_(v.reshape(1))
+    return norms
+
+
 class PolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lp, old, adv, mask, rollout, params, table):
+    def forward(ctx, lp, old, adv, mask, rollout, norms, thr, plan, table):
+        """``plan``: ``(scalars, flags, batch_flags)`` of the kernels (see :func:`policy_loss`)."""
         B, L = lp.shape
-        clip_low, clip_high, clip_c, agg, tis_cap = params
-        dual, tis = clip_c is not None, rollout is not None
+        scalars, flags, batch_flags = plan
         lp, old, adv, mask, roll, strides = _policy_inputs(lp, old, adv, mask, rollout)
-        scalars = (clip_low, clip_high, clip_c or 0.0, tis_cap or 0.0)
+        pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8
         seqf = torch.empty(B, _NF, dtype=torch.float32, device=lp.device)
         seqi = torch.empty(B, _NI, dtype=torch.int32, device=lp.device)
         if B:
@@ -509,6 +906,7 @@ class PolicyLossFunction(torch.autograd.Function):
                 adv,
                 roll,
                 mask,
+                thr,
                 seqf,
                 seqi,
                 B,
@@ -518,36 +916,37 @@ class PolicyLossFunction(torch.autograd.Function):
                 BLOCK_L=BLOCK_L,
                 LOG2_BLOCK_L=_log2(BLOCK_L),
                 SEQS=seqs,
-                DUAL=dual,
-                TIS=tis,
+                PRE=pre,
+                **flags,
                 **cfg,
             )
         loss = torch.empty((), dtype=torch.float32, device=lp.device)
         metrics = torch.empty(len(METRICS), dtype=torch.float32, device=lp.device)
-        tot = torch.empty(2, dtype=torch.int32, device=lp.device)
+        coef = torch.empty(1, dtype=torch.float32, device=lp.device)
         cfg = tuning.config(table, "policy_loss.batch", B=B, L=L)
         _policy_batch_kernel[(1,)](
             seqf,
             seqi,
+            norms,
             loss,
             metrics,
-            tot,
+            coef,
             B,
-            L,
-            AGG=AGG_CODES[agg],
+            **batch_flags,
             BLOCK_B=BLOCK_B,
             LOG2_BLOCK_B=_log2(BLOCK_B),
             **cfg,
         )
-        ctx.save_for_backward(lp, old, adv, mask, roll, seqi, tot)
-        ctx.strides, ctx.scalars, ctx.agg, ctx.dual, ctx.tis = strides, scalars, agg, dual, tis
+        ctx.save_for_backward(lp, old, adv, mask, roll, thr, seqf, seqi, coef)
+        ctx.strides, ctx.scalars, ctx.flags = strides, scalars, flags
+        ctx.per_seq_mean = batch_flags["PER_SEQ_MEAN"]
         ctx.table, ctx.lp_dtype = table, lp.dtype
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
-        lp, old, adv, mask, roll, seqi, tot = ctx.saved_tensors
+        lp, old, adv, mask, roll, thr, seqf, seqi, coef = ctx.saved_tensors
         B, L = lp.shape
         dlp = torch.empty(B, L, dtype=ctx.lp_dtype, device=lp.device)
         if B and L:
@@ -561,22 +960,23 @@ class PolicyLossFunction(torch.autograd.Function):
                 adv,
                 roll,
                 mask,
+                thr,
+                seqf,
                 seqi,
-                tot,
+                coef,
                 dlp,
                 B,
                 L,
                 *ctx.strides,
                 dlp.stride(0),
                 *ctx.scalars,
-                AGG=AGG_CODES[ctx.agg],
+                PER_SEQ_MEAN=ctx.per_seq_mean,
                 SEQS=seqs,
                 BLOCK=block,
-                DUAL=ctx.dual,
-                TIS=ctx.tis,
+                **ctx.flags,
                 **cfg,
             )
-        return dlp, None, None, None, None, None, None
+        return (dlp,) + (None,) * 8
 
 
 def policy_loss(
@@ -589,62 +989,113 @@ def policy_loss(
     clip_high: float = 0.2,
     clip_c: float | None = None,
     agg: str = "token-mean",
+    ratio_level: str = "token",
     rollout_logprobs: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    is_level: str | None = "token",
+    is_mode: str = "truncate",
+    is_min: float | None = None,
+    is_max: float | None = None,
+    is_normalize: bool | float | torch.Tensor = False,
+    reject: dict | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
     table: tuning.TuningTable,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO/GRPO clipped policy loss (semantics: :func:`rlk.policy_loss`).
+    """PPO/GRPO/GSPO clipped policy loss (semantics: :func:`rlk.policy_loss`).
 
-    Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (bool or 0/1) ``[B, L]``; ``advantages``
-    ``[B]`` or ``[B, L]``; ``rollout_logprobs`` ``[B, L]`` with ``tis_cap``. Returns a 0-d fp32
-    loss, differentiable with respect to ``logprobs`` only, and 0-d detached fp32 metrics.
+    Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (bool or 0/1), ``rollout_logprobs``
+    ``[B, L]``; ``advantages`` ``[B]`` or ``[B, L]``. Returns a 0-d fp32 loss, differentiable
+    with respect to ``logprobs`` only, and 0-d detached fp32 metrics.
 
     Example::
 
         loss, m = policy_loss(lp, old, adv, mask, agg="token-mean", table=table)
     """
-    params = (float(clip_low), float(clip_high), clip_c, agg, tis_cap)
+    device = logprobs.device
+    weigh = rollout_logprobs is not None and is_level is not None
+    is_code = 0 if not weigh else (1 if is_level == "token" else 2)
+    rs, thr = _reject_table(reject if rollout_logprobs is not None else None, device)
+    if norm_length is None:
+        norm_length = logprobs.shape[1]
+    norms = _norms(device, num_tokens, num_seqs, norm_length, is_normalize)
+    bound = (0.0 if is_min is None else float(is_min), 0.0 if is_max is None else float(is_max))
+    scalars = (float(clip_low), float(clip_high), float(clip_c or 0.0), *bound)
+    flags = dict(
+        DUAL=clip_c is not None,
+        ROLL=rollout_logprobs is not None,
+        SEQ_RATIO=ratio_level == "sequence",
+        IS=is_code,
+        IS_MODE=0 if is_mode == "truncate" else 1,
+        HAS_MIN=is_min is not None,
+        HAS_MAX=is_max is not None,
+        RS=rs,
+    )
+    batch_flags = dict(
+        AGG=AGG_CODES[agg],
+        PER_SEQ_MEAN=agg.endswith("-token-mean"),
+        NORM_LEN=agg.endswith("-norm"),
+        TOK_GIVEN=num_tokens is not None,
+        SEQ_GIVEN=num_seqs is not None,
+        IS=is_code,
+        IS_NORM=0 if not weigh or is_normalize is False else (1 if is_normalize is True else 2),
+    )
     loss, buf = PolicyLossFunction.apply(
         logprobs,
         old_logprobs.detach(),
         advantages.detach(),
         mask,
         None if rollout_logprobs is None else rollout_logprobs.detach(),
-        params,
+        norms,
+        thr,
+        (scalars, flags, batch_flags),
         table,
     )
-    names = METRICS if clip_c is not None else METRICS[:-1]
-    return loss, {name: buf[i] for i, name in enumerate(names)}
+    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if clip_c is not None:
+        names.append("dual_clip_fraction")
+    if weigh:
+        names.append("is_weight_mean")
+    if rs:
+        names.append("reject_fraction")
+    return loss, {name: buf[METRICS.index(name)] for name in names}
 
 
 class KLPenaltyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lp, ref, kind, table):
+    def forward(ctx, lp, ref, old, kind, clamp, table):
         lp, ref = lp.contiguous(), ref.contiguous()
+        old = lp if old is None else old.contiguous()
+        flags = dict(
+            KIND=KL_CODES[kind.rstrip("+")],
+            CLAMP=clamp is not None,
+            ST=kind.endswith("+"),
+            BIAS=old is not lp,
+        )
         out = torch.empty(lp.shape, dtype=torch.float32, device=lp.device)
         n = lp.numel()
         if n:
             cfg = dict(tuning.config(table, "kl_penalty.fwd", N=n))
             block = cfg.pop("BLOCK")
             _kl_fwd_kernel[(triton.cdiv(n, block),)](
-                lp, ref, out, n, KIND=KL_CODES[kind], BLOCK=block, **cfg
+                lp, ref, old, out, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
             )
-        ctx.save_for_backward(lp, ref)
-        ctx.kind, ctx.table = kind, table
+        ctx.save_for_backward(lp, ref, old)
+        ctx.flags, ctx.clamp, ctx.table = flags, float(clamp or 0.0), table
         return out
 
     @staticmethod
     def backward(ctx, g):
-        lp, ref = ctx.saved_tensors
+        lp, ref, old = ctx.saved_tensors
         dlp = torch.empty_like(lp)
         n = lp.numel()
         if n:
             cfg = dict(tuning.config(ctx.table, "kl_penalty.bwd", N=n))
             block = cfg.pop("BLOCK")
             _kl_bwd_kernel[(triton.cdiv(n, block),)](
-                lp, ref, g.contiguous(), dlp, n, KIND=KL_CODES[ctx.kind], BLOCK=block, **cfg
+                lp, ref, old, g.contiguous(), dlp, n, ctx.clamp, BLOCK=block, **ctx.flags, **cfg
             )
-        return dlp, None, None, None
+        return dlp, None, None, None, None, None
 
 
 def kl_penalty(
@@ -652,48 +1103,116 @@ def kl_penalty(
     ref_logprobs: torch.Tensor,
     kind: str = "k3",
     *,
+    clamp: float | None = 10.0,
+    old_logprobs: torch.Tensor | None = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """Per-token KL estimate ``[B, L]`` -> fp32 ``[B, L]`` (semantics: :func:`rlk.kl_penalty`),
-    differentiable with respect to ``logprobs``.
+    differentiable with respect to ``logprobs``. ``kind`` is one of rlk's names (``k1``, ``k2``,
+    ``k3``, ``abs``, ``k1+``, ``k3+``, ``abs+``).
 
     Example::
 
         kl = kl_penalty(lp, ref_lp, "k3", table=table)
     """
-    return KLPenaltyFunction.apply(logprobs, ref_logprobs.detach(), kind, table)
+    old = None if old_logprobs is None else old_logprobs.detach()
+    return KLPenaltyFunction.apply(logprobs, ref_logprobs.detach(), old, kind, clamp, table)
+
+
+def _segments(group_size, group_ids, n, device):
+    """``(order, starts, counts, n_seg)``: the groups as segments of ``rewards[order]``.
+
+    With ``group_ids`` a stable sort keeps each group's members in their batch order; starts
+    and counts come from integer scatters (exact), and there are ``n`` segment slots (empty ones
+    have count 0), so nothing waits for the host."""
+    if group_ids is None:
+        n_seg = n // group_size
+        starts = torch.arange(n_seg, dtype=torch.int64, device=device) * group_size
+        counts = torch.full((n_seg,), group_size, dtype=torch.int32, device=device)
+        return None, starts, counts, n_seg
+    order = torch.sort(group_ids, stable=True).indices
+    sid = group_ids[order]
+    first = torch.ones(n, dtype=torch.int64, device=device)
+    first[1:] = (sid[1:] != sid[:-1]).to(torch.int64)
+    seg = torch.cumsum(first, 0) - 1
+    pos = torch.arange(n, dtype=torch.int64, device=device)
+    starts = torch.full((n,), n, dtype=torch.int64, device=device)
+    starts = starts.scatter_reduce(0, seg, pos, reduce="amin")
+    counts = torch.zeros(n, dtype=torch.int32, device=device)
+    counts = counts.scatter_add(0, seg, torch.ones(n, dtype=torch.int32, device=device))
+    return order, starts, counts, n
 
 
 def grpo_advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    group_size: int | None = None,
     *,
-    norm_std: bool = True,
+    norm_std: str = "group",
     eps: float = 1e-6,
+    group_ids: torch.Tensor | None = None,
+    estimator: str = "grpo",
+    mask: torch.Tensor | None = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
-    """GRPO advantages of ``rewards [N]`` in contiguous groups -> fp32 ``[N]`` (not differentiable).
+    """Outcome-reward advantages of ``rewards [N]`` -> fp32 ``[N]`` (not differentiable;
+    semantics: :func:`rlk.grpo_advantages`). ``norm_std``: ``"group"``, ``"batch"``,
+    ``"none"`` (or ``True``/``False``).
 
     Example::
 
         adv = grpo_advantages(rewards, 8, table=table)
     """
+    if isinstance(norm_std, bool):
+        norm_std = "group" if norm_std else "none"
+    est, norm = ADV_CODES[estimator], NORM_CODES[norm_std]
+    if est != 0:
+        norm = 1
     rewards = rewards.detach().contiguous()
-    out = torch.empty(rewards.shape, dtype=torch.float32, device=rewards.device)
-    n_groups = rewards.numel() // group_size
-    if n_groups:
-        cfg = dict(tuning.config(table, "grpo_advantages.fwd", N=rewards.numel(), G=group_size))
+    device = rewards.device
+    n = rewards.numel()
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    if n == 0:
+        return out
+    if est == 3:
+        v = rewards
+    else:
+        order, starts, counts, n_seg = _segments(group_size, group_ids, n, device)
+        r = rewards if order is None else rewards[order]
+        v = torch.empty(n, dtype=torch.float32, device=device)
+        cfg = dict(tuning.config(table, "grpo_advantages.fwd", N=n, G=group_size or 0))
         groups = cfg.pop("GROUPS")
-        _grpo_kernel[(triton.cdiv(n_groups, groups),)](
-            rewards,
-            out,
-            n_groups,
-            group_size,
+        _group_kernel[(triton.cdiv(n_seg, groups),)](
+            r,
+            starts,
+            counts,
+            v,
+            n_seg,
+            n if group_size is None else group_size,
             float(eps),
             GROUPS=groups,
             BLOCK_G=BLOCK_G,
             LOG2_BLOCK_G=_log2(BLOCK_G),
-            NORM_STD=bool(norm_std),
+            EST=est,
+            STD=est == 0 and norm == 0,
             **cfg,
         )
+        if order is not None:
+            v = torch.empty_like(v).index_copy_(0, order, v)
+    if est < 2 and norm != 2:
+        return v
+    whiten = est >= 2
+    weights = mask.bool().sum(-1, dtype=torch.int32) if whiten else v
+    cfg = tuning.config(table, "grpo_advantages.batch", N=n)
+    _batch_norm_kernel[(1,)](
+        v if whiten else rewards,
+        weights,
+        v,
+        out,
+        n,
+        float(eps),
+        WHITEN=whiten,
+        BLOCK_B=BLOCK_B,
+        LOG2_BLOCK_B=_log2(BLOCK_B),
+        **cfg,
+    )
     return out

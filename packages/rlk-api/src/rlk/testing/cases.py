@@ -26,8 +26,25 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 #: Arguments a backend receives by keyword (the keyword-only parameters of the public ops).
 KWONLY = {
-    "policy_loss": ("clip_low", "clip_high", "clip_c", "agg", "rollout_logprobs", "tis_cap"),
-    "grpo_advantages": ("norm_std", "eps"),
+    "policy_loss": (
+        "clip_low",
+        "clip_high",
+        "clip_c",
+        "agg",
+        "ratio_level",
+        "rollout_logprobs",
+        "is_level",
+        "is_mode",
+        "is_min",
+        "is_max",
+        "is_normalize",
+        "reject",
+        "num_tokens",
+        "num_seqs",
+        "norm_length",
+    ),
+    "kl_penalty": ("clamp", "old_logprobs"),
+    "grpo_advantages": ("norm_std", "eps", "group_ids", "estimator", "mask"),
     "sample": ("temperature", "top_k", "top_p"),
 }
 
@@ -518,19 +535,68 @@ def _response_mask(gen: Gen, b: int, length: int, empty_row: bool) -> torch.Tens
     return mask
 
 
+#: policy_loss variants of the conformance cases: the keyword arguments each one adds.
+POLICY_VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "dual clip": {"clip_c": 1.8},
+    "tis": {"is_max": 2.0},
+    "adv[B]": {"clip_c": 1.8},
+    "empty row": {},
+    "float mask": {},
+    "gspo, sequence mask IS": {
+        "clip_c": 1.4,
+        "ratio_level": "sequence",
+        "is_level": "sequence",
+        "is_mode": "mask",
+        "is_min": 0.5,
+        "is_max": 2.0,
+    },
+    "rejection": {"is_level": None, "reject": {"token_k1": (0.9, 1.12), "seq_mean_k2": 0.005}},
+    "token mask IS, normalised, rejection": {
+        "is_mode": "mask",
+        "is_min": 0.85,
+        "is_max": 1.2,
+        "is_normalize": True,
+        "reject": {"seq_max_k3": 0.03},
+    },
+    "sequence IS, global counts": {"is_level": "sequence", "is_min": 0.7, "is_normalize": 1.3},
+}
+
+
+def _grid(t: torch.Tensor) -> torch.Tensor:
+    """Log-probs on a grid of 2^-12: their fp32 differences are exact, so a backend's clip, mask
+    and rejection decisions at a token are the float64 reference's (the bounds are off the
+    grid), and a case of a million tokens cannot flip one by rounding."""
+    return torch.round(t * 4096) / 4096
+
+
 def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
-    old = gen.randn(b, length, scale=0.5, mean=-2.0)
-    new = old + gen.randn(b, length, scale=0.15)
+    old = _grid(gen.randn(b, length, scale=0.5, mean=-2.0))
+    # A shift per sequence spreads the sequence ratios (GSPO) over and beyond the clip range.
+    shift = torch.linspace(-0.4, 0.5, b, device=gen.device)[:, None]
+    # Wider ratios where the dual clip (bound 1.8) should bite.
+    noise = 0.5 if variant in ("dual clip", "adv[B]") else 0.15
+    new = _grid(old + gen.randn(b, length, scale=noise) + (shift if "gspo" in variant else 0.0))
+    # Rollout noise differs per sequence, so that sequence statistics separate the sequences.
+    roll_scale = torch.linspace(0.05, 0.15, b, device=gen.device)[:, None]
     # Advantages with a positive mean keep the loss away from 0, so relative errors mean something.
     adv = (
         gen.randn(b, dtype=dt, mean=0.5)
-        if variant == "adv[B]"
+        if variant in ("adv[B]", "gspo, sequence mask IS")
         else gen.randn(b, length, dtype=dt, mean=0.5)
     )
-    mask = _response_mask(gen, b, length, empty_row=variant == "empty row")
+    mask = _response_mask(gen, b, length, empty_row=variant not in ("plain", "float mask"))
     if variant == "float mask":
         mask = mask.to(dt)
-    tis = variant == "tis"
+    extra = dict(POLICY_VARIANTS[variant])
+    roll = variant not in ("plain", "dual clip", "adv[B]", "empty row", "float mask")
+    if "counts" in variant:
+        if agg == "token-mean":
+            extra["num_tokens"] = torch.tensor(3.0 * b * length, device=gen.device)
+        elif agg != "token-sum":
+            extra["num_seqs"] = torch.tensor(2.0 * b, device=gen.device)
+    if agg.endswith("-norm"):
+        extra["norm_length"] = float(2 * length) if "counts" in variant else None
     args = {
         "logprobs": new.to(dt),
         "old_logprobs": old.to(dt),
@@ -538,11 +604,21 @@ def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
         "mask": mask,
         "clip_low": 0.2,
         "clip_high": 0.28,
-        "clip_c": 3.0 if variant in ("dual clip", "adv[B]") else None,
+        "clip_c": None,
         "agg": agg,
-        "rollout_logprobs": (old + gen.randn(b, length, scale=0.1)).to(dt) if tis else None,
-        "tis_cap": 2.0 if tis else None,
+        "ratio_level": "token",
+        "rollout_logprobs": _grid(old + roll_scale * gen.randn(b, length)).to(dt) if roll else None,
+        "is_level": "token",
+        "is_mode": "truncate",
+        "is_min": None,
+        "is_max": None,
+        "is_normalize": False,
+        "reject": None,
+        "num_tokens": None,
+        "num_seqs": None,
+        "norm_length": None,
     }
+    args.update(extra)
     label = f"{dtype_name(dt)} B={b} L={length} {agg} {variant}"
     return Case("policy_loss", label, dt, args, (gen.randn(),))
 
@@ -551,32 +627,48 @@ def policy_loss(gen: Gen, quick: bool) -> OpCases:
     from rlk._ops import AGG_MODES
 
     b, length = (4, 12) if quick else (256, 4096)
-    variants = ("plain", "dual clip", "tis", "adv[B]", "empty row", "float mask")
-    acc = [_policy(gen, FP32, b, length, agg, variants[i]) for i, agg in enumerate(AGG_MODES)]
-    acc += [_policy(gen, BF16, b, length, "token-mean", v) for v in variants[4:]]
+    variants = list(POLICY_VARIANTS)
+    # Every aggregation with every variant, in fp32; the low-precision dtypes on a few.
+    acc = [_policy(gen, FP32, b, length, agg, v) for agg in AGG_MODES for v in variants]
+    acc += [_policy(gen, BF16, b, length, "token-mean", v) for v in ("empty row", "float mask")]
+    acc += [_policy(gen, BF16, b, length, "row-mean-token-mean", "gspo, sequence mask IS")]
     acc += [_policy(gen, FP16, b, length, "seq-mean-token-mean", "dual clip")]
-    inv = [_policy(gen, BF16, b, length, "seq-mean-token-mean", "tis")]
+    acc += [_policy(gen, FP16, b, length, "seq-mean-token-sum-norm", "rejection")]
+    if not quick:  # real shapes: a sample of the (aggregation, variant) pairs
+        acc = acc[:: len(AGG_MODES)] + acc[len(AGG_MODES) * len(variants) :]
+    inv = [
+        _policy(gen, BF16, b, length, "seq-mean-token-mean", "tis"),
+        _policy(gen, FP32, b, length, "row-mean-token-sum-norm", "gspo, sequence mask IS"),
+        _policy(gen, BF16, b, length, "token-mean", "token mask IS, normalised, rejection"),
+    ]
     return OpCases(acc, inv)
 
 
-def _kl(gen: Gen, dt, b: int, length: int, kind: str, batch: int = 0) -> Case:
+def _kl(
+    gen: Gen,
+    dt,
+    b: int,
+    length: int,
+    kind: str,
+    batch: int = 0,
+    clamp: float | None = 10.0,
+    bias: bool = False,
+) -> Case:
     ref = gen.randn(b, length, scale=0.5, mean=-2.0)
+    lp = ref + gen.randn(b, length, scale=0.7)
+    lp[0, :2] = ref[0, :2] + torch.tensor([-3.0, 3.0], device=gen.device)  # k3 > 10 at -3
     args = {
-        "logprobs": (ref + gen.randn(b, length, scale=0.7)).to(dt),
+        "logprobs": lp.to(dt),
         "ref_logprobs": ref.to(dt),
         "kind": kind,
+        "clamp": clamp,
+        "old_logprobs": (lp + gen.randn(b, length, scale=0.2)).to(dt) if bias else None,
     }
-    label = f"{dtype_name(dt)} B={b} L={length} {kind}"
-    return Case(
-        "kl_penalty",
-        label,
-        dt,
-        args,
-        (gen.randn(b, length),),
-        ("logprobs", "ref_logprobs"),
-        1,
-        batch,
+    label = f"{dtype_name(dt)} B={b} L={length} {kind} clamp={clamp}" + (
+        " bias-corrected" if bias else ""
     )
+    rows = ("logprobs", "ref_logprobs", "old_logprobs") if bias else ("logprobs", "ref_logprobs")
+    return Case("kl_penalty", label, dt, args, (gen.randn(b, length),), rows, 1, batch)
 
 
 def kl_penalty(gen: Gen, quick: bool) -> OpCases:
@@ -585,30 +677,82 @@ def kl_penalty(gen: Gen, quick: bool) -> OpCases:
     b, length = (4, 12) if quick else (256, 4096)
     acc = [_kl(gen, FP32, b, length, kind) for kind in KL_KINDS]
     acc += [_kl(gen, dt, b, length, "k3") for dt in (BF16, FP16)]
-    inv = (
-        [_kl(gen, BF16, 9, 12, "k3", batch=6)] if quick else [_kl(gen, BF16, 264, 4096, "k3", 256)]
-    )
+    acc += [_kl(gen, FP32, b, length, "k3", clamp=None, bias=True)]  # TRL
+    acc += [_kl(gen, BF16, b, length, "k3+", clamp=5.0, bias=True)]
+    if quick:
+        inv = [_kl(gen, BF16, 9, 12, "k3", batch=6), _kl(gen, FP32, 9, 12, "k3+", 6, None, True)]
+    else:
+        inv = [
+            _kl(gen, BF16, 264, 4096, "k3", 256),
+            _kl(gen, FP32, 264, 4096, "abs+", 256, 10, True),
+        ]
     return OpCases(acc, inv)
 
 
-def _grpo(gen: Gen, dt, groups: int, size: int, norm_std: bool, batch: int = 0) -> Case:
+def _grpo(
+    gen: Gen,
+    dt,
+    groups: int,
+    size: int,
+    norm_std: bool | str,
+    batch: int = 0,
+    estimator: str = "grpo",
+) -> Case:
     r = gen.randn(groups, size)
     binary = (gen.rand(groups, size) < 0.5).float()
     r[1::3] = binary[1::3]  # 0/1 rewards, including groups with no spread
     r[2] = 1.0
-    args = {"rewards": r.reshape(-1).to(dt), "group_size": size, "norm_std": norm_std, "eps": 1e-6}
-    label = f"{dtype_name(dt)} groups={groups} size={size}" + (" norm_std" if norm_std else "")
+    args = {
+        "rewards": r.reshape(-1).to(dt),
+        "group_size": size,
+        "norm_std": norm_std,
+        "eps": 1e-6,
+        "group_ids": None,
+        "estimator": estimator,
+        "mask": None,
+    }
+    label = f"{dtype_name(dt)} groups={groups} size={size} {estimator} norm_std={norm_std}"
     return Case("grpo_advantages", label, dt, args, (), ("rewards",), size, batch)
+
+
+def _grpo_ids(gen: Gen, dt, n: int, estimator: str, norm_std: str = "group", length: int = 0):
+    """Groups by id: unequal sizes, interleaved, singletons; ``length`` > 0 adds a mask."""
+    ids = (gen.randint(0, max(1, n // 3), n) * 5 + 2).to(torch.int64)
+    r = gen.randn(n)
+    r[ids == ids[0]] = 0.5  # a group with no spread
+    args = {
+        "rewards": r.to(dt),
+        "group_size": None,
+        "norm_std": norm_std,
+        "eps": 1e-6,
+        "group_ids": None if estimator == "reinforce++" else ids,
+        "estimator": estimator,
+        "mask": _response_mask(gen, n, length, empty_row=True) if length else None,
+    }
+    label = f"{dtype_name(dt)} N={n} group ids {estimator} norm_std={norm_std}"
+    return Case("grpo_advantages", label, dt, args)
 
 
 def grpo_advantages(gen: Gen, quick: bool) -> OpCases:
     g, s = (6, 4) if quick else (512, 16)
+    n, length = (24, 12) if quick else (8192, 1024)
     acc = [
         _grpo(gen, FP32, g, s, True),
         _grpo(gen, FP32, g, s, False),
         _grpo(gen, BF16, g, s, True),
+        _grpo(gen, FP32, g, s, "batch"),
+        _grpo(gen, FP32, g, s, True, estimator="rloo"),
+        _grpo_ids(gen, FP32, n, "grpo"),
+        _grpo_ids(gen, BF16, n, "grpo", "none"),
+        _grpo_ids(gen, FP32, n, "grpo", "batch"),
+        _grpo_ids(gen, FP32, n, "rloo"),
+        _grpo_ids(gen, FP32, n, "reinforce++-baseline", length=length),
+        _grpo_ids(gen, BF16, n, "reinforce++", length=length),
     ]
-    inv = [_grpo(gen, FP32, g + 3, s, True, batch=g)]
+    inv = [
+        _grpo(gen, FP32, g + 3, s, True, batch=g),
+        _grpo(gen, BF16, g + 3, s, "none", batch=g, estimator="rloo"),
+    ]
     return OpCases(acc, inv)
 
 
