@@ -38,6 +38,13 @@ RLK_IMPLS = ("rlk",)
 
 
 def _commit() -> str:
+    """The commit measured: ``RLK_COMMIT`` when set (a script running on a copy of the tree,
+    whose .git may be missing or stale, passes the commit it copied), else git's HEAD, marked
+    ``+uncommitted`` when tracked files differ from it."""
+    import os
+
+    if os.environ.get("RLK_COMMIT"):
+        return os.environ["RLK_COMMIT"]
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(
@@ -51,11 +58,7 @@ def _commit() -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without its .git (a GPU machine's working copy): the commit the
-        # copy was made from, when whoever made it said so.
-        import os
-
-        return os.environ.get("RLK_COMMIT", "unknown (not a git checkout)")
+        return "unknown (not a git checkout; set RLK_COMMIT)"
     return sha + ("+uncommitted" if dirty else "")
 
 
@@ -217,7 +220,8 @@ def render_markdown(report: dict) -> str:
         if "parts" not in m
         else "- commands (one process each, same machine): "
         + "; ".join(f"`{p['command']}`" for p in m["parts"]),
-        f"- commit measured: `{m['commit']}`, {m['date']}",
+        f"- commit measured: `{m['commit']}`, {m['date']}"
+        + (f" ({m['commit_note']})" if m.get("commit_note") else ""),
         f"- versions: {v}",
         f"- ceilings measured in the same run: copy {m['copy_GBps']:.0f} GB/s (read + write), "
         f"cuBLAS bf16 {m['cublas_bf16_TFLOPs']:.0f} TFLOP/s",
