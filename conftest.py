@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU (run scripts/gpu_session.sh there)")
+    skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU (run scripts/gpu_stages.sh there)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,9 +1,9 @@
-"""Developer sessions: tests, lint, conformance, demo, bench.
+"""nox sessions: tests, lint, conformance, demo, bench, docs.
 
 On CPU machines everything installs against constraints.txt (torch 2.13.0 CPU build, the
-Triton whose interpreter runs the kernels), never an unpinned torch. On the GPU machine, where
-nothing can be downloaded, install with `pip install --no-deps --no-build-isolation -e
-packages/<p>` instead (see docs/gpu.md).
+Triton whose interpreter runs the kernels), never an unpinned torch. On an offline GPU machine,
+install with `pip install --no-deps --no-build-isolation -e packages/<p>` instead (see
+docs/development.md, "Working on a GPU machine", and scripts/gpu_install.sh).
 """
 
 from __future__ import annotations
@@ -146,3 +146,27 @@ def bench(session: nox.Session) -> None:
     """``rlk bench`` (needs a GPU; a table per op family; arguments after -- go to it)."""
     _install(session, "transformers", "liger-kernel==0.8.5")
     session.run("rlk", "bench", *session.posargs)
+
+
+#: The documentation toolchain, pinned here and installed by the docs session only. Ruff formats
+#: the rendered signatures.
+DOCS_REQUIREMENTS = [
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings==1.0.8",
+    "mkdocstrings-python==2.0.11",
+    "griffe==2.4.1",
+    "ruff==0.17.6",
+]
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The docs and the API reference into site/ (``mkdocs build --strict``: warnings fail it).
+
+    The API pages are read from the source by static analysis (griffe), so neither rlk nor
+    torch is installed. Arguments after -- go to ``mkdocs build``.
+    """
+    session.install(*DOCS_REQUIREMENTS)
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs, env=env)

@@ -9,7 +9,7 @@ Both rows run the transformers integration on rlk kernels at the same TP degree,
 leaf tree, vocabulary-parallel ``linear_logprobs``), ``stock`` the usual one (``rlk.linear`` on
 each rank's slice and an NCCL all-reduce; the same vocabulary-parallel log-probs). One step is
 the forward + backward of every packed micro-batch (the ``rlk consistency`` training recompute),
-timed after one warm-up micro-batch; the median of ``--repeat`` runs. Issue 8's target: tree
+timed after one warm-up micro-batch; the median of ``--repeat`` runs. The target: tree
 within 10% of stock. The TP=1 row is the same model on one GPU with the tree-ordered linears.
 """
 

@@ -13,7 +13,7 @@ With ``--configs`` every TREE_CONFIGS entry is timed too, labelled by index and 
 K loop over all leaves; ``r<REG_SLOTS>``: pending slots kept in registers, the others parked in
 an fp32 scratch; ``halves``: the carry chain on column halves).
 
-``ratio`` is linear's time over the row's (issue 8's target: tree fused >= 0.90 at M >= 512).
+``ratio`` is linear's time over the row's (the target: tree fused >= 0.90 at M >= 512).
 Standalone, for tuning the fused kernel's chooser::
 
     python benchmarks/bench_tree_gemm.py                         # the harness table

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `rlk bench` on an H200 machine (offline) inside one 10-minute device call, with the GPU checks
+# `rlk bench` on an H200 machine (offline) within 10 minutes (DEADLINE), with the GPU checks
 # of the kernels changed since the last GPU run.
 #   OUT=... bash scripts/gpu_bench.sh   (env: QUICK=1 for --quick; ONLY=fam,fam to run those
 #                                        families alone; DEADLINE seconds, default 560)
@@ -9,8 +9,8 @@
 # they run one after the other. `rlk bench --render` merges the parts into $OUT/h200.json and
 # $OUT/h200.md. A summary is printed last.
 set -uo pipefail
-# Everything is written under W; $OUT receives h200.json, h200.md, summary.txt and logs.tgz
-# (every file of W), since the device tool returns few files.
+# Everything is written under W; $OUT receives only h200.json, h200.md, summary.txt and
+# logs.tgz (every file of W), so that the results are a few files to copy off the machine.
 RESULTS=${OUT:-gpu-out}; W=$(mktemp -d); OUT=$W
 export PYTHONUNBUFFERED=1
 source scripts/gpu_install.sh

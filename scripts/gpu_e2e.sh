@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# End-to-end GPU runs of issues 7, 8 and 11 on a 2-GPU machine (offline), in two lanes that run
+# End-to-end GPU runs (rollout vs training at TP 1 and 2, Megatron-core training, the tree GEMM's
+# and the log-prob kernels' speed) on a 2-GPU machine (offline), in two lanes that run
 # at the same time (one per GPU), then the 2-GPU runs. Every command has its own time limit so
 # that a slow one costs its own result only; logs, tables and JSON go to $OUT; a summary is last.
 #   OUT=... bash scripts/gpu_e2e.sh            (env: N, L = prompts, new tokens; TPN, TPL for TP;
 #                                               SCALE multiplies every time limit, default 1)
 # PART=lanes (default) runs the two one-GPU lanes, PART=tp the 2-GPU runs of qwen2-0.5b,
 # PART=llama the 2-GPU llama3-8b-4layers runs, PART=recheck the re-checks after a change of the
-# logprobs leaves or the tree kernel; each part fits one 10-minute device call.
-# Everything under $OUT is also packed into $OUT/all.tgz (the device tool returns few files).
+# logprobs leaves or the tree kernel; each part fits in 10 minutes (DEADLINE).
+# Everything under $OUT is also packed into $OUT/all.tgz (one file to copy off the machine).
 # The limits assume a machine whose Triton cache is cold: 2-3 processes compiling every kernel
 # take a minute or more before the first step (the first run of this script, with half these
 # limits, lost every TP run to that).
@@ -19,7 +20,7 @@ source scripts/gpu_install.sh
 
 SCALE=${SCALE:-1}
 # Every command's limit is cut to what is left before DEADLINE seconds (from here), and a command
-# with under 30 s left is not started (its .rc says so), so the script ends inside one device call.
+# with under 30 s left is not started (its .rc says so), so the script ends within DEADLINE.
 T_START=$(date +%s); DEADLINE=${DEADLINE:-540}
 run() {  # run NAME SECONDS CMD...: stdout to NAME.txt, stderr to NAME.log, rc to NAME.rc
   local name=$1 secs=$(( $2 * SCALE )); shift 2
@@ -41,7 +42,8 @@ megatron() {  # megatron NAME SECONDS MODEL TP
 
 PART=${PART:-lanes}
 if [ "$PART" = lanes ]; then
-# Lane 0 (GPU 0): issue 11 at TP 1 (both configs) and its step time; the tree GEMM's speed.
+# Lane 0 (GPU 0): Megatron-core training at TP 1 (both configs) and its step time; the tree
+# GEMM's speed.
 (
   export CUDA_VISIBLE_DEVICES=0
   megatron megatron_tp1_qwen2 150 qwen2-0.5b 1
@@ -62,7 +64,7 @@ if [ "$PART" = lanes ]; then
 wait
 fi
 if [ "$PART" = tp ]; then
-# Both GPUs: issue 8 (rollout / training at TP 2 against TP 1), issue 11 at TP 2, step times.
+# Both GPUs: rollout / training at TP 2 against TP 1, Megatron-core training at TP 2, step times.
 cons tp_rollout2 150 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --rollout-tp 2 --rollout-mode both
 cons tp_train2 120 "$TPN" "$TPL" --model qwen2-0.5b --leaves 8 --train-tp 2 --rollout-mode padded
 megatron megatron_tp2_qwen2 120 qwen2-0.5b 2

@@ -199,7 +199,7 @@ def test_triton_op_passes_every_claimed_check(op):
 @pytest.mark.gpu
 def test_gpu_backend_conformance_quick():
     """The vendor backend on the CI shapes, all ops (real shapes: ``rlk conformance --full``,
-    the conformance stage of scripts/gpu_session.sh)."""
+    the conformance stage of scripts/gpu_stages.sh)."""
     _plugins.reset_registry()
     backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
     r = testing.run_conformance(backend=backend, device="cuda", quick=True, progress=print)

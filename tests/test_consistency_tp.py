@@ -83,7 +83,7 @@ def test_shard_tp_errors():
 
 
 def test_rollout_tp4_train_tp2(tmp_path, capsys):
-    # tiny-mha: 4 key/value heads, so 4 ranks split every layer (issue 9's CPU part).
+    # tiny-mha: 4 key/value heads, so 4 ranks split every layer (TP 4 on CPU).
     report, _ = _cli(tmp_path, capsys, "--rollout-tp", "4", "--train-tp", "2",
                      "--rollout-mode", "padded", "--model", "tiny-mha")  # fmt: skip
     (row,) = [r for r in report["rows"] if r["side"] == "rlk"]

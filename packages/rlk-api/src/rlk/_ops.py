@@ -1,6 +1,6 @@
 """The public operators. Each validates its inputs, then calls the selected backend.
 
-Every op here has the same contract on every backend (see ARCHITECTURE.md, "The numerics
+Every op here has the same contract on every backend (docs/guide.md, "The numerics
 contract"): an output element depends only on its own logical inputs, reductions have one fixed
 order, tuning never changes bits, and backward is deterministic. Validation raises
 ``TypeError``/``ValueError`` naming the argument before any kernel is launched.

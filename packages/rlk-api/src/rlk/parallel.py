@@ -21,7 +21,7 @@ K-ranges (a constant of the model, not of the parallelism):
 Use the ``tree`` / ``column_tree`` ops on one device and the ``parallel`` ones under TP with the
 same ``leaves``, and the forward and backward bits agree across TP degrees. Only backends built
 on rlk_triton's GEMM (triton, cuda, rocm) serve these ops; others raise :class:`BackendError`
-(rlk never falls back to another kernel). Cost and limits: docs/parallel.md.
+(rlk never falls back to another kernel). Cost and limits: docs/design/parallel.md.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _all_gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
 #: ``gather`` all-gathers them and adds the top of the tree on every rank; ``halving`` adds
 #: them by recursive halving in the tree's order, then all-gathers the finished rows. The bits
 #: are the same (both add the same pairs, and an fp32 add of two numbers is correctly rounded
-#: and commutative); the bytes differ (docs/parallel.md, Communication).
+#: and commutative); the bytes differ (docs/design/parallel.md, Communication).
 EXCHANGES = ("gather", "halving")
 
 

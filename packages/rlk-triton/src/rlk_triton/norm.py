@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it: Triton kernels and autograd.
 
-Numerics (ARCHITECTURE.md, "The numerics contract"):
+Numerics (docs/guide.md, "The numerics contract"):
 
 - A row is normalised in fp32 and rounded once at the store. With a residual, ``s = x + residual``
   is rounded to ``x.dtype`` first and the norm reads the rounded ``s``, so the fused op equals

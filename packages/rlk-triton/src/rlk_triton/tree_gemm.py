@@ -44,7 +44,7 @@ Two implementations with the same bits:
 
 The fused kernels' launch configs (``TREE_TUNING``) are their own (``_tree_kernel``'s are
 smaller than ``linear``'s at many leaves: the pending tiles live in registers); like every rlk
-config they set launch parameters only, never a bit. See docs/parallel.md for the cost.
+config they set launch parameters only, never a bit. See docs/design/parallel.md for the cost.
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ def use_fused(leaves: int) -> bool:
 
     Up to MAX_FUSED_LEAVES it does: on the H200 it was faster than the per-leaf GEMMs at every
     shape measured on an H200 (2 and 8 leaves; Llama-3-8B down_proj at 8 leaves, M=4096: 0.76x
-    ``linear`` against 0.68x, with the flat kernel's 128x256 tile). Session 2's rule sent
+    ``linear`` against 0.68x, with the flat kernel's 128x256 tile). An earlier rule sent
     large-output, long-leaf shapes to the per-leaf GEMMs, when the fused kernel kept its pending
     sums in registers and so had only small tiles.
     """

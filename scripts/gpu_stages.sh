@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU session on the H200 machine (offline): install, then the stages asked for.
-#   bash scripts/gpu_session.sh tests conformance consistency tp megatron bench [-- bench args]
+# GPU checks on an H200 machine (offline): install, then the stages asked for.
+#   bash scripts/gpu_stages.sh tests conformance consistency tp megatron bench [-- bench args]
 # Stages: tests (pytest -m gpu), conformance (rlk conformance --full, backends cuda and triton),
 # consistency (rlk consistency, 64 prompts x 256 tokens, qwen2-0.5b and qwen3-0.6b, padded and
 # paged rollouts), tp (rollout TP=2 / training TP=2 against TP=1, and benchmarks/bench_tp.py; 2
