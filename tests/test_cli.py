@@ -47,3 +47,22 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["consistency", "--device", "cuda"]) == 2
     assert "sees no CUDA/ROCm GPU" in capsys.readouterr().err
+
+
+def test_help_and_version_do_not_import_torch():
+    """The entry point parses without importing torch, so --help and --version answer at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rlk_cli\n"
+        "for argv in (['--help'], ['--version'], ['consistency', '--help']):\n"
+        "    try:\n"
+        "        rlk_cli.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
