@@ -66,3 +66,12 @@ def test_help_and_version_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_tp_larger_than_the_gpus_is_a_usage_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.main(["consistency", "--device", "cuda", "--leaves", "8", "--train-tp", "2"]) == 2
+    assert "tensor-parallel size 2 needs 2 GPUs, this machine has 1" in capsys.readouterr().err

@@ -457,6 +457,13 @@ def check_args(
         raise UsageError(f"device {device!r}: this torch sees no CUDA/ROCm GPU")
     if dev is not None and dev.type not in ("cpu", "cuda"):
         raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
+    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    tp = max(train_tp, rollout_tp)
+    if on_gpu and tp > torch.cuda.device_count():
+        raise UsageError(
+            f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
     if backend is not None:
         with _plugins.use_backend(backend):
             _plugins.current_backend(dev)
