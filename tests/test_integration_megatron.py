@@ -158,8 +158,8 @@ def test_rlk_megatron_close_to_transformers_fp32_reference():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_rlk_megatron_logprobs_bitwise_equal_transformers(name):
-    """The Megatron integration's promise, on CPU: training recompute with Megatron-core + rlk gives the
-    transformers integration's log-probs bit for bit (bf16, the auto-selected backend)."""
+    """On CPU: training recompute with Megatron-core + rlk gives the transformers
+    integration's log-probs bit for bit (bf16, the auto-selected backend)."""
     hf, mg = _pair(name, torch.bfloat16)
     samples = _samples([(3, 5), (6, 2), (2, 4)], seed=2)
     with torch.no_grad():
