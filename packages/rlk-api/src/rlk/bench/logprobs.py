@@ -34,7 +34,7 @@ import torch
 
 import rlk
 from rlk.bench import _timing
-from rlk.bench.norm import Case, compiled, liger, time_op
+from rlk.bench._peers import Case, compiled, liger, time_op
 
 #: Shapes per op (``quick`` takes the first of each): logprobs ``(T, V)``: Qwen2.5/3 and
 #: Llama-3 vocabularies; linear_logprobs ``(T, H, V)``: an 8B-class model (H=4096) and

@@ -26,7 +26,7 @@ import torch
 
 import rlk
 from rlk.bench import _timing
-from rlk.bench.norm import compiled, measure
+from rlk.bench._peers import compiled, measure
 
 #: ``(B, V)``, quick takes the first: a rollout step of 256 and of 1024 sequences, Qwen's
 #: vocabulary.
