@@ -5,16 +5,9 @@ import torch
 from torch.autograd import gradcheck
 
 import rlk_reference as ref
+from rlk._ops import AGG_MODES
 
-AGGS = [
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "row-mean-token-mean",
-    "row-mean-token-sum-norm",
-]
+AGGS = AGG_MODES
 
 
 def _tiny():

@@ -10,19 +10,12 @@ import pytest
 import torch
 
 import rlk_reference as ref
+from rlk._ops import AGG_MODES
 from rlk_triton import backend, tuning
 from rlk_triton import losses as lsmod
 
 TABLE = backend.default_table()
-AGGS = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "row-mean-token-mean",
-    "row-mean-token-sum-norm",
-)
+AGGS = AGG_MODES
 
 
 @pytest.fixture(autouse=True)

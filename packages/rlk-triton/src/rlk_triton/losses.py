@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from rlk._ops import REJECT_OPTIONS
 from rlk_triton import tuning
 from rlk_triton._triton import jit, tl, triton
 from rlk_triton.logprobs import tree_sum
@@ -44,20 +45,8 @@ AGG_CODES = {
     "row-mean-token-mean": 5,
     "row-mean-token-sum-norm": 6,
 }
-#: Rejection options, bit ``i`` of the kernels' ``RS`` flags; thresholds ``thr[2i], thr[2i+1]``.
-REJECT_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
+# REJECT_OPTIONS (rlk's list, imported above): bit ``i`` of the kernels' ``RS`` flags;
+# thresholds ``thr[2i], thr[2i+1]``.
 KL_CODES = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
 ADV_CODES = {"grpo": 0, "rloo": 1, "reinforce++-baseline": 2, "reinforce++": 3}
 NORM_CODES = {"group": 0, "none": 1, "batch": 2}
