@@ -12,7 +12,8 @@ from typing import Any
 from rlk import _plugins
 
 
-def _versions() -> dict[str, str]:
+def _versions(*extra: str) -> dict[str, str]:
+    """Python's and the installed distributions' versions (``extra``: more distributions)."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
@@ -26,6 +27,7 @@ def _versions() -> dict[str, str]:
         "rlk-cuda",
         "rlk-rocm",
         "rlk-ascend",
+        *extra,
     ):
         with contextlib.suppress(md.PackageNotFoundError):
             out[dist] = md.version(dist)

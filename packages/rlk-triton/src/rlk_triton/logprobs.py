@@ -311,13 +311,11 @@ TUNING = {
 #: Under the Triton interpreter (CPU), whose cost is per program and per op: many rows per
 #: program. Extra candidates, so the tuning-invariance checks run them beside the GPU ones.
 CPU_TUNING = {
-    "logprobs.fwd": tuning.Rule(
-        configs=(*TUNING["logprobs.fwd"].configs, {"ROWS": 64, "NSUB": 1, "num_warps": 4}),
-        choose=lambda T, V: 3,
+    "logprobs.fwd": tuning.preferring(
+        TUNING["logprobs.fwd"], {"ROWS": 64, "NSUB": 1, "num_warps": 4}
     ),
-    "logprobs.bwd": tuning.Rule(
-        configs=(*TUNING["logprobs.bwd"].configs, {"BLOCK_T": 64, "BLOCK_V": 1024, "num_warps": 4}),
-        choose=lambda T, V: 3,
+    "logprobs.bwd": tuning.preferring(
+        TUNING["logprobs.bwd"], {"BLOCK_T": 64, "BLOCK_V": 1024, "num_warps": 4}
     ),
 }
 

@@ -111,7 +111,7 @@ TUNING = {
 #: program (``tokens``, 1 when absent). Extra candidates, run by the tuning-invariance checks.
 _CPU_ROTARY = {"tokens": 64, "heads": 16, "num_warps": 4}
 CPU_TUNING = {
-    key: Rule(configs=(*TUNING[key].configs, _CPU_ROTARY), choose=lambda **_: 3)
+    key: tuning.preferring(TUNING[key], _CPU_ROTARY)
     for key in ("apply_rotary.fwd", "apply_rotary.bwd")
 }
 

@@ -33,6 +33,15 @@ class Rule:
 
 TuningTable = Mapping[str, Rule]
 
+
+def preferring(rule: Rule, config: Config) -> Rule:
+    """``rule``'s candidates plus ``config``, always choosing ``config``: a table that wants one
+    extra launch config (the CPU tables' widest tiles) while every candidate stays checked."""
+    configs = (*rule.configs, config)
+    last = len(configs) - 1
+    return Rule(configs=configs, choose=lambda **_: last)
+
+
 _forced: contextvars.ContextVar[Mapping[str, Config] | None] = contextvars.ContextVar(
     "rlk_triton_forced", default=None
 )

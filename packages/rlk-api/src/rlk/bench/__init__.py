@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import platform
 import subprocess
 import sys
 import traceback
@@ -62,28 +61,17 @@ def _commit() -> str:
     return sha + ("+uncommitted" if dirty else "")
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "transformers", "liger-kernel", "rlk", "rlk-triton"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
 def meta(argv: list[str]) -> dict[str, Any]:
     import torch
 
     from rlk.bench._timing import ceilings
+    from rlk.cli import _versions
 
     m = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(0),
-        "versions": _versions(),
+        "versions": _versions("transformers", "liger-kernel"),
         "command": "rlk bench " + " ".join(argv),
     }
     m.update(ceilings())
@@ -179,7 +167,7 @@ def format_family(rows: list[dict], family: str) -> str:
     cols = ["op", "shape", "dtype", "impl", "ms", "GB/s", "TFLOP/s", "timing"]
     body = [[_fmt(r.get(c, "")) for c in cols] for r in fam_rows]
     text = _table(cols, body)
-    rat = [x for x in ratios(fam_rows)]
+    rat = ratios(fam_rows)
     if rat:
         cols2 = ["op", "shape", "dtype", "rlk ms", "best peer", "peer ms", "peer_ms / rlk_ms"]
         body2 = [
