@@ -418,6 +418,7 @@ def reset_registry(extra_plugins: Sequence[object] = ()) -> Registry:
     with _registry_lock:
         _registry = Registry(extra_plugins)
         _announced.clear()
+        _resolved.clear()
         return _registry
 
 
@@ -466,9 +467,23 @@ def _device_type(device: Any) -> str:
     return torch.device(device).type
 
 
+#: (requested backend, device type) -> the implementation it resolved to, for the current
+#: registry. Every op call asks, and walking the plugins (availability checks, ``auto``'s
+#: priority order) costs tens of microseconds, more than a decode-size kernel runs. Once a
+#: selection has succeeded it stands for the process: the registry is fixed, and a backend that
+#: was available stays so. ``reset_registry`` clears it; failures are never cached.
+_resolved: dict[tuple[str, str], BackendImpl] = {}
+
+
 def backend_impl(device: Any) -> BackendImpl:
     """The complete implementation serving ``device`` (used by every public op)."""
-    return registry().load(current_backend(device))
+    device_type = getattr(device, "type", None) or _device_type(device)
+    key = (_requested(), device_type)
+    impl = _resolved.get(key)
+    if impl is None:
+        impl = registry().load(current_backend(device))
+        _resolved[key] = impl
+    return impl
 
 
 @contextlib.contextmanager
