@@ -20,6 +20,7 @@ A table is printed last; the rows also go to ``DIR/gemm_sweep.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -52,6 +53,11 @@ def graph_ms(fn, n_inner: int) -> float:
         for _ in range(4):
             fn()
     return do_bench(g.replay, warmup=20, rep=80, return_mode="median") / (4 * n_inner)
+
+
+def products_ms(op, x, ws) -> float:
+    """GPU time of one ``op(x, w)``, from a graph of the products over every weight in ws."""
+    return graph_ms(lambda: [op(x, w_) for w_ in ws], len(ws))
 
 
 def eager_us(fn, n: int = 300) -> float:
@@ -147,17 +153,17 @@ def main() -> None:
         for M in MS:
             x = torch.randn(M, K, device=dev, dtype=dt)
             wbytes = N * K * 2
-            cub = graph_ms(lambda: [F.linear(x, w_) for w_ in ws], n)
+            cub = products_ms(F.linear, x, ws)
             chosen = tuning.config(table, "linear.fwd", M=M, N=N, K=K, dtype_bytes=2)
             ref = rlk.linear(x, ws[0])
-            mine = graph_ms(lambda: [rlk.linear(x, w_) for w_ in ws], n)
+            mine = products_ms(rlk.linear, x, ws)
             best = (mine, "chosen", chosen)
             ok = True
             for cf in cands:
                 with tuning.force("linear", {"linear.fwd": cf}):
                     try:
                         y = rlk.linear(x, ws[0])
-                        t = graph_ms(lambda: [rlk.linear(x, w_) for w_ in ws], n)
+                        t = products_ms(rlk.linear, x, ws)
                     except Exception as e:  # out of shared memory for deep pipelines
                         print("skip", name, M, cf, type(e).__name__)
                         continue
@@ -170,9 +176,8 @@ def main() -> None:
                 scratch = torch.empty(leaves * M * N, device=dev, dtype=torch.float32)
                 out = torch.empty(M, N, device=dev, dtype=dt)
                 try:
-                    t = graph_ms(
-                        lambda: [leaf_linear(x, w_, lk, cf, scratch, out) for w_ in ws], n
-                    )
+                    op = functools.partial(leaf_linear, leaf_k=lk, cfg=cf, scratch=scratch, out=out)
+                    t = products_ms(op, x, ws)
                 except Exception as e:
                     print("skip leaf", name, M, lk, cf, type(e).__name__)
                     continue
@@ -190,8 +195,10 @@ def main() -> None:
     with open(os.path.join(args.out, "gemm_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\neager per call (us):", rows[0])
-    print(f"{'shape':8} {'M':>4} {'cublas':>7} {'chosen':>7} {'best':>7} {'leaf':>7} "
-          f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best cfg (BN,stages) / leaf")  # fmt: skip
+    print(
+        f"{'shape':8} {'M':>4} {'cublas':>7} {'chosen':>7} {'best':>7} {'leaf':>7} "
+        f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best cfg (BN,stages) / leaf"
+    )
     for r in rows[1:]:
         bc, lc = r["best_cfg"], r["leaf_cfg"]
         lcs = f"{lc[0]}:{lc[1]['BLOCK_N']},{lc[1]['num_stages']}" if lc else "-"
