@@ -76,12 +76,13 @@ def on_cpu(monkeypatch):
     being timed."""
     monkeypatch.setattr(_timing, "DEVICE", "cpu")
 
-    def run_twice(fn):
+    def run_twice(fn, **_):
         fn()
         fn()
         return 1.0, "events"
 
     monkeypatch.setattr(_timing, "time_call", run_twice)
+    monkeypatch.setattr(_timing, "eager_call_us", lambda fn: run_twice(fn)[0])
 
 
 def _run(monkeypatch, module, **shapes):
@@ -98,7 +99,9 @@ def test_gemm_family_runs(on_cpu, monkeypatch):
     monkeypatch.setattr(gemm, "BACKWARD", [("t", 8, 64, 32)])
     rows = _run(monkeypatch, gemm, QUICK_SHAPES=[("t", 64, 32)], QUICK_MS=[1, 8])
     assert {(r["op"], r["impl"]) for r in rows} == {
-        (op, impl) for op in ("linear.fwd", "linear.fwd+bwd") for impl in ("rlk", "cublas")
+        (op, impl)
+        for op in ("linear.fwd", "linear.eager_call", "linear.fwd+bwd")
+        for impl in ("rlk", "cublas")
     }
 
 

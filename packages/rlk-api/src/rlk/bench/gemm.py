@@ -6,6 +6,11 @@ counts ``2 M N K``. Where one weight fits in the 60 MB L2, each timed call runs 
 over several distinct weights (their sum far above L2), so that W is read from memory as in a
 model, and ``ms`` is per product. Forward + backward (dX and dW) at M = 8192 for the two MLP
 projections.
+
+``linear.fwd`` rows are GPU time: each is timed as a CUDA graph (``timing: graph xN``), as a
+decode loop runs it in a serving engine, so that the host's cost of launching a kernel does not
+stand in for the kernel. That cost is its own row, ``linear.eager_call``: the wall time per call
+of back-to-back eager calls at M = 1 (the first shape), host and launch included (``us``).
 """
 
 from __future__ import annotations
@@ -48,12 +53,24 @@ def _forward_rows(name: str, M: int, K: int, N: int, emit) -> None:
     flops = 2 * M * N * K
     nbytes = (M * K + N * K + M * N) * 2
     for impl, op in (("rlk", rlk.linear), ("cublas", torch.nn.functional.linear)):
-        ms, how = _timing.time_call(lambda op=op: [op(x, w) for w in ws])
+        ms, how = _timing.time_call(lambda op=op: [op(x, w) for w in ws], graph=True)
         emit(
             _timing.row(
                 "linear.fwd", shape, "bf16", impl, ms / n, timing=how, flops=flops, nbytes=nbytes
             )
         )
+
+
+def _eager_rows(name: str, K: int, N: int, emit) -> None:
+    import rlk
+
+    dev, dt = _timing.DEVICE, torch.bfloat16
+    x = torch.randn(1, K, device=dev, dtype=dt)
+    w = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
+    shape = f"M=1 K={K} N={N} ({name})"
+    for impl, op in (("rlk", rlk.linear), ("cublas", torch.nn.functional.linear)):
+        us = _timing.eager_call_us(lambda op=op: op(x, w))
+        emit(_timing.row("linear.eager_call", shape, "bf16", impl, us / 1e3, timing="wall", us=us))
 
 
 def _backward_rows(name: str, M: int, K: int, N: int, emit) -> None:
@@ -77,5 +94,6 @@ def run(quick: bool, emit) -> None:
     for name, K, N in shapes:
         for M in ms:
             _forward_rows(name, M, K, N, emit)
+    _eager_rows(*shapes[0], emit)
     for name, M, K, N in BACKWARD[:1] if quick else BACKWARD:
         _backward_rows(name, M, K, N, emit)
