@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import rlk
+from rlk.bench import _timing
 from rlk_triton import gemm, tuning
 from rlk_triton._triton import jit, tl, triton
 
@@ -58,17 +59,6 @@ def graph_ms(fn, n_inner: int) -> float:
 def products_ms(op, x, ws) -> float:
     """GPU time of one ``op(x, w)``, from a graph of the products over every weight in ws."""
     return graph_ms(lambda: [op(x, w_) for w_ in ws], len(ws))
-
-
-def eager_us(fn, n: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 @jit
@@ -132,9 +122,9 @@ def main() -> None:
     cfg = tuning.config(table, "linear.fwd", M=1, N=4096, K=4096, dtype_bytes=2)
     c = torch.empty(1, 4096, device=dev, dtype=dt)
     eager = {
-        "rlk.linear": eager_us(lambda: rlk.linear(x, w)),
-        "triton launch": eager_us(lambda: gemm._launch(x, w.t(), None, c, cfg)),
-        "F.linear": eager_us(lambda: F.linear(x, w)),
+        "rlk.linear": _timing.eager_call_us(lambda: rlk.linear(x, w)),
+        "triton launch": _timing.eager_call_us(lambda: gemm._launch(x, w.t(), None, c, cfg)),
+        "F.linear": _timing.eager_call_us(lambda: F.linear(x, w)),
     }
     eager["gpu (rlk, graph)"] = graph_ms(lambda: rlk.linear(x, w), 1) * 1e3
     eager["gpu (cublas, graph)"] = graph_ms(lambda: F.linear(x, w), 1) * 1e3
