@@ -24,7 +24,6 @@ import functools
 import json
 import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
