@@ -106,13 +106,186 @@ def leaf_linear(x, w, leaf_k, cfg, scratch, out):
     return out
 
 
+@jit
+def _tma_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    # The k-loop of gemm.k_loop (ascending BLOCK_K tiles, tl.dot into one fp32 tile from zero)
+    # with tiles brought by the tensor-memory accelerator; out-of-range rows/K read as zero.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    num_in_group = GROUP_M * num_pid_n
+    first = tl.program_id(0)
+    step = NUM_SMS if PERSISTENT else num_tiles
+    for tile in tl.range(first, num_tiles, step, flatten=PERSISTENT):
+        group_id = tile // num_in_group
+        first_m = group_id * GROUP_M
+        group_size = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % num_in_group) % group_size
+        pid_n = (tile % num_in_group) // group_size
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([col0, k0])
+            acc = tl.dot(a, b.T, acc)
+        c_desc.store([row0, col0], acc.to(c_desc.dtype))
+
+
+def tma_linear(x, w, cfg, out, persistent):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], 64
+    a_desc = TensorDescriptor(x, [M, K], [K, 1], [bm, bk])
+    b_desc = TensorDescriptor(w, [N, K], [K, 1], [bn, bk])
+    c_desc = TensorDescriptor(out, [M, N], [N, 1], [bm, bn])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = (min(tiles, gemm._NUM_SMS) if persistent else tiles,)
+    _tma_kernel[grid](
+        a_desc, b_desc, c_desc, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        NUM_SMS=gemm._NUM_SMS, PERSISTENT=persistent,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+TMA_SHAPES = [("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096)]
+TMA_MS = [256, 1024, 4096, 16384]
+
+
+def tma_part(rows) -> None:
+    """TMA (tensor descriptors), one tile per program or persistent, against the pointer kernel:
+    the same bits are required, and the time against cuBLAS."""
+    dev, dt = "cuda", torch.bfloat16
+    table = rlk._plugins.backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
+    cands = [
+        {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": wp, "num_stages": st}
+        for bm, bn, wp in ((128, 256, 8), (128, 128, 8), (64, 128, 4), (64, 256, 8))
+        for st in (3, 4)
+    ]
+    for name, K, N in TMA_SHAPES:
+        for M in TMA_MS:
+            n = max(1, min(8, math.ceil(STREAM_BYTES / (N * K * 2)))) if M <= 256 else 1
+            ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(n)]
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            cub = products_ms(F.linear, x, ws)
+            ref = rlk.linear(x, ws[0])
+            mine = products_ms(rlk.linear, x, ws)
+            chosen = tuning.config(table, "linear.fwd", M=M, N=N, K=K, dtype_bytes=2)
+            best = {False: (float("inf"), None), True: (float("inf"), None)}
+            equal = True
+            for pers in (False, True):
+                for cf in cands:
+                    out = torch.empty(M, N, device=dev, dtype=dt)
+                    op = functools.partial(tma_linear, cfg=cf, out=out, persistent=pers)
+                    try:
+                        y = op(x, ws[0]).clone()
+                        t = products_ms(op, x, ws)
+                    except Exception as e:
+                        print("skip tma", name, M, pers, cf, type(e).__name__, str(e)[:200])
+                        continue
+                    equal &= torch.equal(y, ref)
+                    if t < best[pers][0]:
+                        best[pers] = (t, cf)
+            r = {
+                "part": "tma", "shape": name, "M": M, "K": K, "N": N,
+                "cublas_us": round(cub * 1e3, 2), "chosen_us": round(mine * 1e3, 2),
+                "chosen_cfg": chosen,
+                "tma_us": round(best[False][0] * 1e3, 2), "tma_cfg": best[False][1],
+                "ptma_us": round(best[True][0] * 1e3, 2), "ptma_cfg": best[True][1],
+                "bits_equal": bool(equal),
+            }  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+
+
+ROTARY_SHAPES = [(16384, 32, 8, 128), (65536, 14, 2, 64)]
+
+
+def rotary_part(rows) -> None:
+    """apply_rotary launch configs (tokens and heads per program, warps) for q and k as a model
+    rotates them; bits must not move, GB/s against Liger's fused q/k rotation."""
+
+    for shape in ROTARY_SHAPES:
+        _rotary_shape(rows, *shape)
+
+
+def _rotary_shape(rows, T: int, Hq: int, Hk: int, D: int) -> None:
+    from rlk.bench import norm
+    from rlk.bench._peers import liger
+
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(T, Hq, D, device=dev, dtype=dt)
+    k = torch.randn(T, Hk, D, device=dev, dtype=dt)
+    cos, sin = norm._rope_cos_sin(T, D)
+    nbytes = 2 * T * (Hq + Hk) * D * 2 + 2 * T * D * 2
+    ref = rlk.apply_rotary(q, cos, sin)
+
+    def both():
+        return rlk.apply_rotary(q, cos, sin), rlk.apply_rotary(k, cos, sin)
+
+    base = products_ms(lambda x, w: both(), None, [None])
+    best, equal = (float("inf"), None), True
+    for tok in (1, 2, 4, 8, 16):
+        for hd in (8, 16, 32):
+            for wp in (2, 4, 8):
+                cf = {"tokens": tok, "heads": hd, "num_warps": wp}
+                with tuning.force("apply_rotary", {"apply_rotary.fwd": cf}):
+                    equal &= torch.equal(rlk.apply_rotary(q, cos, sin), ref)
+                    t = products_ms(lambda x, w: both(), None, [None])
+                if t < best[0]:
+                    best = (t, cf)
+    lig = float("nan")
+    Fn = liger("LigerRopeFunction")
+    if Fn is not None:
+        ql, kl = q.clone(), k.clone()
+        try:
+            lig = products_ms(
+                lambda x, w: Fn.apply(norm._hf_layout(ql), norm._hf_layout(kl), cos, sin),
+                None,
+                [None],
+            )
+        except Exception as e:  # a peer that cannot be captured in a graph
+            print("liger rope:", type(e).__name__, str(e)[:200])
+    r = {
+        "part": "rotary", "shape": f"T={T} Hq={Hq} Hk={Hk} D={D}",
+        "chosen_us": round(base * 1e3, 2), "best_us": round(best[0] * 1e3, 2),
+        "best_cfg": best[1], "liger_us": round(lig * 1e3, 2),
+        "best_GBps": round(nbytes / best[0] / 1e6), "bits_equal": bool(equal),
+    }  # fmt: skip
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="decode,tma,rotary")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    rows: list[dict] = []
+    try:
+        if "decode" in parts:
+            decode_part(rows)
+        if "tma" in parts:
+            tma_part(rows)
+        if "rotary" in parts:
+            rotary_part(rows)
+    finally:
+        with open(os.path.join(args.out, "gemm_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print_tables(rows)
+
+
+def decode_part(rows) -> None:
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
-    rows = []
 
     # 1. eager per-call cost at M=1, o_proj
     x = torch.randn(1, 4096, device=dev, dtype=dt)
@@ -181,22 +354,47 @@ def main() -> None:
             }  # fmt: skip
             rows.append(r)
             print(json.dumps(r), flush=True)
-    with open(os.path.join(args.out, "gemm_sweep.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\neager per call (us):", rows[0])
-    print(
-        f"{'shape':8} {'M':>4} {'cublas':>7} {'chosen':>7} {'best':>7} {'leaf':>7} "
-        f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best cfg (BN,stages) / leaf"
-    )
-    for r in rows[1:]:
+
+
+def print_tables(rows) -> None:
+    for r in rows:
+        if r["part"] == "eager_us":
+            print("\neager per call (us):", r)
+    dec = [r for r in rows if r["part"] == "graph"]
+    if dec:
+        print(
+            f"{'shape':8} {'M':>5} {'cublas':>7} {'chosen':>7} {'best':>7} {'leaf':>7} "
+            f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best (BN,stages) / leaf"
+        )
+    for r in dec:
         bc, lc = r["best_cfg"], r["leaf_cfg"]
         lcs = f"{lc[0]}:{lc[1]['BLOCK_N']},{lc[1]['num_stages']}" if lc else "-"
         print(
-            f"{r['shape']:8} {r['M']:>4} {r['cublas_us']:>7} {r['chosen_us']:>7} "
+            f"{r['shape']:8} {r['M']:>5} {r['cublas_us']:>7} {r['chosen_us']:>7} "
             f"{r['best_us']:>7} {r['leaf_us']:>7} {r['cublas_us'] / r['chosen_us']:>8.2f} "
             f"{r['cublas_us'] / r['best_us']:>6.2f} {r['cublas_us'] / r['leaf_us']:>6.2f} "
             f"{'ok' if r['bits_equal'] else 'DIFF'}  {bc['BLOCK_N']},{bc['num_stages']} / {lcs}"
         )
+    tma = [r for r in rows if r["part"] == "tma"]
+    if tma:
+        print(f"\n{'shape':8} {'M':>5} {'cublas':>8} {'chosen':>8} {'tma':>8} {'p-tma':>8} "
+              f"{'r_ch':>5} {'r_tma':>5} {'r_ptma':>6} bits  tma cfg / p-tma cfg")  # fmt: skip
+    for r in tma:
+
+        def c(cf):
+            return (
+                "-" if cf is None else "{BLOCK_M}x{BLOCK_N}w{num_warps}s{num_stages}".format(**cf)
+            )
+
+        print(
+            f"{r['shape']:8} {r['M']:>5} {r['cublas_us']:>8} {r['chosen_us']:>8} "
+            f"{r['tma_us']:>8} {r['ptma_us']:>8} {r['cublas_us'] / r['chosen_us']:>5.2f} "
+            f"{r['cublas_us'] / r['tma_us']:>5.2f} {r['cublas_us'] / r['ptma_us']:>6.2f} "
+            f"{'ok' if r['bits_equal'] else 'DIFF'}  {c(r['tma_cfg'])} / {c(r['ptma_cfg'])}"
+        )
+    for r in rows:
+        if r["part"] == "rotary":
+            print("rotary", {k: v for k, v in r.items() if k != "part"})
 
 
 if __name__ == "__main__":
