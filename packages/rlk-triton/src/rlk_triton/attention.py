@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from rlk_triton import tuning
+from rlk_triton import _bounds, tuning
 from rlk_triton._triton import jit, tl, triton
 
 #: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
@@ -125,15 +125,18 @@ def _kv_rows(
     stride_btb,
     stride_kt,
     stride_kp,
+    n_pages,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    """Element offsets (int64) of the cache rows holding logical key positions ``kpos``."""
+    """Element offsets (int64) of the cache rows holding logical key positions ``kpos``, and
+    (paged) whether each page id is in ``[0, n_pages)``: a row of another page is never read."""
     if PAGED:
         page = tl.load(BT + b * stride_btb + kpos // PAGE_SIZE, mask=kpos < nk, other=0)
-        return page.to(tl.int64) * stride_kp + (kpos % PAGE_SIZE).to(tl.int64) * stride_kt
+        rows = page.to(tl.int64) * stride_kp + (kpos % PAGE_SIZE).to(tl.int64) * stride_kt
+        return rows, (page >= 0) & (page < n_pages)
     else:
-        return (k_start + kpos).to(tl.int64) * stride_kt
+        return (k_start + kpos).to(tl.int64) * stride_kt, kpos >= 0
 
 
 @jit
@@ -161,6 +164,57 @@ def _fwd_tile(
 
 
 @jit
+def _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk):
+    """Whether a sequence's offsets keep it inside the tensors: ``0 <= q_start <= q_end <= Tq``
+    and ``0 <= k_start``, ``k_end <= Tk``, with at least as many keys as queries. Memory is
+    addressed through a sequence only when this holds (paged: ``k_start`` is 0 and ``Tk`` the
+    capacity of a block-table row)."""
+    # Only comparisons of loaded values until both ranges are known to be ordered and inside
+    # [0, T]: a difference of arbitrary int32 values could overflow.
+    ok = (q_start >= 0) & (q_start <= q_end) & (q_end <= Tq)
+    ok = ok & (k_start >= 0) & (k_start <= k_end) & (k_end <= Tk)
+    return ok & (k_end - k_start >= q_end - q_start)
+
+
+@jit
+def _edges_ok(b, n_seq, q_start, q_end, k_start, k_end, Tq, Tk, K_EXACT: tl.constexpr):
+    """The first sequence starts at row 0 and the last one ends at the last row (of q, and of k
+    when packed). With every sequence's offsets in order too, this means they tile the rows."""
+    ok = (b > 0) | ((q_start == 0) & (k_start == 0))
+    last = q_end == Tq
+    if K_EXACT:
+        last = last & (k_end == Tk)
+    return ok & ((b < n_seq - 1) | last)
+
+
+@jit
+def _nan_rows(O, LSE, lo, hi, Tq, kvh, hc, stride_ot, stride_oh, Hq, GROUP, D, HG: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr):  # fmt: skip
+    """Store NaN in the output rows ``[lo, hi)``, clipped to ``[0, Tq)``, of this program's
+    query heads: the defined result of rows that bad offsets leave without a value."""
+    TOK: tl.constexpr = BLOCK_M // HG
+    lo = tl.minimum(tl.maximum(lo, 0), Tq)
+    hi = tl.minimum(tl.maximum(hi, 0), Tq)
+    r = tl.arange(0, BLOCK_M)
+    g = hc * HG + r % HG
+    h = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    nan = tl.full([BLOCK_M, BLOCK_D], float("nan"), tl.float32)
+    for t0 in range(lo, hi, TOK):
+        tok = t0 + r // HG
+        ok = (r // HG < TOK) & (tok < hi) & (g < GROUP)
+        off = tok.to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+        mask = ok[:, None] & (d < D)[None, :]
+        tl.store(O + off[:, None] + d[None, :], nan.to(O.dtype.element_ty), mask=mask)
+        if STORE_LSE:
+            tl.store(
+                LSE + tok.to(tl.int64) * Hq + h,
+                tl.full([BLOCK_M], float("nan"), tl.float32),
+                mask=ok,
+            )
+
+
+@jit
 def _fwd_kernel(
     Q,
     K,
@@ -171,6 +225,7 @@ def _fwd_kernel(
     CU_K,
     SEQ_LENS,
     BT,
+    OK,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -186,6 +241,9 @@ def _fwd_kernel(
     GROUP,
     D,
     Hq,
+    Tq,
+    Tk,
+    n_pages,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -206,15 +264,34 @@ def _fwd_kernel(
     hc = pid_h % n_hc
 
     q_start = tl.load(CU_Q + b)
-    nq = tl.load(CU_Q + b + 1) - q_start
+    q_end = tl.load(CU_Q + b + 1)
+    nq = q_end - q_start
     if PAGED:
+        # Tk is the capacity of a block-table row (pages per row x page size).
         k_start = 0
-        nk = tl.load(SEQ_LENS + b)
+        k_end = tl.load(SEQ_LENS + b)
     else:
         k_start = tl.load(CU_K + b)
-        nk = tl.load(CU_K + b + 1) - k_start
+        k_end = tl.load(CU_K + b + 1)
+    nk = k_end - k_start
     t0 = pid_m * TOK
-    if t0 >= nq:
+    # Bad offsets (possible in default mode, see rlk_triton._bounds): the sequence's rows that
+    # lie inside q are NaN, rows that no sequence can reach are NaN, and the flag is cleared.
+    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
+    edges_ok = _edges_ok(b, tl.num_programs(2), q_start, q_end, k_start, k_end, Tq, Tk, not PAGED)
+    if ~(seq_ok & edges_ok):
+        tl.store(OK, 0)
+        # NaN rows: before the first sequence, after the last one, and this program's own
+        # when its sequence's offsets are bad.
+        nan_args = (Tq, kvh, hc, stride_ot, stride_oh, Hq, GROUP, D)
+        if (pid_m == 0) & (b == 0):
+            _nan_rows(O, LSE, 0, q_start, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
+        if (pid_m == 0) & (b == tl.num_programs(2) - 1):
+            _nan_rows(O, LSE, q_end, Tq, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
+        if ~seq_ok:
+            hi = tl.minimum(q_start + t0 + TOK, q_end)
+            _nan_rows(O, LSE, q_start + t0, hi, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
+    if ~seq_ok | (t0 >= nq):
         return
 
     r = tl.arange(0, BLOCK_M)
@@ -245,27 +322,39 @@ def _fwd_kernel(
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
     dummy = r < BLOCK_M
+    # Paged: the first key position whose page id is out of range (nk when none is). Such a
+    # page is never read, and the rows that see it are NaN.
+    bad_from = nk
     for j in range(0, n_full):
         kpos = j * BLOCK_N + n
-        k_rows = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, PAGED, PAGE_SIZE
+        k_rows, page_ok = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
         )
-        v_rows = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, PAGED, PAGE_SIZE
+        v_rows, _ = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
         )
-        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        if PAGED:
+            kv_mask = page_ok[:, None] & d_ok[None, :]
+            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+        else:
+            kv_mask = d_ok[None, :]
+        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
-        k_rows = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, PAGED, PAGE_SIZE
+        k_rows, page_ok = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
         )
-        v_rows = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, PAGED, PAGE_SIZE
+        v_rows, _ = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
         )
-        kv_mask = k_ok[:, None] & d_ok[None, :]
+        if PAGED:
+            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
+            kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
@@ -279,6 +368,12 @@ def _fwd_kernel(
 
     l_safe = tl.where(row_ok, l, 1.0)
     o = acc / l_safe[:, None] + 0.0
+    if PAGED:
+        if bad_from < nk:
+            tl.store(OK, 0)
+        # A row sees the bad page when it is causal-visible to it.
+        sees_bad = (pos >= bad_from) & (bad_from < nk)
+        o = tl.where(sees_bad[:, None], float("nan"), o)
     o_off = (q_start + tok).to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
     tl.store(
         O + o_off[:, None] + d[None, :],
@@ -334,6 +429,8 @@ def _dq_kernel(
     GROUP,
     D,
     Hq,
+    Tq,
+    Tk,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -351,11 +448,19 @@ def _dq_kernel(
     kvh = pid_h // n_hc
     hc = pid_h % n_hc
     q_start = tl.load(CU_Q + b)
-    nq = tl.load(CU_Q + b + 1) - q_start
+    q_end = tl.load(CU_Q + b + 1)
     k_start = tl.load(CU_K + b)
-    nk = tl.load(CU_K + b + 1) - k_start
+    k_end = tl.load(CU_K + b + 1)
+    nq = q_end - q_start
+    nk = k_end - k_start
     t0 = pid_m * TOK
-    if t0 >= nq:
+    # Bad offsets: the forward pass has reported them; the rows inside dq are NaN.
+    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
+    if ~seq_ok:
+        hi = tl.minimum(q_start + t0 + TOK, q_end)
+        nan_args = (Tq, kvh, hc, stride_qt, stride_qh, Hq, GROUP, D)
+        _nan_rows(DQ, DQ, q_start + t0, hi, *nan_args, HG, BLOCK_M, BLOCK_D, False)
+    if ~seq_ok | (t0 >= nq):
         return
 
     r = tl.arange(0, BLOCK_M)
@@ -427,6 +532,8 @@ def _dkdv_kernel(
     GROUP,
     D,
     Hq,
+    Tq,
+    Tk,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -441,18 +548,29 @@ def _dkdv_kernel(
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(CU_Q + b)
-    nq = tl.load(CU_Q + b + 1) - q_start
+    q_end = tl.load(CU_Q + b + 1)
     k_start = tl.load(CU_K + b)
-    nk = tl.load(CU_K + b + 1) - k_start
+    k_end = tl.load(CU_K + b + 1)
+    nq = q_end - q_start
+    nk = k_end - k_start
     n0 = pid_n * BLOCK_N
-    if n0 >= nk:
-        return
-
     n = tl.arange(0, BLOCK_N)
-    kpos = n0 + n
-    k_ok = kpos < nk
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    # Bad offsets: the forward pass has reported them; the rows inside dk/dv are NaN.
+    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
+    if ~seq_ok:
+        rows = k_start + n0 + n
+        inside = (rows >= 0) & (rows < Tk) & (n0 + n < k_end - k_start)
+        off = rows.to(tl.int64)[:, None] * stride_kt + kvh.to(tl.int64) * stride_kh + d[None, :]
+        nan = tl.full([BLOCK_N, BLOCK_D], float("nan"), tl.float32)
+        tl.store(DK + off, nan.to(DK.dtype.element_ty), mask=inside[:, None] & d_ok[None, :])
+        tl.store(DV + off, nan.to(DV.dtype.element_ty), mask=inside[:, None] & d_ok[None, :])
+    if ~seq_ok | (n0 >= nk):
+        return
+
+    kpos = n0 + n
+    k_ok = kpos < nk
     kv_mask = k_ok[:, None] & d_ok[None, :]
     kv_off = (
         (k_start + kpos).to(tl.int64)[:, None] * stride_kt
@@ -537,6 +655,18 @@ def _max_len(cu: torch.Tensor) -> int:
     return value
 
 
+def _lengths_fit(cu: torch.Tensor, b: int, rows: int, name: str, of: str) -> int:
+    """The longest sequence of ``cu`` (a host read that sizes the grid), at most ``rows``. A
+    length that cannot fit is an error here, for free; the kernels check the offsets."""
+    longest = _max_len(cu) if b else 0
+    if longest > rows or longest < 0 or (rows and longest == 0):
+        raise ValueError(
+            f"{name} does not fit {of}: its longest sequence has {longest} tokens, "
+            f"{of} has {rows} rows"
+        )
+    return longest
+
+
 def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, table, store_lse):
     tq, hq, d = q.shape
     hk = k.shape[-2]
@@ -545,8 +675,8 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
     b = cu_q.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device) if store_lse else o
-    max_nq = _max_len(cu_q)
-    if b == 0 or max_nq == 0 or tq == 0:
+    max_nq = _lengths_fit(cu_q, b, tq, "cu_seqlens_q", "q")
+    if max_nq == 0:
         return o, lse
     cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d)
     block_m = cfg["BLOCK_M"]
@@ -559,11 +689,14 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         svt, svh, svp = v.stride(1), v.stride(2), v.stride(0)
         page_size = k.shape[1]
         bt, sbt, lens, cu_k_arg = block_table, block_table.stride(0), seq_lens, cu_q
+        tk, n_pages = block_table.shape[1] * page_size, k.shape[0]
     else:
         skt, skh, skp = k.stride(0), k.stride(1), 0
         svt, svh, svp = v.stride(0), v.stride(1), 0
         page_size = 1
         bt, sbt, lens, cu_k_arg = cu_k, 0, cu_k, cu_k
+        tk, n_pages = k.shape[0], 0
+    ok = _bounds.flag(q.device)
     _fwd_kernel[grid](
         q,
         k,
@@ -574,6 +707,7 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         cu_k_arg,
         lens,
         bt,
+        ok,
         q.stride(0),
         q.stride(1),
         skt,
@@ -589,6 +723,9 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         group,
         d,
         hq,
+        tq,
+        tk,
+        n_pages,
         HG=hg,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -601,6 +738,19 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
     )
+    if paged:
+        _bounds.report(
+            ok,
+            "paged_attention: cu_seqlens_q, seq_lens or block_table out of range (offsets "
+            f"outside q's {tq} rows, seq_lens < queries or > {tk} slots of a block-table row, "
+            f"or a page id outside [0, {n_pages}))",
+        )
+    else:
+        _bounds.report(
+            ok,
+            "attention: cu_seqlens_q/cu_seqlens_k out of range (each must start at 0, never "
+            f"decrease and end at q's {tq} / k's {tk} rows, with keys >= queries per sequence)",
+        )
     return o, lse
 
 
@@ -651,6 +801,8 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         group,
         d,
         hq,
+        tq,
+        tk,
         HG=hg,
         BLOCK_M=BWD_BLOCK_M,
         BLOCK_N=cfg["BLOCK_N"],
@@ -679,6 +831,8 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
             group,
             d,
             hq,
+            tq,
+            tk,
             HG=hg,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=BLOCK_N,
@@ -696,8 +850,9 @@ class _Attention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.causal, ctx.scale, ctx.table = causal, scale, table
-        # (the forward already read them; saved tensors come back as new objects)
-        ctx.max_lens = (_max_len(cu_q), _max_len(cu_k))
+        # (the forward already read cu_q; saved tensors come back as new objects)
+        b = cu_q.numel() - 1
+        ctx.max_lens = (_max_len(cu_q), _lengths_fit(cu_k, b, k.shape[0], "cu_seqlens_k", "k"))
         return o
 
     @staticmethod
