@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_triton import tuning
+from rlk_triton import _bounds, tuning
 from rlk_triton._triton import jit, tl, triton
 
 #: Largest number of logits per chunk of a leaf: sets the reduction order (each column adds its
@@ -78,6 +78,12 @@ def scale_logits(x, temperature):
 
 
 @jit
+def _minus(x, ref):
+    """``x - ref`` for ``x <= ref``, and exactly 0 where they are equal (``inf - inf`` too)."""
+    return tl.where(x == ref, 0.0, x - ref)
+
+
+@jit
 def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
     """Add one chunk ``z [R, CHUNK]`` (fp32, where ``valid``) to a block of rows' running state.
 
@@ -90,9 +96,11 @@ def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
     zm = tl.where(valid, z, float("-inf"))
     m_new = tl.maximum(m, tl.max(zm, axis=1))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    d = (m - ref)[:, None]  # <= 0; -inf before the first finite logit
+    # Differences to the max are 0 where equal (the same value for finite numbers), so a +inf
+    # logit counts 1 instead of exp(inf - inf) = NaN: the row's log-sum-exp is then +inf.
+    d = _minus(m, ref)[:, None]  # <= 0; -inf before the first finite logit
     a = tl.exp(d)
-    w = zm - ref[:, None]
+    w = _minus(zm, ref[:, None])
     e = tl.exp(w)
     if ENTROPY:
         # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s).
@@ -109,8 +117,8 @@ def merge_pair(ma, sa, ta, mb, sb, tb, ENTROPY: tl.constexpr):
     so each device evaluates the same expression."""
     m = tl.maximum(ma, mb)
     ref = tl.where(m == float("-inf"), 0.0, m)
-    da = ma - ref
-    db = mb - ref
+    da = _minus(ma, ref)
+    db = _minus(mb, ref)
     ea = tl.exp(da)
     eb = tl.exp(db)
     s = sa * ea + sb * eb
@@ -145,11 +153,13 @@ def _leaf_state_kernel(
     s_ptr,
     t_ptr,
     zt_ptr,
+    ok_ptr,
     T,
     V,
     stride_t,
     leaf_len,
     n_leaves,
+    vocab,
     vocab_offset,
     temperature,
     CHUNK: tl.constexpr,
@@ -182,7 +192,14 @@ def _leaf_state_kernel(
     if ENTROPY:
         tl.store(t_ptr + out, tree_sum(tv, LOG2_CHUNK), mask=row_ok)
     # The program whose leaf holds the target also reads the target's logit.
-    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0) - vocab_offset
+    tgt = tl.load(targets_ptr + rows, mask=row_ok, other=0)
+    # A target outside the vocabulary (possible in default mode, see rlk_triton._bounds) is
+    # never read: the first leaf's program makes its scaled logit NaN and clears the flag.
+    bad = row_ok & ((tgt < 0) | (tgt >= vocab))
+    if leaf == 0:
+        tl.store(zt_ptr + rows, tl.full([ROWS], float("nan"), tl.float32), mask=bad)
+        tl.store(ok_ptr + rows * 0, tl.zeros([ROWS], tl.int32), mask=bad)
+    tgt = tgt - vocab_offset
     mine = row_ok & (tgt >= start) & (tgt < end)
     x_t = tl.load(logits_ptr + rows.to(tl.int64) * stride_t + tgt, mask=mine, other=0.0)
     tl.store(zt_ptr + rows, scale_logits(x_t, temperature), mask=mine)
@@ -222,9 +239,14 @@ def _merge_kernel(
         lse = m + log_s
         zt = tl.load(zt_ptr + rows, mask=row_ok, other=0.0)
         tl.store(out0_ptr + rows, zt - lse, mask=row_ok)
-        tl.store(out1_ptr + rows, lse, mask=row_ok)
+        # A NaN target logit (a NaN in the row, or a target out of range) makes the saved
+        # log-sum-exp NaN too, so the row's gradient is NaN rather than a plausible number.
+        tl.store(out1_ptr + rows, tl.where(zt != zt, zt, lse), mask=row_ok)
         if ENTROPY:
-            tl.store(out2_ptr + rows, log_s - tl.math.div_rn(t, s), mask=row_ok)
+            # With a +inf logit p = softmax(z) is NaN in IEEE arithmetic (inf - inf), and so
+            # is the entropy, as in the reference.
+            ent = tl.where(m == float("inf"), float("nan"), log_s - tl.math.div_rn(t, s))
+            tl.store(out2_ptr + rows, ent, mask=row_ok)
     else:
         tl.store(out0_ptr + rows, m, mask=row_ok)
         tl.store(out1_ptr + rows, s, mask=row_ok)
@@ -339,7 +361,9 @@ def leaf_states(
 
     ``vocab`` (default ``V_local``) is the whole vocabulary, which sets the leaves;
     ``logits`` are its columns ``[vocab_offset, vocab_offset + V_local)``, which must start on a
-    leaf boundary. ``zt`` is written only where the target lies in those columns (0 elsewhere).
+    leaf boundary. ``zt`` is written only where the target lies in those columns (0 elsewhere),
+    and is NaN where the target is outside ``[0, vocab)``: that is reported as a bad index
+    (``ValueError`` on CPU, an asynchronous device-side assertion on a GPU).
     """
     T, V = logits.shape
     vocab = V if vocab is None else vocab
@@ -353,6 +377,7 @@ def leaf_states(
     t = torch.empty_like(m) if entropy else None
     zt = torch.zeros(T, dtype=torch.float32, device=dev)
     if T:
+        ok = _bounds.flag(dev)
         cfg = dict(tuning.config(table, "logprobs.fwd", T=T, V=V))
         rows = cfg.pop("ROWS")
         _leaf_state_kernel[(triton.cdiv(T, rows), n)](
@@ -362,11 +387,13 @@ def leaf_states(
             s,
             t if entropy else s,
             zt,
+            ok,
             T,
             V,
             logits.stride(0),
             leaf_len,
             n,
+            vocab,
             vocab_offset,
             float(temperature),
             CHUNK=chunk,
@@ -375,6 +402,7 @@ def leaf_states(
             ENTROPY=entropy,
             **cfg,
         )
+        _bounds.report(ok, f"logprobs: targets out of range (the vocabulary has {vocab} entries)")
     return m, s, t, zt
 
 
