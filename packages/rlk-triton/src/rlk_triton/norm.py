@@ -86,6 +86,16 @@ def _exact_sum(v, AXIS: tl.constexpr):
 
 
 @jit
+def _rescue_inv(ss, amax):
+    """Rows whose sum of squares overflowed to +inf although every element is finite (|x| above
+    about 1.8e19): the power of two that brings their largest magnitude into [1, 4), by which
+    they are multiplied (exactly) before squaring; 0 for every other row."""
+    over = (ss == float("inf")) & (amax < float("inf"))
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # >= 64 where over
+    return tl.where(over, _pow2(tl.where(over, tl.maximum(-e, -126), 0)), 0.0)
+
+
+@jit
 def _load_input(X, R, S, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr):
     x = tl.load(X + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -120,18 +130,41 @@ def _rms_norm_fwd_kernel(
         mask = row_ok[:, None] & (cols < H)[None, :]
         offs = base + cols[None, :]
         x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, True)
-        rstd = tl.rsqrt(_exact_sum(x * x, 1) / H + eps)
+        ss = _exact_sum(x * x, 1)
+        rstd = tl.rsqrt(ss / H + eps)
+        # Squares of finite inputs can overflow where the float64 reference does not: such rows
+        # are summed again scaled by a power of two (exact), and only they (the bits of every
+        # other row are unchanged).
+        inv = _rescue_inv(ss, tl.max(tl.abs(x), 1))
+        if tl.max(inv, 0) > 0:
+            xs = x * inv[:, None]
+            rs = tl.rsqrt(_exact_sum(xs * xs, 1) / H + eps * inv * inv) * inv
+            rstd = tl.where(inv > 0, rs, rstd)
         w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
         y = x * rstd[:, None] * w[None, :]
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     else:
         ss = tl.zeros([ROWS], dtype=tl.float32)
+        amax = tl.zeros([ROWS], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_H + cols
             mask = row_ok[:, None] & (ccols < H)[None, :]
             x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, True)
             ss += _exact_sum(x * x, 1)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
         rstd = tl.rsqrt(ss / H + eps)
+        # Rows whose squares overflowed: summed again scaled by a power of two (see above).
+        inv = _rescue_inv(ss, amax)
+        if tl.max(inv, 0) > 0:
+            ss2 = tl.zeros([ROWS], dtype=tl.float32)
+            for c in range(NUM_CHUNKS):
+                ccols = c * BLOCK_H + cols
+                mask = row_ok[:, None] & (ccols < H)[None, :]
+                x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, False)
+                xs = x * inv[:, None]
+                ss2 += _exact_sum(xs * xs, 1)
+            rs = tl.rsqrt(ss2 / H + eps * inv * inv) * inv
+            rstd = tl.where(inv > 0, rs, rstd)
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_H + cols
             mask = row_ok[:, None] & (ccols < H)[None, :]
