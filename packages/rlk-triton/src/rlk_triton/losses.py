@@ -26,6 +26,7 @@ from rlk._ops import REJECT_OPTIONS
 from rlk_triton import tuning
 from rlk_triton._triton import jit, tl, triton
 from rlk_triton.logprobs import tree_sum
+from rlk_triton.norm import _pow2
 
 #: Tokens per block of a sequence's sums (lanes of the fixed-order accumulation).
 BLOCK_L = 256
@@ -77,14 +78,36 @@ def _log2(n: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+# NaN and infinities follow IEEE semantics as in the float64 reference (torch's max, min and
+# clamp propagate NaN): every max/min/clamp on values here propagates NaN, where Triton's
+# defaults (tl.maximum, tl.minimum, tl.max) would return the other operand and hide a NaN
+# log-prob behind a finite loss. On numbers they give the same results as the defaults.
+
+
+@jit
+def _max2(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _min2(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _row_max(x):
+    """Max along axis 1, NaN if any element is NaN (tl.max would skip it)."""
+    return tl.reduce(x, 1, _max2)
+
+
 @jit
 def _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL: tl.constexpr):
     """Per-token ``(pg, d pg / d lp, clipped, dual_clipped)`` in fp32 for a ratio whose
     gradient with respect to the token's log-prob is the ratio itself."""
     unclipped = -adv * ratio
-    clipped = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+    clipped = -adv * _min2(_max2(ratio, 1.0 - clip_low), 1.0 + clip_high)
     was_clipped = clipped > unclipped
-    pg = tl.maximum(unclipped, clipped)
+    pg = _max2(unclipped, clipped)
     # Where the clamped term wins the ratio is outside the clamp range, so its gradient is 0.
     dpg = tl.where(was_clipped, 0.0, unclipped)
     dual = was_clipped != was_clipped  # all False
@@ -101,22 +124,22 @@ def _bounded(w, is_min, is_max, MODE: tl.constexpr, HAS_MIN: tl.constexpr, HAS_M
     """Importance weights bounded by ``[is_min, is_max]``: clamped (MODE 0) or zeroed outside."""
     if MODE == 0:
         if HAS_MIN:
-            w = tl.maximum(w, is_min)
+            w = _max2(w, is_min)
         if HAS_MAX:
-            w = tl.minimum(w, is_max)
+            w = _min2(w, is_max)
     else:
-        out = w != w  # all False (w is finite)
+        inside = w == w  # a NaN weight is outside the range, as in the reference
         if HAS_MIN:
-            out = out | (w < is_min)
+            inside = inside & (w >= is_min)
         if HAS_MAX:
-            out = out | (w > is_max)
-        w = tl.where(out, 0.0, w)
+            inside = inside & (w <= is_max)
+        w = tl.where(inside, w, 0.0)
     return w
 
 
 @jit
 def _clamp_log(x):
-    return tl.minimum(tl.maximum(x, -20.0), 20.0)
+    return _min2(_max2(x, -20.0), 20.0)
 
 
 @jit
@@ -278,8 +301,8 @@ def _policy_seq_kernel(
             acc_1 -= dc
             acc_2 += tl.where(m, k2, 0.0)
             acc_3 += tl.where(m, k3, 0.0)
-            max_2 = tl.maximum(max_2, tl.max(tl.where(m, k2, 0.0), axis=1))
-            max_3 = tl.maximum(max_3, tl.max(tl.where(m, k3, 0.0), axis=1))
+            max_2 = _max2(max_2, _row_max(tl.where(m, k2, 0.0)))
+            max_3 = _max2(max_3, _row_max(tl.where(m, k3, 0.0)))
             n_mask += tl.sum(m.to(tl.int32), axis=1)
             n_kept += tl.sum(kept.to(tl.int32), axis=1)
         if RS >= 8:
@@ -351,7 +374,7 @@ def _policy_seq_kernel(
         acc_pg += tl.where(kept, pg, 0.0)
         acc_kl += tl.where(kept, old - lp, 0.0)
         acc_r += tl.where(kept, ratio, 0.0)
-        r_max = tl.maximum(r_max, tl.max(tl.where(kept, ratio, 0.0), axis=1))
+        r_max = _max2(r_max, _row_max(tl.where(kept, ratio, 0.0)))
         n += tl.sum(kept.to(tl.int32), axis=1)
         n_mask += tl.sum(m.to(tl.int32), axis=1)
         n_clip += tl.sum((kept & was_clipped).to(tl.int32), axis=1)
@@ -420,7 +443,7 @@ def _policy_batch_kernel(
         acc_pg_mean += _safe_div(pg, n.to(tl.float32))
         acc_kl += tl.load(f + 1, mask=ok, other=0.0)[None, :]
         acc_r += tl.load(f + 2, mask=ok, other=0.0)[None, :]
-        r_max = tl.maximum(r_max, tl.max(tl.load(f + 3, mask=ok, other=0.0)[None, :], axis=1))
+        r_max = _max2(r_max, _row_max(tl.load(f + 3, mask=ok, other=0.0)[None, :]))
         w = tl.load(f + 4, mask=ok, other=0.0)[None, :]
         if IS == 2:  # the mean over sequences with tokens of the sequence weights
             w = tl.where(nm > 0, w, 0.0)
@@ -586,8 +609,9 @@ def _kl_terms(d, clamp, KIND: tl.constexpr, CLAMP: tl.constexpr, ST: tl.constexp
         dkl = 1.0 - tl.exp(-d)
         kl = raw
         if CLAMP:
-            kl = tl.minimum(tl.maximum(raw, -clamp), clamp)
-            dkl = tl.where((raw >= -clamp) & (raw <= clamp), dkl, 0.0)
+            kl = _min2(_max2(raw, -clamp), clamp)
+            # A clamped value has gradient 0, a NaN one NaN (as autograd through the reference).
+            dkl = tl.where((raw >= -clamp) & (raw <= clamp), dkl, tl.where(raw == raw, 0.0, raw))
     else:
         kl = tl.abs(d)
         dkl = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
@@ -661,6 +685,34 @@ def _kl_bwd_kernel(
 
 
 @jit
+def _group_moments(r_ptr, base, cnt, span, inv, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   LOG2_BLOCK_G: tl.constexpr, STD: tl.constexpr):  # fmt: skip
+    """``(mean, std, max |r|)`` of each group's rewards multiplied by ``inv`` (1, or a power of
+    two: exact), the sums in the fixed order; ``std`` is 0 unless ``STD``."""
+    cols = tl.arange(0, BLOCK_G)
+    acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
+    amax = tl.zeros([GROUPS, BLOCK_G], tl.float32)
+    for i0 in range(0, span, BLOCK_G):
+        ok = (i0 + cols)[None, :] < cnt[:, None]
+        r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        r = r * inv[:, None]
+        acc += r
+        amax = tl.maximum(amax, tl.abs(r))
+    size = cnt.to(tl.float32)
+    mean = tl.where(cnt == 1, 0.0, _safe_div(tree_sum(acc, LOG2_BLOCK_G), size))  # alone: 0
+    std = tl.zeros([GROUPS], tl.float32)
+    if STD:
+        acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
+        for i0 in range(0, span, BLOCK_G):
+            ok = (i0 + cols)[None, :] < cnt[:, None]
+            r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            d = tl.where(ok, r * inv[:, None] - mean[:, None], 0.0)
+            acc += d * d
+        std = tl.math.sqrt_rn(_safe_div(tree_sum(acc, LOG2_BLOCK_G), size - 1.0))
+    return mean, std, tl.max(amax, 1)
+
+
+@jit
 def _group_kernel(
     r_ptr,
     start_ptr,
@@ -682,31 +734,36 @@ def _group_kernel(
     base = tl.load(start_ptr + segs, mask=s_ok, other=0).to(tl.int64)[:, None]
     cnt = tl.load(count_ptr + segs, mask=s_ok, other=0)
     cols = tl.arange(0, BLOCK_G)
-    acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-    for i0 in range(0, span, BLOCK_G):
-        ok = (i0 + cols)[None, :] < cnt[:, None]
-        acc += tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     size = cnt.to(tl.float32)
     single = cnt == 1
-    mean = tl.where(single, 0.0, _safe_div(tree_sum(acc, LOG2_BLOCK_G), size))  # alone: 0
+    inv = tl.zeros([GROUPS], tl.float32) + 1.0
+    mean, std, amax = _group_moments(
+        r_ptr, base, cnt, span, inv, GROUPS, BLOCK_G, LOG2_BLOCK_G, STD
+    )
+    # A sum or a square of finite rewards can overflow in fp32 where the float64 reference does
+    # not (|r| near 1e19 and above): such groups are computed again on the rewards scaled by a
+    # power of two (exact), and only they, so the bits of every other group are unchanged.
+    over = ((tl.abs(mean) == float("inf")) | (std == float("inf"))) & (amax < float("inf"))
+    if tl.max(over.to(tl.int32), 0) > 0:
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        inv = tl.where(over, _pow2(tl.maximum(tl.where(over, -e, 0), -126)), 1.0)
+        mean, std, _ = _group_moments(
+            r_ptr, base, cnt, span, inv, GROUPS, BLOCK_G, LOG2_BLOCK_G, STD
+        )
     if STD:
-        acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-        for i0 in range(0, span, BLOCK_G):
-            ok = (i0 + cols)[None, :] < cnt[:, None]
-            r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            d = tl.where(ok, r - mean[:, None], 0.0)
-            acc += d * d
-        std = tl.math.sqrt_rn(_safe_div(tree_sum(acc, LOG2_BLOCK_G), size - 1.0))
-        den = tl.where(single, 1.0, std) + eps
+        den = tl.where(single, 1.0, std) + eps * inv
     for i0 in range(0, span, BLOCK_G):
         ok = (i0 + cols)[None, :] < cnt[:, None]
         r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        r = r * inv[:, None]
         adv = r - mean[:, None]
         if STD:
             adv = tl.math.div_rn(adv, den[:, None])
-        elif EST == 1:
-            n1 = tl.maximum(size - 1.0, 1.0)[:, None]
-            adv = tl.where(single[:, None], r, tl.math.div_rn(adv * size[:, None], n1))
+        else:
+            if EST == 1:
+                n1 = tl.maximum(size - 1.0, 1.0)[:, None]
+                adv = tl.where(single[:, None], r, tl.math.div_rn(adv * size[:, None], n1))
+            adv = tl.math.div_rn(adv, inv[:, None])  # back to the rewards' scale (exact)
         tl.store(out_ptr + base + i0 + cols[None, :], adv, mask=ok)
 
 
