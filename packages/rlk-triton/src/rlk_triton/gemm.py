@@ -18,9 +18,17 @@ fixed by constants of this module, never by the shape or the tuning config:
 - dbias sums rows with its own kernel whose launch parameters are module constants (a
   ``tl.sum`` tree depends on the layout, so its block sizes and warps are never tuned).
 
+Two kernels run this one reduction: ``_matmul_kernel`` loads tiles through pointers (any
+strides, every dtype), ``_matmul_tma_kernel`` through tensor descriptors (Hopper's tensor memory
+accelerator: a tile is one bulk copy, out-of-range rows and K read as zero), optionally
+persistent (one program per SM walks the tiles in the grouped order). Both run the same
+``tl.dot`` chain on the same tiles, so they give the same bits; a config's ``TMA`` flag picks the
+second for bf16/fp16 operands whose layout a descriptor can express (unit inner stride, 16-byte
+aligned base and strides), and the pointer kernel otherwise.
+
 Tuning (``TUNING``) picks BLOCK_M / BLOCK_N / GROUP_M (grouped tile order for L2 reuse) /
-num_warps / num_stages by shape; the conformance kit runs every candidate and demands
-identical bits.
+num_warps / num_stages / TMA / PERSISTENT by shape; the conformance kit runs every candidate
+and demands identical bits.
 """
 
 from __future__ import annotations
@@ -134,6 +142,43 @@ def _matmul_kernel(
 
 
 @jit
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K, STEP,
+    HAS_BIAS: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):  # fmt: skip
+    # ``k_loop``'s reduction (ascending BLOCK_K tiles, tl.dot into one fp32 tile from zero) on
+    # tiles brought by descriptors. A is stored [M, K] (or [K, M] when A_T), B [K, N] (or
+    # [N, K] when B_T). Programs take tiles first, first + STEP, ... (STEP = the grid: one
+    # tile each, or persistent over all of them); tile ids map to tiles as in ``tile_origin``.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    rn = tl.arange(0, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, STEP, flatten=PERSISTENT):
+        first_m = (tile // num_in_group) * GROUP_M
+        group_size = min(num_pid_m - first_m, GROUP_M)
+        row0 = (first_m + (tile % num_in_group) % group_size) * BLOCK_M
+        col0 = ((tile % num_in_group) // group_size) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if A_T:
+                a = a_desc.load([k0, row0]).T
+            else:
+                a = a_desc.load([row0, k0])
+            if B_T:
+                b = b_desc.load([col0, k0]).T
+            else:
+                b = b_desc.load([k0, col0])
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + col0 + rn, mask=rn < N - col0, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        c_desc.store([row0, col0], acc.to(c_desc.dtype))
+
+
+@jit
 def _bias_grad_kernel(
     dy_ptr, db_ptr, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
 ):
@@ -152,13 +197,15 @@ def _bias_grad_kernel(
     tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=mask_n)
 
 
-def _cfg(bm, bn, warps, stages, group_m=8):
+def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False):
     return {
         "BLOCK_M": bm,
         "BLOCK_N": bn,
         "GROUP_M": group_m,
         "num_warps": warps,
         "num_stages": stages,
+        "TMA": tma,
+        "PERSISTENT": persistent,
     }
 
 
@@ -177,6 +224,9 @@ _CONFIGS = (
     _cfg(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
     _cfg(64, 128, 4, 6),  # 10: M 64-256, N > ~4k
     _cfg(256, 128, 8, 4),  # 11: large M, tall tile, deeper pipeline
+    _cfg(64, 128, 4, 4, tma=True),  # 12: M 64-256 at N ~4k, descriptors
+    _cfg(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
+    _cfg(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -189,10 +239,12 @@ def _tiles(M, N, cfg):
 def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     """Config for an [M, N] output reduced over K.
 
-    Up to M = 256 the product streams W from memory (64-row tiles, the fewest wgmma pads):
+    Up to M = 64 the product streams W from memory (64-row tiles, the fewest wgmma pads):
     the widest N tile that still gives every SM a program, with the deepest pipeline that fits
-    shared memory. Chosen from ``scripts/gemm_sweep.py`` on an H200 (CUDA-graph GPU time of
-    every candidate against cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
+    shared memory. Above, tiles come through descriptors: 64x128 or 128x256 up to M = 256,
+    then 128x256, persistent once there are four tiles per SM. Chosen from
+    ``scripts/gemm_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against cuBLAS
+    at the Llama-3-8B and Qwen2-0.5B projections).
     """
     if dtype_bytes == 4:
         return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
@@ -202,17 +254,15 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
                 return i
         return 0
     if M <= 256:
-        if _tiles(M, N, _CONFIGS[4]) >= 2 * _NUM_SMS:
-            return 4  # very wide N (lm_head): 128-row tiles halve the re-reads of W from L2
-        return 10 if _tiles(M, N, _CONFIGS[10]) >= _NUM_SMS else 1
-    return 5 if _tiles(M, N, _CONFIGS[5]) >= _NUM_SMS else 4
+        return 13 if _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS else 12
+    return 14 if _tiles(M, N, _CONFIGS[14]) >= 4 * _NUM_SMS else 13
 
 
 def _choose_dw(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     """Config for dW [N_out, K_in] (here M, N are the output's dims, K the token count)."""
     if dtype_bytes == 4:
         return 8 if _tiles(M, N, _CONFIGS[8]) >= _NUM_SMS else 9
-    return 5 if _tiles(M, N, _CONFIGS[5]) >= _NUM_SMS else 4
+    return 14 if _tiles(M, N, _CONFIGS[14]) >= 4 * _NUM_SMS else 13
 
 
 TUNING = {
@@ -231,12 +281,67 @@ def _choose_cpu(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
 CPU_TUNING = {key: tuning.Rule(configs=_CONFIGS, choose=_choose_cpu) for key in TUNING}
 
 
+def _descriptor_layout(t: torch.Tensor) -> tuple[bool, list[int], list[int]] | None:
+    """``(transposed, shape, strides)`` of the row-major matrix a descriptor reads for the 2-D
+    view ``t`` (``t`` itself, or the storage of a transposed view), or None where a descriptor
+    cannot express it (no unit stride; base or row stride not 16-byte aligned)."""
+    (r, c), (sr, sc) = t.shape, t.stride()
+    e = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    if sc == 1 and (sr * e) % 16 == 0 and sr >= c:
+        return False, [r, c], [sr, 1]
+    if sr == 1 and (sc * e) % 16 == 0 and sc >= r:
+        return True, [c, r], [sc, 1]
+    return None
+
+
+def _launch_tma(a, b, bias, c, cfg, a_lay, b_lay):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, R = a.shape
+    N = b.shape[1]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], BLOCK_K[a.dtype]
+    a_t, b_t = a_lay[0], b_lay[0]
+    a_desc = TensorDescriptor(a, a_lay[1], a_lay[2], [bk, bm] if a_t else [bm, bk])
+    b_desc = TensorDescriptor(b, b_lay[1], b_lay[2], [bn, bk] if b_t else [bk, bn])
+    c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    grid = min(tiles, _sm_count(a.device)) if cfg["PERSISTENT"] else tiles
+    return _matmul_tma_kernel[(grid,)](
+        a_desc, b_desc, c_desc, bias if bias is not None else c, M, N, R, grid,
+        HAS_BIAS=bias is not None, A_T=a_t, B_T=b_t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"], PERSISTENT=cfg["PERSISTENT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _NUM_SMS  # the interpreter: any grid is correct
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def _launch(a, b, bias, c, cfg):
-    """Run the kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
-    handle of the compiled kernel (the GPU tests read its PTX)."""
+    """Run a kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
+    handle of the compiled kernel (the GPU tests read its PTX).
+
+    A config asking for descriptors (``TMA``) gets them for bf16/fp16 operands whose layouts a
+    descriptor can express; other operands run the pointer kernel with the same tiles, which
+    gives the same bits (the same ``tl.dot`` chain over the same K tiles)."""
     M, R = a.shape
     N = b.shape[1]
     block_k = BLOCK_K[a.dtype]
+    if cfg.get("TMA") and a.dtype != torch.float32 and c.is_contiguous():
+        a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
+        if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
+            return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     return _matmul_kernel[grid](
         a,

@@ -214,9 +214,11 @@ def render_markdown(report: dict) -> str:
         f"- ceilings measured in the same run: copy {m['copy_GBps']:.0f} GB/s (read + write), "
         f"cuBLAS bf16 {m['cublas_bf16_TFLOPs']:.0f} TFLOP/s",
         "- `peer_ms / rlk_ms` above 1: rlk is faster than the fastest peer row of that shape.",
-        "- `timing`: `events` is the median of do_bench over single calls (each >= 50 us); "
-        "`graph xN` a CUDA graph of N calls; `launch-bound` a short call that could not be "
-        "captured, so its time includes the launch.",
+        "- `timing`: `graph xN` is GPU time, the median of do_bench over replays of a CUDA "
+        "graph of N calls; `events` the median over single eager calls (each >= 50 us) of an "
+        "impl that cannot be captured; `launch-bound` such a call shorter than 50 us, so its "
+        "time includes the launch; `wall` (rows `*.eager_call`) the wall time per call of "
+        "back-to-back eager calls, host and launch included.",
     ]
     if report.get("failed"):
         out.append(f"- families that failed in this run: {', '.join(report['failed'])}")

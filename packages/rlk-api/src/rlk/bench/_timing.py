@@ -1,10 +1,13 @@
 """Timing and result rows shared by the benchmark families (CUDA only).
 
-Every figure is the median of ``triton.testing.do_bench`` (CUDA events) on random data. A call
-shorter than :data:`MIN_US` would measure launch overhead, not the kernel: such a call is timed
-as a CUDA graph of as many calls as make the replay at least that long, and the row says so
-(``timing: "graph xN"``); where capture fails, the plain median is kept and the row says
-``timing: "launch-bound"``.
+Every figure is the median of ``triton.testing.do_bench`` (CUDA events) on random data. Calls
+are timed as a CUDA graph of as many calls as make one replay at least :data:`MIN_US` long
+(``timing: "graph xN"``): the GPU time of the work, whoever launches it. A plain median of
+eager calls measures the host instead whenever launching takes longer than the kernels run,
+which decode-size and memory-bound kernels do; that host cost is measured on its own by
+:func:`eager_call_us` (rows ``*.eager_call``). Where capture fails (a peer that syncs the
+host), the plain median is kept and the row says ``timing: "events"``, or ``"launch-bound"`` if
+such a call is shorter than :data:`MIN_US`.
 """
 
 from __future__ import annotations
@@ -30,14 +33,9 @@ def median_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def time_call(fn: Callable[[], Any], *, graph: bool = False) -> tuple[float, str]:
-    """``(ms per call, how it was timed)``; short calls are timed as a CUDA graph of many.
-
-    With ``graph``, every call is timed as a graph: the GPU time of the work, without the
-    host's launch cost, which a plain median includes whenever the host is the slower side
-    (decode-size kernels, whose launch can take longer than they run). Rows measured so say
-    ``graph xN``; :func:`eager_call_us` measures the launch cost itself.
-    """
+def time_call(fn: Callable[[], Any], *, graph: bool = True) -> tuple[float, str]:
+    """``(ms per call, how it was timed)``: a CUDA graph of many calls (see the module
+    docstring); with ``graph=False`` a plain median where the call is at least MIN_US long."""
     ms = median_ms(fn)
     if ms * 1e3 >= MIN_US and not graph:
         return ms, "events"
@@ -49,14 +47,14 @@ def time_call(fn: Callable[[], Any], *, graph: bool = False) -> tuple[float, str
             for _ in range(3):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        graph_ = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_):
             for _ in range(n):
                 fn()
-        total = median_ms(graph.replay)
+        total = median_ms(graph_.replay)
     except Exception:  # a peer or op that cannot be captured (host syncs, allocator use)
         torch.cuda.synchronize()
-        return ms, "launch-bound"
+        return ms, "events" if ms * 1e3 >= MIN_US else "launch-bound"
     return total / n, f"graph x{n}"
 
 

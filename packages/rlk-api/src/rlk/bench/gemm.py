@@ -7,10 +7,9 @@ over several distinct weights (their sum far above L2), so that W is read from m
 model, and ``ms`` is per product. Forward + backward (dX and dW) at M = 8192 for the two MLP
 projections.
 
-``linear.fwd`` rows are GPU time: each is timed as a CUDA graph (``timing: graph xN``), as a
-decode loop runs it in a serving engine, so that the host's cost of launching a kernel does not
-stand in for the kernel. That cost is its own row, ``linear.eager_call``: the wall time per call
-of back-to-back eager calls at M = 1 (the first shape), host and launch included (``us``).
+Rows are GPU time, timed as CUDA graphs (``rlk.bench._timing``), as a decode loop runs in a
+serving engine. The host's cost of a launch is its own row, ``linear.eager_call``: the wall time
+per call of back-to-back eager calls at M = 1 (the first shape), host and launch included.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def _forward_rows(name: str, M: int, K: int, N: int, emit) -> None:
     flops = 2 * M * N * K
     nbytes = (M * K + N * K + M * N) * 2
     for impl, op in (("rlk", rlk.linear), ("cublas", torch.nn.functional.linear)):
-        ms, how = _timing.time_call(lambda op=op: [op(x, w) for w in ws], graph=True)
+        ms, how = _timing.time_call(lambda op=op: [op(x, w) for w in ws])
         emit(
             _timing.row(
                 "linear.fwd", shape, "bf16", impl, ms / n, timing=how, flops=flops, nbytes=nbytes
