@@ -83,27 +83,24 @@ def _rotary_dcos_dsin_kernel(X, DY, DCOS, DSIN, n_heads, HALF, BLOCK_HALF: tl.co
 
 
 def _choose(*, tokens: int, heads: int, head_dim: int) -> int:
+    # From scripts/gemm_sweep.py's rotary part on an H200 (q and k as Llama-3-8B and Qwen2.5
+    # rotate them): every head of a token per program at head_dim 128; blocks of 16 tokens with
+    # 8 heads at head_dim 64, where one token's heads are too little work for a program.
     return 0 if head_dim >= 128 else 1
 
 
+_CONFIGS = (
+    {"heads": 32, "num_warps": 4},
+    {"tokens": 16, "heads": 8, "num_warps": 2},
+    {"heads": 8, "num_warps": 4},
+    {"heads": 4, "num_warps": 2},
+)
+
 TUNING = {
-    # heads: heads per program (capped at the next power of two of the head count).
-    "apply_rotary.fwd": Rule(
-        configs=(
-            {"heads": 8, "num_warps": 4},
-            {"heads": 16, "num_warps": 4},
-            {"heads": 4, "num_warps": 2},
-        ),
-        choose=_choose,
-    ),
-    "apply_rotary.bwd": Rule(
-        configs=(
-            {"heads": 8, "num_warps": 4},
-            {"heads": 16, "num_warps": 4},
-            {"heads": 4, "num_warps": 2},
-        ),
-        choose=_choose,
-    ),
+    # tokens: tokens per program (1 when absent); heads: heads per program (capped at the next
+    # power of two of the head count).
+    "apply_rotary.fwd": Rule(configs=_CONFIGS, choose=_choose),
+    "apply_rotary.bwd": Rule(configs=_CONFIGS, choose=_choose),
     "apply_rotary.dcos": Rule(configs=({"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4})),
 }
 
