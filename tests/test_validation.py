@@ -339,9 +339,19 @@ def test_sample_checks_python_numbers_on_the_host_on_any_device(monkeypatch, par
 
 def test_sample_number_checks_read_no_device(monkeypatch):
     # A meta tensor has no values: any device read would raise before the backend is reached.
+    # (Under RLK_VALIDATE the logits themselves are read, for NaN: that check is left out.)
     monkeypatch.setenv("RLK_VALIDATE", "1")
+    checks = chk.value_checks_enabled
+    monkeypatch.setattr(chk, "value_checks_enabled", lambda t: t.dim() != 2 and checks(t))
     with pytest.raises(AssertionError, match="reach the backend"):
         _meta_sample(temperature=0.7, top_k=5, top_p=0.9)
+
+
+def test_sample_rejects_nan_logits_where_values_are_checked():
+    logits = torch.zeros(2, 5)
+    logits[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="logits has NaN"):
+        rlk.sample(logits, torch.zeros(2, dtype=torch.int64), 0)
 
 
 @pytest.mark.parametrize(

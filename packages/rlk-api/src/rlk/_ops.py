@@ -924,6 +924,8 @@ def sample(
         tok = rlk.sample(logits, seeds, step_offsets, temperature=0.7, top_p=0.9)
     """
     chk.tensor("logits", logits, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
+    if chk.value_checks_enabled(logits) and bool(logits.isnan().any()):
+        raise ValueError("logits has NaN: no token can be drawn (without value checks: -1)")
     b, vocab = logits.shape
     device = logits.device
     seeds = _per_row("seeds", seeds, b, torch.int64, device)

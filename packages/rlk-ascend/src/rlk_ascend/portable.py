@@ -718,7 +718,8 @@ def grpo_advantages(
 
 def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> torch.Tensor:
     """Seeded per-row sampling (temperature, top-k, top-p, Gumbel-max with Philox uniforms of
-    :mod:`rlk_reference.philox`) -> int64 ``[B]``; every row is computed on its own."""
+    :mod:`rlk_reference.philox`) -> int64 ``[B]``; every row is computed on its own. A row with
+    a NaN logit draws no token: -1."""
     from rlk_reference.philox import philox_uniform
 
     with torch.no_grad():
@@ -746,4 +747,5 @@ def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> 
             keep = torch.where(use_p[:, None], keep & nucleus, keep)
         u = philox_uniform(seeds, offsets, vocab).to(x.device)
         score = torch.where(keep, z - torch.log(-torch.log(u)), -math.inf)
-        return torch.where(greedy, x.argmax(-1), score.argmax(-1))
+        token = torch.where(greedy, x.argmax(-1), score.argmax(-1))
+        return torch.where(x.isnan().any(-1), -1, token)

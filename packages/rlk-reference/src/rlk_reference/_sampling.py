@@ -45,7 +45,8 @@ def sample(
 
     Row ``b``: ``z = logits / temperature``; filter by top-k, then top-p; pick
     ``argmax(z + g)`` over the kept tokens with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
-    :func:`rlk_reference.philox.philox_uniform` (lowest index on ties).
+    :func:`rlk_reference.philox.philox_uniform` (lowest index on ties). A row with a NaN logit
+    draws no token: -1.
     """
     with torch.no_grad():
         b, vocab = logits.shape
@@ -54,6 +55,9 @@ def sample(
         out = torch.empty(b, dtype=torch.int64)
         for row in range(b):
             x = logits[row].double()
+            if bool(x.isnan().any()):
+                out[row] = -1
+                continue
             temp = float(temperature[row])
             if temp == 0.0:
                 out[row] = _first_argmax(x)

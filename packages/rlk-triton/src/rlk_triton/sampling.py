@@ -13,6 +13,9 @@ One program per row; a row's token depends only on its logits, seed, offset and 
   as K grows (terms drop to 0), so the search is consistent.
 - Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
   the lowest-index argmax of the logits.
+- A row with a NaN logit draws no token: its result is -1 (as on every backend). Nothing is
+  synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
+  run (CPU, or ``RLK_VALIDATE``).
 """
 
 from __future__ import annotations
@@ -157,10 +160,12 @@ def _sample_kernel(
     cols = tl.arange(0, BLOCK)
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.zeros([], tl.int32)
+    n_nan = tl.zeros([], tl.int32)  # NaN logits of the row: no token can be drawn
     if temperature == 0.0:
         for b0 in range(0, V, BLOCK):
             offs = b0 + cols
             x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            n_nan += tl.sum((x != x).to(tl.int32), axis=0)
             bv = tl.max(x, axis=0)
             bi = tl.min(tl.where(x == bv, offs, V), axis=0)
             take = bv > best
@@ -186,6 +191,7 @@ def _sample_kernel(
         for b0 in range(0, V, BLOCK):
             offs = b0 + cols
             z, key, ok = _load_z(row_ptr, offs, V, temperature)
+            n_nan += tl.sum((z != z).to(tl.int32), axis=0)
             g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
             score = tl.where(ok & (key >= kept), z + g, float("-inf"))
             bv = tl.max(score, axis=0)
@@ -193,7 +199,7 @@ def _sample_kernel(
             take = bv > best
             best_i = tl.where(take, bi, best_i)
             best = tl.where(take, bv, best)
-    tl.store(out_ptr + pid, best_i.to(tl.int64))
+    tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
 @jit
