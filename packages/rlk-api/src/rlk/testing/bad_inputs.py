@@ -1,0 +1,152 @@
+"""Bad index inputs as a careless caller passes them, in default mode (no host value checks).
+
+On a GPU without ``RLK_VALIDATE`` the ops do not read index values on the host (that would
+synchronise the device), so these inputs reach the kernels; the kernels must then touch no
+memory out of range and still report the input (``rlk_triton._bounds``). On CPU the host checks
+always run, so :func:`default_mode` switches them off to reproduce the GPU path under the
+Triton interpreter.
+
+Each case returns a function that runs the op (forward, and backward where there is one) and
+the outcome the contract requires: ``"error"`` (a ``ValueError`` on CPU; on a GPU an error at
+the next synchronisation, a device-side assertion) or ``"-1"`` (``sample``'s token for a row it
+cannot draw from). ``scripts/bad_inputs.py`` runs them one per process, under
+``compute-sanitizer`` on a GPU (``scripts/gpu_sanitize.sh``); ``tests/test_bad_inputs.py``
+runs them on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import torch
+
+import rlk
+from rlk import _validate
+
+I32 = torch.int32
+
+
+@contextlib.contextmanager
+def default_mode() -> Iterator[None]:
+    """Host value checks off, as for a CUDA tensor without ``RLK_VALIDATE``."""
+    with mock.patch.object(_validate, "value_checks_enabled", lambda t: False):
+        yield
+
+
+def _cu(*offsets: int, device) -> torch.Tensor:
+    return torch.tensor(offsets, dtype=I32, device=device)
+
+
+def _randn(*shape: int, device, grad: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape))
+    return torch.randn(*shape, generator=g).to(device).requires_grad_(grad)
+
+
+def _attention(cu_q: tuple, cu_k: tuple, train: bool = False) -> Callable:
+    """q of 5 tokens, k/v of 7, 4 query heads on 2 KV heads, head dim 16."""
+
+    def build(device):
+        q = _randn(5, 4, 16, device=device, grad=train)
+        k = _randn(7, 2, 16, device=device, grad=train)
+        v = _randn(7, 2, 16, device=device, grad=train)
+
+        def run():
+            o = rlk.attention(q, k, v, _cu(*cu_q, device=device), _cu(*cu_k, device=device))
+            if train:
+                o.sum().backward()
+            return o
+
+        return run
+
+    return build
+
+
+def _paged(block_table: list, seq_lens: list) -> Callable:
+    """A 4-page cache of 16-token pages; two sequences of one new query each."""
+
+    def build(device):
+        q = _randn(2, 4, 16, device=device)
+        kc, vc = _randn(4, 16, 2, 16, device=device), _randn(4, 16, 2, 16, device=device)
+        bt = torch.tensor(block_table, dtype=I32, device=device)
+        lens = torch.tensor(seq_lens, dtype=I32, device=device)
+        return lambda: rlk.paged_attention(q, kc, vc, bt, lens, _cu(0, 1, 2, device=device))
+
+    return build
+
+
+def _logprobs(targets: list, fused: bool = False) -> Callable:
+    """Vocabulary of 300, one target per row, with the backward."""
+
+    def build(device):
+        t = torch.tensor(targets, dtype=torch.int64, device=device)
+        logits = _randn(len(targets), 300, device=device, grad=True)
+        hidden = _randn(len(targets), 32, device=device, grad=True)
+        weight = _randn(300, 32, device=device, grad=True)
+
+        def run():
+            lp = rlk.linear_logprobs(hidden, weight, t) if fused else rlk.logprobs(logits, t)
+            lp.sum().backward()
+            return lp
+
+        return run
+
+    return build
+
+
+def _sample_nan(device):
+    logits = _randn(3, 300, device=device)
+    logits[1, 17] = float("nan")
+    seeds = torch.arange(3, device=device)
+    return lambda: rlk.sample(logits, seeds, torch.zeros_like(seeds), temperature=0.7)
+
+
+#: name -> (builder(device) -> run(), required outcome).
+CASES: dict[str, tuple[Callable, str]] = {
+    "control: valid attention": (_attention((0, 2, 5), (0, 3, 7), train=True), "ok"),
+    "attention cu_seqlens_q[-1] > T": (_attention((0, 2, 7), (0, 3, 7)), "error"),
+    "attention cu_seqlens_q[-1] < T": (_attention((0, 2, 4), (0, 3, 7)), "error"),
+    "attention cu_seqlens_q decreasing": (_attention((0, 4, 2, 5), (0, 3, 5, 7)), "error"),
+    "attention cu_seqlens_q[0] < 0": (_attention((-3, 2, 5), (0, 3, 7)), "error"),
+    "attention cu_seqlens_q huge": (_attention((0, 2, 2**31 - 1), (0, 3, 7)), "error"),
+    "attention cu_seqlens_k[-1] > T (training)": (
+        _attention((0, 2, 5), (0, 3, 9), train=True),
+        "error",
+    ),
+    "attention cu_seqlens_k[0] < 0 (training)": (
+        _attention((0, 2, 5), (-2, 3, 7), train=True),
+        "error",
+    ),
+    "control: valid paged_attention": (_paged([[0, 1], [2, 3]], [20, 3]), "ok"),
+    "paged page id = num_pages": (_paged([[0, 4], [2, 3]], [20, 3]), "error"),
+    "paged page id -7": (_paged([[0, 1], [-7, 3]], [20, 3]), "error"),
+    "paged page id 1e8": (_paged([[0, 10**8], [2, 3]], [20, 3]), "error"),
+    "paged seq_lens over capacity": (_paged([[0, 1], [2, 3]], [20, 40]), "error"),
+    "paged seq_lens < queries": (_paged([[0, 1], [2, 3]], [20, -4]), "error"),
+    "logprobs target = V": (_logprobs([3, 300, 5]), "error"),
+    "logprobs target -1": (_logprobs([3, -1, 5]), "error"),
+    "logprobs target 2**40": (_logprobs([2**40, 1]), "error"),
+    "linear_logprobs target = V": (_logprobs([3, 300], fused=True), "error"),
+    "linear_logprobs target -5": (_logprobs([-5, 2], fused=True), "error"),
+    "sample NaN logits": (_sample_nan, "-1"),
+}
+
+
+def run(name: str, device: str | torch.device) -> tuple[str, str]:
+    """Run case ``name`` in default mode: ``(outcome, detail)``, outcome ``"ok"``, ``"error"``
+    or ``"-1"`` (a row of -1 tokens). On a GPU the device is synchronised before returning, so
+    that an asynchronous error surfaces here."""
+    device = torch.device(device)
+    build, _ = CASES[name]
+    try:
+        with default_mode():
+            out = build(device)()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except (ValueError, RuntimeError) as e:
+        return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if out.dtype == torch.int64 and bool((out == -1).any()):
+        return "-1", f"tokens {out.tolist()}"
+    nan = int(out.isnan().sum()) if out.is_floating_point() else 0
+    return "ok", f"returned {tuple(out.shape)}, {nan} NaN"
