@@ -173,6 +173,175 @@ def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.T
     return base.norm(h)[0]
 
 
+class _DecodeGraphs:
+    """The decode-only step (every running request adds its last token) as CUDA graphs.
+
+    A step of ``b`` requests runs in the graph of the smallest bucket ``B >= b`` (powers of
+    two up to ``max_batch``), whose extra rows are padding: token 0 at position 0, written to a
+    slot of their own in the reserved pages ``num_pages ...`` (the cache holds
+    ``num_pages + pad_pages(max_batch, page_size)`` pages), attending to one cached token. Every
+    op is batch-invariant and attention is per sequence, so a real row's bits do not depend on
+    the padding: the graph gives the eager step's tokens and log-probabilities exactly.
+
+    The step's inputs live in static buffers that each step overwrites (two host-to-device
+    copies); a bucket's graph is captured the first time a step needs it, after one eager run on
+    a side stream (Triton compiles there). With ``capture=False`` the padded step runs eagerly:
+    the same arithmetic without graphs, for machines without CUDA and for tests.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, *, num_pages: int, width: int, max_batch: int,
+                 sample_kw: dict, lp_temperature: float, capture: bool) -> None:  # fmt: skip
+        from rlk.integrations.transformers import decoder
+
+        self.model, self.base, self.cache = model, decoder(model), cache
+        self.page_size, self.num_pages, self.width = cache.page_size, num_pages, width
+        self.max_batch, self.sample_kw, self.lp_temperature = max_batch, sample_kw, lp_temperature
+        self.capture = capture
+        device = cache.k[0].device
+        B = max_batch
+        # ids, positions, slots, sample offsets, seeds | cu_seqlens_q, seq_lens, block table
+        self.i64 = torch.zeros(5, B, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(2 * B + 1 + B * width, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.logits_dtype: torch.dtype | None = None
+
+    def bucket(self, b: int) -> int:
+        return min(1 << (b - 1).bit_length(), self.max_batch)
+
+    def _step(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos, slots, off, seeds = self.i64[:, :B]
+        cu = self.i32[: B + 1]
+        lens = self.i32[self.max_batch + 1 : self.max_batch + 1 + B]
+        start = 2 * self.max_batch + 1
+        table = self.i32[start : start + B * self.width].view(B, self.width)
+        self.cache.set_step(slots, table, lens, cu)
+        hidden = _forward_packed(self.base, ids, pos, self.cache)
+        logits = self.model.get_output_embeddings()(hidden).contiguous()
+        self.logits_dtype = logits.dtype
+        tok = rlk.sample(logits, seeds, off, **self.sample_kw)
+        return tok, rlk.logprobs(logits, tok, temperature=self.lp_temperature)
+
+    def _fill(self, rows: list[_Request], B: int) -> None:
+        ps, pad_page = self.page_size, self.num_pages
+        ids, pos, slots, off, seeds, lens, table = [], [], [], [], [], [], []
+        for r in rows:
+            p = r.cached
+            ids.append(r.tokens[p])
+            pos.append(p)
+            slots.append(r.pages[p // ps] * ps + p % ps)
+            off.append(len(r.tokens))
+            seeds.append(r.seed)
+            lens.append(p + 1)
+            table += r.pages + [0] * (self.width - len(r.pages))
+        for j in range(len(rows), B):  # padding: a slot of its own in the reserved pages
+            page = pad_page + j // ps
+            ids.append(0)
+            pos.append(0)
+            slots.append(page * ps + j % ps)
+            off.append(0)
+            seeds.append(0)
+            lens.append(1)
+            table += [page] * self.width
+        i64 = torch.tensor([ids, pos, slots, off, seeds], dtype=torch.int64)
+        i32 = torch.tensor(list(range(B + 1)) + lens + table, dtype=torch.int32)
+        if self.capture:
+            i64, i32 = i64.pin_memory(), i32.pin_memory()
+        self.i64[:, :B].copy_(i64, non_blocking=True)
+        self.i32[: B + 1].copy_(i32[: B + 1], non_blocking=True)
+        self.i32[self.max_batch + 1 : self.max_batch + 1 + B].copy_(
+            i32[B + 1 : 2 * B + 1], non_blocking=True
+        )
+        start = 2 * self.max_batch + 1
+        self.i32[start : start + B * self.width].copy_(i32[2 * B + 1 :], non_blocking=True)
+
+    def _graph(self, B: int):
+        if B not in self.graphs:
+            self._fill([], B)  # all rows padding: the warm-up writes the reserved pages only
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(B)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    tok, lp = self._step(B)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    "generate_paged could not capture its decode step in a CUDA graph (an op "
+                    "read a device value on the host: RLK_VALIDATE=1 does); unset RLK_VALIDATE "
+                    f"or pass cuda_graphs=False. Cause: {e}"
+                ) from e
+            self.graphs[B] = (graph, tok, lp)
+        return self.graphs[B]
+
+    def run(self, rows: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and float32 log-probabilities ``[len(rows)]`` of one decode step."""
+        B = self.bucket(len(rows))
+        if not self.capture:
+            self._fill(rows, B)
+            tok, lp = self._step(B)
+        else:
+            graph, tok, lp = self._graph(B)
+            self._fill(rows, B)
+            graph.replay()
+        n = len(rows)
+        return tok[:n].clone(), lp[:n].clone().float()  # the next replay overwrites both
+
+
+#: Run the padded decode step of :class:`_DecodeGraphs` eagerly where graphs are off (tests
+#: compare its bits with the unpadded step on machines without CUDA).
+_EAGER_PADDED_DECODE = False
+
+
+def pad_pages(max_batch: int, page_size: int) -> int:
+    """Pages :class:`_DecodeGraphs` reserves for the padding rows of a decode step."""
+    return _cdiv(max_batch, page_size)
+
+
+def _eager_step(model, base, cache, batch, sample_kw: dict, lp_temperature: float, pin: bool):
+    """One step of any composition, eagerly: ``batch`` is ``(request, new tokens)`` pairs.
+    Returns the requests that sampled, their tokens (a list), float32 log-probabilities and the
+    logits' dtype (None, None for a step that samples nothing)."""
+    page_size, device = cache.page_size, cache.k[0].device
+    # Host-side metadata, moved to the device in two copies.
+    ids, pos, slots, cu, lens, rows, offsets, row_seeds = [], [], [], [0], [], [], [], []
+    sampled: list[_Request] = []
+    for r, take in batch:
+        for p in range(r.cached, r.cached + take):
+            ids.append(r.tokens[p])
+            pos.append(p)
+            slots.append(r.pages[p // page_size] * page_size + p % page_size)
+        cu.append(cu[-1] + take)
+        lens.append(r.cached + take)
+        if r.cached + take == len(r.tokens):  # all known tokens cached: sample the next
+            sampled.append(r)
+            rows.append(cu[-1] - 1)
+            offsets.append(len(r.tokens))
+            row_seeds.append(r.seed)
+    width = max(len(r.pages) for r, _ in batch)
+    table = [r.pages + [0] * (width - len(r.pages)) for r, _ in batch]
+    i64 = torch.tensor(ids + pos + slots + rows + offsets + row_seeds, dtype=torch.int64)
+    i32 = torch.tensor(cu + lens + [p for t in table for p in t], dtype=torch.int32)
+    if pin:
+        i64, i32 = i64.pin_memory(), i32.pin_memory()
+    i64 = i64.to(device, non_blocking=True)
+    i32 = i32.to(device, non_blocking=True)
+    t, b, m = len(ids), len(batch), len(sampled)
+    ids_d, pos_d, slots_d, rows_d, off_d, seeds_d = i64.split([t, t, t, m, m, m])
+    cu_d, lens_d, table_d = i32.split([b + 1, b, b * width])
+    cache.set_step(slots_d, table_d.view(b, width), lens_d, cu_d)
+
+    hidden = _forward_packed(base, ids_d, pos_d, cache)
+    if not sampled:
+        return sampled, [], None, None
+    logits = model.get_output_embeddings()(hidden.index_select(0, rows_d)).contiguous()
+    tok = rlk.sample(logits, seeds_d, off_d, **sample_kw)
+    lp = rlk.logprobs(logits, tok, temperature=lp_temperature)
+    return sampled, tok.tolist(), lp.float(), logits.dtype  # tolist: the step's one device read
+
+
 @torch.no_grad()
 def generate_paged(
     model: torch.nn.Module,
@@ -189,6 +358,7 @@ def generate_paged(
     num_pages: int | None = None,
     max_step_tokens: int = 2048,
     prefill_chunk: int | None = None,
+    cuda_graphs: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RolloutResult:
     """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
@@ -204,9 +374,14 @@ def generate_paged(
     decode first (one token each), then prompt chunks of at most ``prefill_chunk`` tokens
     (default ``max_step_tokens``) in arrival order.
 
+    ``cuda_graphs`` (default: on for CUDA models): steps in which every running request decodes
+    replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a power-of-two batch,
+    the same bits as the eager step), so that the host launches one graph instead of every
+    kernel of every layer. Steps with prompt chunks run eagerly.
+
     Returns a :class:`~rlk.integrations.rollout.RolloutResult` (samples in prompt order);
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
-    decodes together) and ``prefill_chunks``.
+    decodes together), ``prefill_chunks`` and ``graph_steps``.
     """
     from rlk.integrations.tp import local_kv_heads
     from rlk.integrations.transformers import decoder, is_patched
@@ -231,6 +406,13 @@ def generate_paged(
     base = decoder(model)
     cfg = model.config
     device = next(model.parameters()).device
+    if cuda_graphs is None:
+        cuda_graphs = device.type == "cuda"
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA model, this one is on {device.type}")
+    padded_decode = cuda_graphs or _EAGER_PADDED_DECODE
     dtype = next(model.parameters()).dtype
     n = len(prompts)
     seeds = list(range(n)) if seeds is None else list(seeds)
@@ -248,9 +430,10 @@ def generate_paged(
         )
     allocator = PageAllocator(num_pages)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    reserved = pad_pages(max_batch, page_size) if padded_decode else 0
     cache = PagedKVCache(
         len(base.layers),
-        num_pages,
+        num_pages + reserved,
         page_size,
         local_kv_heads(model),
         head_dim,
@@ -261,13 +444,20 @@ def generate_paged(
     longest = max((len(p) for p in prompts), default=1) + max_new_tokens
     base.rotary_emb._rlk_table.gather(torch.tensor([longest], device=device))
 
+    graphs = None
+    sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    if padded_decode:
+        graphs = _DecodeGraphs(
+            model, cache, num_pages=num_pages, width=max(need, default=1), max_batch=max_batch,
+            sample_kw=sample_kw, lp_temperature=lp_temperature, capture=cuda_graphs,
+        )  # fmt: skip
     waiting = deque(
         _Request(i, list(p), len(p), seeds[i]) for i, p in enumerate(prompts) if max_new_tokens
     )
     running: list[_Request] = []
     done: list[_Request] = []
     step_lps: list[torch.Tensor] = []  # float32 logprobs per step, on the device
-    stats = dict(steps=0, max_running=0, mixed_steps=0, prefill_chunks=0)
+    stats = dict(steps=0, max_running=0, mixed_steps=0, prefill_chunks=0, graph_steps=0)
     logits_dtype = dtype
     pin = device.type == "cuda"
     start = time.perf_counter()
@@ -295,45 +485,20 @@ def generate_paged(
         stats["prefill_chunks"] += n_pre
         stats["mixed_steps"] += int(0 < n_pre < len(batch))
 
-        # Host-side metadata, moved to the device in two copies.
-        ids, pos, slots, cu, lens, rows, offsets, row_seeds = [], [], [], [0], [], [], [], []
-        sampled: list[_Request] = []
-        for r, take in batch:
-            for p in range(r.cached, r.cached + take):
-                ids.append(r.tokens[p])
-                pos.append(p)
-                slots.append(r.pages[p // page_size] * page_size + p % page_size)
-            cu.append(cu[-1] + take)
-            lens.append(r.cached + take)
-            if r.cached + take == len(r.tokens):  # all known tokens cached: sample the next
-                sampled.append(r)
-                rows.append(cu[-1] - 1)
-                offsets.append(len(r.tokens))
-                row_seeds.append(r.seed)
-        width = max(len(r.pages) for r, _ in batch)
-        table = [r.pages + [0] * (width - len(r.pages)) for r, _ in batch]
-        i64 = torch.tensor(ids + pos + slots + rows + offsets + row_seeds, dtype=torch.int64)
-        i32 = torch.tensor(cu + lens + [p for t in table for p in t], dtype=torch.int32)
-        if pin:
-            i64, i32 = i64.pin_memory(), i32.pin_memory()
-        i64 = i64.to(device, non_blocking=True)
-        i32 = i32.to(device, non_blocking=True)
-        t, b, m = len(ids), len(batch), len(sampled)
-        ids_d, pos_d, slots_d, rows_d, off_d, seeds_d = i64.split([t, t, t, m, m, m])
-        cu_d, lens_d, table_d = i32.split([b + 1, b, b * width])
-        cache.set_step(slots_d, table_d.view(b, width), lens_d, cu_d)
-
-        hidden = _forward_packed(base, ids_d, pos_d, cache)
-        new_tok: list[int] = []
-        if sampled:
-            logits = model.get_output_embeddings()(hidden.index_select(0, rows_d)).contiguous()
-            logits_dtype = logits.dtype
-            tok = rlk.sample(
-                logits, seeds_d, off_d, temperature=temperature, top_k=top_k, top_p=top_p
-            )
-            lp = rlk.logprobs(logits, tok, temperature=lp_temperature)
-            step_lps.append(lp.float())
+        if graphs is not None and n_pre == 0:
+            sampled = [r for r, _ in batch]  # decodes only: every request samples
+            tok, lp = graphs.run(sampled)
+            logits_dtype = graphs.logits_dtype
+            step_lps.append(lp)
             new_tok = tok.tolist()  # the scheduler's one device read per step
+            stats["graph_steps"] += 1
+        else:
+            sampled, new_tok, lp, dt = _eager_step(
+                model, base, cache, batch, sample_kw, lp_temperature, pin
+            )
+            if lp is not None:
+                logits_dtype = dt
+                step_lps.append(lp)
         s = stats["steps"]
         stats["steps"] += 1
 
