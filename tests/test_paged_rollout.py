@@ -151,9 +151,10 @@ def test_paged_rejects_bad_setups(model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen2-0.5b", "qwen3-0.6b"])
-def test_gpu_paged_equals_padded_and_training(name):
+def test_gpu_paged_equals_padded_and_training(name, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    monkeypatch.setenv("RLK_VALIDATE", "0")  # value checks read the device: no graph capture
     model = rt.patch_model(models.load_model(name, dtype=torch.bfloat16, device="cuda"))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 import rlk
+from rlk._validate import validate_requested
 from rlk.integrations.rollout import RolloutResult, Sample
 
 
@@ -374,10 +375,11 @@ def generate_paged(
     decode first (one token each), then prompt chunks of at most ``prefill_chunk`` tokens
     (default ``max_step_tokens``) in arrival order.
 
-    ``cuda_graphs`` (default: on for CUDA models): steps in which every running request decodes
-    replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a power-of-two batch,
-    the same bits as the eager step), so that the host launches one graph instead of every
-    kernel of every layer. Steps with prompt chunks run eagerly.
+    ``cuda_graphs`` (default: on for CUDA models, off while ``RLK_VALIDATE`` asks for value
+    checks, which read the device and so cannot be captured): steps in which every running
+    request decodes replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a
+    power-of-two batch, the same bits as the eager step), so that the host launches one graph
+    instead of every kernel of every layer. Steps with prompt chunks run eagerly.
 
     Returns a :class:`~rlk.integrations.rollout.RolloutResult` (samples in prompt order);
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
@@ -406,8 +408,8 @@ def generate_paged(
     base = decoder(model)
     cfg = model.config
     device = next(model.parameters()).device
-    if cuda_graphs is None:
-        cuda_graphs = device.type == "cuda"
+    if cuda_graphs is None:  # value checks (RLK_VALIDATE) read the device: no graph capture
+        cuda_graphs = device.type == "cuda" and not validate_requested()
     if not isinstance(cuda_graphs, bool):
         raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
     if cuda_graphs and device.type != "cuda":
