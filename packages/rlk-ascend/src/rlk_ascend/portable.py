@@ -190,6 +190,14 @@ def linear(x, weight, bias=None, *, table=None) -> torch.Tensor:
     return _Linear.apply(x, weight, bias)
 
 
+def _overflow_scale(total: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Where a sum of finite values overflowed to +/-inf: the power of two (< 1) that brings
+    the largest magnitude ``amax`` into [1, 4), to multiply by exactly; 1 elsewhere."""
+    over = total.isinf() & amax.isfinite()
+    e = torch.frexp(torch.where(over, amax, 1.0)).exponent - 1
+    return torch.where(over, torch.ldexp(torch.ones_like(amax), (-e).clamp(min=-126)), 1.0)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
@@ -197,7 +205,14 @@ class _RMSNorm(torch.autograd.Function):
             x = (x.float() + residual.float()).to(x.dtype)
         xf = x.float()
         h = xf.shape[-1]
-        rstd = 1.0 / torch.sqrt(fixed_sum(xf * xf, ROW_CHUNK) / h + eps)
+        ss = fixed_sum(xf * xf, ROW_CHUNK)
+        rstd = 1.0 / torch.sqrt(ss / h + eps)
+        # Rows whose squares overflow fp32 (finite |x| above ~1.8e19): summed again after an
+        # exact scaling by a power of two, as the float64 reference does not overflow.
+        inv = _overflow_scale(ss, xf.abs().amax(-1) if h else ss)
+        xs = xf * inv[:, None]
+        rescued = 1.0 / torch.sqrt(fixed_sum(xs * xs, ROW_CHUNK) / h + eps * inv * inv) * inv
+        rstd = torch.where(inv < 1, rescued, rstd)
         y = (xf * rstd[:, None] * weight.float()).to(x.dtype)
         ctx.save_for_backward(x, weight, rstd)
         ctx.has_residual = residual is not None
@@ -341,14 +356,17 @@ def paged_attention(
 def _lp_rows(z: torch.Tensor, targets: torch.Tensor):
     """fp32 ``z [T, V]`` (already divided by the temperature) -> (logprob, lse, entropy) [T]."""
     m = z.amax(-1)
-    d = z - m[:, None]
+    # 0 where z equals the max (a +inf logit too: it counts 1, and the lse is +inf)
+    d = torch.where(z == m[:, None], 0.0, z - m[:, None])
     e = torch.exp(d)
     s = fixed_sum(e, ROW_CHUNK)
     log_s = torch.log(s)
     lse = m + log_s
     lp = z.gather(1, targets[:, None])[:, 0] - lse
-    # -sum p log p = log s - sum(e d) / s, with p log p = 0 where p = 0 (a -inf logit).
+    # -sum p log p = log s - sum(e d) / s, with p log p = 0 where p = 0 (a -inf logit); NaN
+    # with a +inf logit, as p = softmax(z) is in IEEE arithmetic.
     entropy = log_s - fixed_sum(e * torch.where(e > 0, d, 0.0), ROW_CHUNK) / s
+    entropy = torch.where(m == math.inf, math.nan, entropy)
     return lp, lse, entropy
 
 
@@ -569,12 +587,12 @@ def policy_loss(
             if is_min is not None or is_max is not None:
                 w = w.clamp(min=is_min, max=is_max)
         else:
-            out = torch.zeros_like(given)
+            inside = ~w.isnan()  # a NaN weight is outside the range
             if is_min is not None:
-                out = out | (w < is_min)
+                inside = inside & (w >= is_min)
             if is_max is not None:
-                out = out | (w > is_max)
-            w = torch.where(out, 0.0, w)
+                inside = inside & (w <= is_max)
+            w = torch.where(inside, w, 0.0)
         if is_level == "sequence":
             has = given.any(-1)
             seq_w = w[:, 0] if w.shape[1] else w.new_zeros(w.shape[0])
@@ -663,7 +681,8 @@ def _group_stats(r: torch.Tensor, group_size, group_ids):
     dev = torch.zeros_like(table)
     dev[inv, slot] = r - mean[inv]
     ss = fixed_sum(dev * dev, ROW_CHUNK)
-    return size[inv], mean[inv], ss[inv]
+    amax = table.abs().amax(-1) if table.shape[1] else size
+    return size[inv], mean[inv], ss[inv], amax[inv]
 
 
 def _weighted_stats(v, weight):
@@ -694,17 +713,23 @@ def grpo_advantages(
     if estimator == "reinforce++":
         v = r
     else:
-        size, mean, ss = _group_stats(r, group_size, group_ids)
+        size, mean, ss, amax = _group_stats(r, group_size, group_ids)
+        # Groups whose sums overflow fp32 are computed on rewards scaled by a power of two
+        # (exact); every other group has scale 1 and the same bits as without it.
+        scale = _overflow_scale(torch.where(mean.isinf(), mean, ss), amax)
+        size, mean, ss, _ = _group_stats(r * scale, group_size, group_ids)
         single = size == 1
-        v = r - mean
+        v = r * scale - mean
         if estimator == "grpo" and norm_std == "group":
             std = torch.sqrt(_div(ss, size - 1))
-            v = v / (torch.where(single, 1.0, std) + eps)
-        elif estimator == "grpo" and norm_std == "batch":
-            mu, var = _weighted_stats(r, torch.ones_like(r))
-            v = v / (torch.sqrt(var) + eps)
-        elif estimator == "rloo":
-            v = torch.where(single, r, v * size / (size - 1).clamp(min=1))
+            v = v / (torch.where(single, 1.0, std) + eps * scale)
+        else:
+            v = v / scale  # back to the rewards' scale (exact)
+            if estimator == "grpo" and norm_std == "batch":
+                mu, var = _weighted_stats(r, torch.ones_like(r))
+                v = v / (torch.sqrt(var) + eps)
+            elif estimator == "rloo":
+                v = torch.where(single, r, v * size / (size - 1).clamp(min=1))
     if estimator.startswith("reinforce++"):
         mu, var = _weighted_stats(v, mask.bool().sum(-1).float())
         v = (v - mu) / torch.sqrt(var + 1e-8)

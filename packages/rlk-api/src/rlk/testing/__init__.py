@@ -43,6 +43,7 @@ from rlk import _plugins
 from rlk._plugins import GUARANTEES, OPS, BackendImpl
 from rlk.testing import cases as _cases
 from rlk.testing import checks as _checks
+from rlk.testing import special_values as _special
 from rlk.testing.checks import SAMPLE_AGREEMENT, TOLERANCES
 
 CHECKS = GUARANTEES
@@ -137,7 +138,8 @@ def _run_check(
     fn = impl.ops[op]
     rnd = random.Random(_cases.SEED ^ zlib.crc32(f"{op}/{check}".encode()))
     if check == "accuracy":
-        return _checks.accuracy(fn, _reference_op(op), oc.accuracy, rnd)
+        out = _checks.accuracy(fn, _reference_op(op), oc.accuracy, rnd)
+        return _special.with_accuracy(out, fn, _reference_op(op), op, device)
     if check == "batch_invariance":
         return _checks.batch_invariance(fn, oc.invariance, rnd)
     if check == "determinism":
