@@ -97,7 +97,8 @@ def _script():
 
 def test_script_summary_reads_case_and_sanitizer_logs(tmp_path):
     script = _script()
-    names = list(bad_inputs.CASES)[:3]
+    names = list(bad_inputs.CASES)[:5]
+    assert all(bad_inputs.CASES[n][1] == "error" for n in names[1:])
     logs = {
         names[0]: "RESULT ok: returned (5, 4, 16), 0 NaN\n========= ERROR SUMMARY: 0 errors\n",
         names[1]: (
@@ -106,6 +107,18 @@ def test_script_summary_reads_case_and_sanitizer_logs(tmp_path):
             "========= ERROR SUMMARY: 1 error\n"
         ),
         names[2]: "",  # the process died before printing anything
+        # The bad input reported by a device-side assertion, which the sanitizer counts as an
+        # error; the process aborted before its RESULT line.
+        names[3]: (
+            "========= Warp assert\n========= ERROR SUMMARY: 1 error\n"
+            "TensorCompare.cu:109: block: [0,0,0] Assertion `attention: out of range` failed.\n"
+        ),
+        # An assertion and an access error: fails.
+        names[4]: (
+            "========= Warp assert\n========= Invalid __global__ read of size 4 bytes\n"
+            "RESULT error: AcceleratorError: device-side assert triggered\n"
+            "========= ERROR SUMMARY: 2 errors\n"
+        ),
     }
     for i, name in enumerate(names):
         (tmp_path / f"{i:02d}.log").write_text(f"CASE {name}\n" + logs[name])
@@ -114,7 +127,10 @@ def test_script_summary_reads_case_and_sanitizer_logs(tmp_path):
     assert rows[0]["verdict"] == "pass" and rows[0]["memcheck"] == "0"
     assert rows[1]["verdict"] == "FAIL" and rows[1]["memcheck"] == "1"
     assert rows[2]["verdict"] == "FAIL" and rows[2]["outcome"] == "no result"
-    assert script.table(rows).splitlines()[-1] == "1 passed, 2 failed"
+    assert rows[3]["verdict"] == "pass" and rows[3]["outcome"] == "error"
+    assert rows[3]["asserts"] == 1 and "attention: out of range" in rows[3]["detail"]
+    assert rows[4]["verdict"] == "FAIL" and rows[4]["access_errors"] == 1
+    assert script.table(rows).splitlines()[-1] == "2 passed, 3 failed"
 
 
 def test_script_runs_every_case_on_cpu(tmp_path):
