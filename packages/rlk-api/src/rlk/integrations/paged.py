@@ -203,6 +203,7 @@ class _DecodeGraphs:
         # ids, positions, slots, sample offsets, seeds | cu_seqlens_q, seq_lens, block table
         self.i64 = torch.zeros(5, B, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * B + 1 + B * width, dtype=torch.int32, device=device)
+        self.views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.logits_dtype: torch.dtype | None = None
@@ -210,12 +211,22 @@ class _DecodeGraphs:
     def bucket(self, b: int) -> int:
         return min(1 << (b - 1).bit_length(), self.max_batch)
 
+    def _views(self, B: int) -> tuple[torch.Tensor, ...]:
+        """Bucket ``B``'s views of the static buffers, made once: the same tensor objects in
+        the warm-up and in the capture. paged_attention sizes its grid from the longest query
+        run of ``cu_seqlens_q``, a host read it remembers per tensor object and version, so the
+        warm-up makes that read (one query per row) and the capture right after makes none."""
+        if B not in self.views:
+            ids, pos, slots, off, seeds = self.i64[:, :B]
+            cu = self.i32[: B + 1]
+            lens = self.i32[self.max_batch + 1 : self.max_batch + 1 + B]
+            start = 2 * self.max_batch + 1
+            table = self.i32[start : start + B * self.width].view(B, self.width)
+            self.views[B] = (ids, pos, slots, off, seeds, cu, lens, table)
+        return self.views[B]
+
     def _step(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, slots, off, seeds = self.i64[:, :B]
-        cu = self.i32[: B + 1]
-        lens = self.i32[self.max_batch + 1 : self.max_batch + 1 + B]
-        start = 2 * self.max_batch + 1
-        table = self.i32[start : start + B * self.width].view(B, self.width)
+        ids, pos, slots, off, seeds, cu, lens, table = self._views(B)
         self.cache.set_step(slots, table, lens, cu)
         hidden = _forward_packed(self.base, ids, pos, self.cache)
         logits = self.model.get_output_embeddings()(hidden).contiguous()
