@@ -243,7 +243,7 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     the widest N tile that still gives every SM a program, with the deepest pipeline that fits
     shared memory. Above, tiles come through descriptors: 64x128 or 128x256 up to M = 256,
     then 128x256, persistent once there are four tiles per SM. Chosen from
-    ``scripts/gemm_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against cuBLAS
+    ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against cuBLAS
     at the Llama-3-8B and Qwen2-0.5B projections).
     """
     if dtype_bytes == 4:

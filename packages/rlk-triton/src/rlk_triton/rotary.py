@@ -83,7 +83,7 @@ def _rotary_dcos_dsin_kernel(X, DY, DCOS, DSIN, n_heads, HALF, BLOCK_HALF: tl.co
 
 
 def _choose(*, tokens: int, heads: int, head_dim: int) -> int:
-    # From scripts/gemm_sweep.py's rotary part on an H200 (q and k as Llama-3-8B and Qwen2.5
+    # From scripts/kernel_sweep.py's rotary part on an H200 (q and k as Llama-3-8B and Qwen2.5
     # rotate them): every head of a token per program at head_dim 128; blocks of 16 tokens with
     # 8 heads at head_dim 64, where one token's heads are too little work for a program.
     return 0 if head_dim >= 128 else 1

@@ -1,6 +1,14 @@
-"""Decode-size GEMM on a CUDA GPU: where the time goes, and which launch configs stream W fastest.
+"""Launch configs of rlk's kernels on a CUDA GPU, against the peers, in GPU time.
 
-    python3 scripts/gemm_sweep.py [--out DIR]
+    python3 scripts/kernel_sweep.py [--out DIR] [--parts decode,tma,rotary,attention]
+
+Parts: ``decode`` and ``tma`` (GEMM, below), ``rotary`` (apply_rotary configs against Liger),
+``attention`` (forward and backward configs of causal varlen attention against SDPA's default
+backend, and the forward with 128-key tiles, a different numerics timed only to see its worth).
+Every config's output is compared bitwise with the chosen config's where the numerics are the
+same.
+
+GEMM:
 
 Three measurements, each side by side with cuBLAS (``F.linear``) in this process, bf16:
 
@@ -14,7 +22,7 @@ Three measurements, each side by side with cuBLAS (``F.linear``) in this process
    k-loop, leaves summed in ascending order by a second kernel): a different numerics, timed
    here only to see what more programs per SM would buy.
 
-A table is printed last; the rows also go to ``DIR/gemm_sweep.json``.
+Tables are printed last; the rows also go to ``DIR/kernel_sweep.json``.
 """
 
 from __future__ import annotations
@@ -263,10 +271,116 @@ def _rotary_shape(rows, T: int, Hq: int, Hk: int, D: int) -> None:
     print(json.dumps(r), flush=True)
 
 
+ATTN_SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
+ATTN_FWD = [
+    {"BLOCK_M": bm, "num_warps": w, "num_stages": st}
+    for bm, w in ((128, 8), (128, 4), (64, 4))
+    for st in (2, 3, 4)
+]
+ATTN_BWD = [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+    for bm, bn, w in ((128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 128, 4))
+    for st in (1, 2, 3)
+]
+
+
+def attention_part(rows) -> None:
+    for shape in ATTN_SHAPES:
+        _attention_shape(rows, *shape)
+
+
+def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
+    from rlk_triton import attention
+
+    dev, dt = "cuda", torch.bfloat16
+    t = b * s
+    q, k, v = (torch.randn(t, h, d, device=dev, dtype=dt) for h in (hq, hk, hk))
+    do = torch.randn_like(q)
+    cu = torch.arange(0, t + 1, s, device=dev, dtype=torch.int32)
+    flops = 2 * 2 * b * s * s * hq * d / 2
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def fwd():
+        return rlk.attention(q, k, v, cu, cu, causal=True)
+
+    def step():
+        out = rlk.attention(*leaves, cu, cu, causal=True)
+        return torch.autograd.grad(out, leaves, do)
+
+    def tf(ms, mult=1.0):
+        return round(mult * flops / ms / 1e9, 1)
+
+    ref, ref_g = fwd(), step()
+    fwd_ms = products_ms(lambda x, w: fwd(), None, [None])
+    bwd_ms = products_ms(lambda x, w: step(), None, [None])
+
+    def bhsd(x):
+        x = x.view(b, s, -1, d).transpose(1, 2)
+        return x.repeat_interleave(hq // x.shape[1], dim=1).contiguous()
+
+    qs, ks, vs, dos = bhsd(q), bhsd(k), bhsd(v), bhsd(do)
+    sg = [x.clone().requires_grad_() for x in (qs, ks, vs)]
+    sdpa = F.scaled_dot_product_attention
+    sdpa_ms = products_ms(lambda x, w: sdpa(qs, ks, vs, is_causal=True), None, [None])
+    sdpa_bwd_ms = products_ms(
+        lambda x, w: torch.autograd.grad(sdpa(*sg, is_causal=True), sg, dos), None, [None]
+    )
+    best_f, equal_f = (fwd_ms, None), True
+    for cf in ATTN_FWD:
+        with tuning.force("attention", {"attention.fwd": cf}):
+            try:
+                equal_f &= torch.equal(fwd(), ref)
+                t_ = products_ms(lambda x, w: fwd(), None, [None])
+            except Exception as e:
+                print("skip attn fwd", cf, type(e).__name__, str(e)[:120])
+                continue
+        if t_ < best_f[0]:
+            best_f = (t_, cf)
+    best_b, equal_b = (bwd_ms, None), True
+    for cf in ATTN_BWD:
+        with tuning.force("attention", {"attention.bwd": cf}):
+            try:
+                g = step()
+                equal_b &= all(torch.equal(x, y) for x, y in zip(g, ref_g, strict=True))
+                t_ = products_ms(lambda x, w: step(), None, [None])
+            except Exception as e:
+                print("skip attn bwd", cf, type(e).__name__, str(e)[:120])
+                continue
+        if t_ < best_b[0]:
+            best_b = (t_, cf)
+    # 128-key tiles: another softmax order (not bit-equal by design), timed for its worth.
+    n128 = (float("inf"), None)
+    saved = attention.BLOCK_N
+    try:
+        attention.BLOCK_N = 128
+        for cf in ATTN_FWD[:6]:
+            with tuning.force("attention", {"attention.fwd": cf}):
+                try:
+                    fwd()
+                    t_ = products_ms(lambda x, w: fwd(), None, [None])
+                except Exception as e:
+                    print("skip attn n128", cf, type(e).__name__, str(e)[:120])
+                    continue
+            if t_ < n128[0]:
+                n128 = (t_, cf)
+    finally:
+        attention.BLOCK_N = saved
+    r = {
+        "part": "attention", "shape": f"B={b} S={s} Hq={hq} Hk={hk} D={d}",
+        "fwd_TF": tf(fwd_ms), "fwd_best_TF": tf(best_f[0]), "fwd_best": best_f[1],
+        "fwd_n128_TF": tf(n128[0]), "fwd_n128": n128[1], "sdpa_fwd_TF": tf(sdpa_ms),
+        "fb_TF": tf(bwd_ms, 3.5), "fb_best_TF": tf(best_b[0], 3.5), "bwd_best": best_b[1],
+        "sdpa_fb_TF": tf(sdpa_bwd_ms, 3.5), "fwd_bits_equal": bool(equal_f),
+        "bwd_bits_equal": bool(equal_b),
+    }  # fmt: skip
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="decode,tma,rotary")
+    ap.add_argument("--parts", default="decode,tma,rotary,attention")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows: list[dict] = []
@@ -277,8 +391,10 @@ def main() -> None:
             tma_part(rows)
         if "rotary" in parts:
             rotary_part(rows)
+        if "attention" in parts:
+            attention_part(rows)
     finally:
-        with open(os.path.join(args.out, "gemm_sweep.json"), "w") as f:
+        with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print_tables(rows)
 
@@ -393,8 +509,8 @@ def print_tables(rows) -> None:
             f"{'ok' if r['bits_equal'] else 'DIFF'}  {c(r['tma_cfg'])} / {c(r['ptma_cfg'])}"
         )
     for r in rows:
-        if r["part"] == "rotary":
-            print("rotary", {k: v for k, v in r.items() if k != "part"})
+        if r["part"] in ("rotary", "attention"):
+            print(r["part"], {k: v for k, v in r.items() if k != "part"})
 
 
 if __name__ == "__main__":
