@@ -20,6 +20,7 @@ PACKAGES = [
     "packages/rlk-cuda",
     "packages/rlk-rocm",
     "packages/rlk-ascend",
+    "packages/rlk-integrations",
 ]
 BACKENDS = ["reference", "triton", "cuda", "rocm", "ascend"]
 
@@ -80,7 +81,7 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
 
 
-#: The oldest and newest transformers rlk[transformers] admits (rlk.integrations.transformers.
+#: The oldest and newest transformers rlk[transformers] admits (rlk_integrations.transformers.
 #: TESTED_TRANSFORMERS); constraints.txt pins the oldest for every other session.
 TRANSFORMERS_RANGE = ["5.17.0", "5.24.0"]
 
@@ -104,9 +105,9 @@ def transformers_range(session: nox.Session, transformers: str) -> None:
         "-n",
         "2",
         "-q",
-        "tests/test_integration_transformers.py",
-        "tests/test_paged_rollout.py",
-        "tests/test_consistency.py",
+        "packages/rlk-integrations/tests/test_integration_transformers.py",
+        "packages/rlk-integrations/tests/test_paged_rollout.py",
+        "packages/rlk-integrations/tests/test_consistency.py",
         env=env,
     )
     for model in ("tiny", "tiny-llama", "tiny-qwen3"):

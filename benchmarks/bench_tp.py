@@ -4,7 +4,7 @@
         [--leaves 8] [--exchange gather|halving]
 
 Both rows run the transformers integration on rlk kernels at the same TP degree, spawned over
-``--tp`` GPUs with NCCL (:mod:`rlk.integrations.tp`): ``tree`` is the TP-invariant layout
+``--tp`` GPUs with NCCL (:mod:`rlk_integrations.tp_workers`): ``tree`` is the TP-invariant layout
 (row-parallel outputs and column-parallel input gradients gathered in fp32 and summed by the
 leaf tree, vocabulary-parallel ``linear_logprobs``), ``stock`` the usual one (``rlk.linear`` on
 each rank's slice and an NCCL all-reduce; the same vocabulary-parallel log-probs). One step is
@@ -24,7 +24,7 @@ import torch
 
 
 def _samples(n, length, vocab, seed=0):
-    from rlk.integrations.rollout import Sample
+    from rlk_integrations.rollout import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -36,7 +36,7 @@ def _samples(n, length, vocab, seed=0):
 
 
 def main() -> int:
-    from rlk.integrations import models, tp, training
+    from rlk_integrations import models, tp_workers, training
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2-0.5b")
@@ -60,15 +60,16 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, "w.pt")
-        tp.save_weights(model, weights)
+        tp_workers.save_weights(model, weights)
         cfg = model.config
         del model
         for name, world, stock in (("tp1-tree", 1, False), ("tree", args.tp, False),
                                    ("stock", args.tp, True)):  # fmt: skip
             secs = []
             for _ in range(args.repeat):
-                _, s = tp.spawn(tp.train_worker, world, args.device, cfg, weights, bf16,
-                                args.leaves, samples, groups, 1.0, bf16, True, stock)  # fmt: skip
+                _, s = tp_workers.spawn(tp_workers.train_worker, world, args.device, cfg,
+                                        weights, bf16, args.leaves, samples, groups, 1.0, bf16,
+                                        True, stock)  # fmt: skip
                 secs.append(s)
             results[name] = statistics.median(secs)
             print(f"{name:>9}: TP={world} step {results[name] * 1e3:9.1f} ms, "

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from rlk.integrations import models, rollout, training  # imports rlk_triton before transformers
-from rlk.integrations.transformers import patch_model
+from rlk_integrations import models, rollout, training  # imports rlk_triton before transformers
+from rlk_integrations.transformers import patch_model
 
 
 def reward(response: list[int]) -> float:

@@ -3,11 +3,94 @@
 It builds the argument parser without importing torch (or rlk, which imports torch), so
 ``rlk --help``, ``rlk <command> --help``, ``rlk --version`` and argparse's usage errors answer at
 once; the commands themselves run in :mod:`rlk.cli`, imported after the arguments parsed.
+
+Other distributions add commands through the entry-point group ``rlk.commands``: each entry point
+names a :class:`Command` (rlk-integrations adds ``rlk consistency``), so that rlk itself imports
+no kernel package and no engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: The entry-point group of the commands other distributions add.
+COMMAND_GROUP = "rlk.commands"
+
+#: The commands of rlk itself (run by :mod:`rlk.cli`); a plugin of the same name is not used.
+BUILTIN_COMMANDS = ("info", "conformance", "bench")
+
+#: Commands of other distributions, by name: the distribution and the install that bring it.
+#: ``rlk <name>`` without it is an error saying so.
+KNOWN_COMMANDS = {
+    "consistency": ("rlk-integrations", 'pip install "rlk[transformers]"'),
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command another distribution adds to ``rlk`` (entry-point group ``rlk.commands``).
+
+    ``add_arguments(parser)`` declares its arguments and must not import torch (``rlk --help``
+    loads it); ``run(args)`` runs it and returns the exit status (it may import anything; an
+    ``rlk.BackendError`` it raises is reported as a one-line error with exit status 2).
+
+    Example (in the distribution's ``pyproject.toml``)::
+
+        [project.entry-points."rlk.commands"]
+        consistency = "rlk_integrations.commands:CONSISTENCY"
+    """
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _plugin_commands() -> dict[str, Command | str]:
+    """The commands of the group ``rlk.commands``, by name: the :class:`Command`, or why its
+    entry point cannot be used (the reason is reported when the command is run)."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, Command | str] = {}
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        if ep.name in BUILTIN_COMMANDS:
+            continue
+        if ep.name in found:
+            found[ep.name] = f"more than one installed distribution declares `rlk {ep.name}`"
+            continue
+        try:
+            cmd = ep.load()
+        except Exception as e:  # a broken plugin must not break the other commands
+            found[ep.name] = f"its entry point {ep.value} failed to load ({type(e).__name__}: {e})"
+            continue
+        if not isinstance(cmd, Command):
+            found[ep.name] = f"its entry point {ep.value} is not an rlk_cli.Command"
+            continue
+        found[ep.name] = cmd
+    return found
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """One subcommand per plugin command, and a stub per known command that is not installed
+    (or is broken): the stub takes any arguments and makes :func:`main` say what is wrong."""
+    found = _plugin_commands()
+    for name in sorted(set(found) | set(KNOWN_COMMANDS)):
+        cmd = found.get(name)
+        if isinstance(cmd, Command):
+            p = sub.add_parser(name, help=cmd.help)
+            cmd.add_arguments(p)
+            p.set_defaults(command=cmd)
+            continue
+        if cmd is None:
+            dist, how = KNOWN_COMMANDS[name]
+            why = f"`rlk {name}` comes with {dist}, which is not installed: {how}"
+            short = f"(needs {dist}: {how})"
+        else:
+            why, short = f"`rlk {name}` cannot run: {cmd}", "(broken: run it to see why)"
+        p = sub.add_parser(name, help=short, add_help=False)
+        p.set_defaults(unusable=why)
 
 
 def _version() -> str:
@@ -34,71 +117,11 @@ def parser() -> argparse.ArgumentParser:
     pc.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     pc.add_argument("--full", action="store_true", help="real shapes (GPU) instead of quick ones")
     pc.add_argument("--quiet", action="store_true", help="no progress lines")
-    pk = sub.add_parser(
-        "consistency", help="rollout vs training log-prob mismatch, stock transformers vs rlk"
-    )
-    pk.add_argument(
-        "--model",
-        default="tiny",
-        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, qwen2-0.5b, "
-        "qwen3-0.6b, llama3-8b-4layers; random weights) or a local checkpoint directory "
-        "(default: tiny)",
-    )
-    pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
-    pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
-    pk.add_argument("--new-tokens", type=int, default=16, help="tokens sampled per prompt (16)")
-    pk.add_argument("--prompt-len", default="4:12", help="prompt lengths MIN:MAX (default 4:12)")
-    pk.add_argument("--micro-batch", type=int, default=3, help="sequences per training micro-batch")
-    pk.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
-    pk.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    pk.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    pk.add_argument(
-        "--rollout-mode",
-        default="both",
-        choices=("padded", "paged", "both"),
-        help="rlk rollout: left-padded batch, paged KV cache with continuous batching, or a row "
-        "for each (default: both; the stock side is always padded)",
-    )
-    pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
-    pk.add_argument(
-        "--max-batch", type=int, default=None, help="paged mode: running requests (default: all)"
-    )
-    pk.add_argument(
-        "--train-engine",
-        default="transformers",
-        choices=("transformers", "megatron"),
-        help="training recompute of the rlk rows: the transformers integration or Megatron-core's "
-        "GPTModel with rlk's layer spec (default: transformers; the stock row is always stock "
-        "transformers)",
-    )
-    pk.add_argument(
-        "--leaves",
-        type=int,
-        default=None,
-        help="rlk side: o_proj/down_proj (and Megatron's parallel linears) on the tree-ordered "
-        "linear with this many K-leaves, a power of two (default: plain rlk.linear)",
-    )
-    pk.add_argument(
-        "--train-tp",
-        type=int,
-        default=1,
-        help="rlk side: tensor-parallel size of the training recompute (either engine); > 1 "
-        "spawns that many processes (gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
-    )
-    pk.add_argument(
-        "--rollout-tp",
-        type=int,
-        default=1,
-        help="rlk side: tensor-parallel size of the rollout; > 1 spawns that many processes "
-        "(gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
-    )
-    pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
-    pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
-    pk.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_plugin_commands(sub)
     pb = sub.add_parser("bench", help="time every op family against the strongest peer on this GPU")
     pb.add_argument(
         "--only", default=None, help="comma-separated families (default: all): gemm, attention, "
-        "norm, logprobs, sampling, e2e",
+        "norm, logprobs, sampling, e2e (e2e: with rlk-integrations)",
     )  # fmt: skip
     pb.add_argument("--quick", action="store_true", help="one or two shapes per family")
     pb.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
@@ -114,7 +137,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    # parse_known_args: a stub of a command that is not installed takes any arguments.
+    args, extra = p.parse_known_args(argv)
+    if getattr(args, "unusable", None):
+        print(f"rlk: error: {args.unusable}", file=sys.stderr)
+        return 2
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     from rlk import cli
 
     return cli.run(args, argv)

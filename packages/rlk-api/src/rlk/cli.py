@@ -1,4 +1,5 @@
-"""The ``rlk`` command: ``rlk info``, ``rlk conformance`` and ``rlk consistency``."""
+"""The ``rlk`` command: ``rlk info``, ``rlk conformance`` and ``rlk bench``, and the commands of
+other distributions (``rlk_cli.Command``: ``rlk consistency`` comes with rlk-integrations)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _versions(*extra: str) -> dict[str, str]:
         "rlk-cuda",
         "rlk-rocm",
         "rlk-ascend",
+        "rlk-integrations",
         *extra,
     ):
         with contextlib.suppress(md.PackageNotFoundError):
@@ -165,59 +167,6 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _cmd_consistency(args: argparse.Namespace) -> int:
-
-    from rlk import consistency
-
-    lo, _, hi = args.prompt_len.partition(":")
-    try:
-        prompt_len = (int(lo), int(hi or lo))
-    except ValueError:
-        print(f"rlk: error: --prompt-len must be MIN:MAX, got {args.prompt_len!r}", file=sys.stderr)
-        return 2
-    try:
-        report = _run_consistency(args, prompt_len)
-    except consistency.UsageError as e:
-        print(f"rlk: error: {e}", file=sys.stderr)
-        return 2
-    print(consistency.format_table(report))
-    if args.json:
-        consistency.write_json(report, args.json)
-    ok = consistency.ok(report)
-    if not ok:
-        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
-    return 0 if ok else 1
-
-
-def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> dict[str, Any]:
-    import torch
-
-    from rlk import consistency
-
-    return consistency.run(
-        args.model,
-        backend=args.backend,
-        prompts=args.prompts,
-        new_tokens=args.new_tokens,
-        prompt_len=prompt_len,
-        micro_batch=args.micro_batch,
-        seed=args.seed,
-        temperature=args.temperature,
-        device=args.device,
-        dtype=getattr(torch, args.dtype),
-        rollout_modes=consistency.ROLLOUT_MODES
-        if args.rollout_mode == "both"
-        else (args.rollout_mode,),
-        page_size=args.page_size,
-        max_batch=args.max_batch,
-        train_engine=args.train_engine,
-        leaves=args.leaves,
-        train_tp=args.train_tp,
-        rollout_tp=args.rollout_tp,
-        progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
-    )
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rlk import bench
 
@@ -241,11 +190,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.only, args.quick, args.json, args.markdown, args.argv)
 
 
-#: The command each subcommand runs (the parser lives in the torch-free module ``rlk_cli``).
+#: The command each of rlk's own subcommands runs (the parser lives in the torch-free module
+#: ``rlk_cli``; a command of another distribution brings its own ``run``).
 COMMANDS = {
     "info": _cmd_info,
     "conformance": _cmd_conformance,
-    "consistency": _cmd_consistency,
     "bench": _cmd_bench,
 }
 
@@ -254,8 +203,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     """Run the parsed command; a BackendError is a one-line error and exit status 2."""
     if args.cmd == "bench":
         args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
+    command = COMMANDS.get(args.cmd) or args.command.run
     try:
-        return COMMANDS[args.cmd](args)
+        return command(args)
     except _plugins.BackendError as e:
         print(f"rlk: error: {e}", file=sys.stderr)
         return 2
@@ -264,7 +214,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     import rlk_cli
 
-    return run(rlk_cli.parser().parse_args(argv), argv)
+    return rlk_cli.main(argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,8 +1,9 @@
 """``rlk bench``: every op family against the strongest implementation the machine has.
 
-Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling``, ``e2e``)
-has ``run(quick, emit)``, which times rlk's public op and its peers on the same random
-inputs, in this process, and passes each result row to ``emit`` as soon as it is measured.
+Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling`` here; ``e2e``,
+the rollout and training engines, in rlk-integrations, found through the entry-point group
+``rlk.bench``) has ``run(quick, emit)``, which times rlk's public op and its peers on the same
+random inputs, in this process, and passes each result row to ``emit`` as soon as it is measured.
 A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s]}``; ``impl`` is ``rlk`` or
 the peer's name (``cublas``, ``sdpa``, ``sdpa-flash``, ``liger``, ``compile``, ``torch``,
 ``hf-generate``, ``stock``, ``stock+liger``).
@@ -30,7 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+#: Every family, in the order ``rlk bench`` runs them.
 FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e")
+
+#: The families of other distributions (entry-point group ``rlk.bench``, each naming the family's
+#: module) and the install that brings them: without it, asking for one is an error.
+PLUGIN_FAMILIES = {"e2e": 'rlk-integrations (pip install "rlk[transformers]")'}
+BENCH_GROUP = "rlk.bench"
 
 #: impl names that are rlk itself; every other impl of a row's (op, shape, dtype) is a peer.
 RLK_IMPLS = ("rlk",)
@@ -78,6 +85,32 @@ def meta(argv: list[str]) -> dict[str, Any]:
     return m
 
 
+def family_module(name: str) -> Any:
+    """The module of family ``name``: ``rlk.bench.<name>``, or the module that the entry point
+    ``name`` of the group ``rlk.bench`` names. Raises ``ValueError`` naming what to install
+    when no installed distribution has it."""
+    if name not in PLUGIN_FAMILIES:
+        return importlib.import_module(f"rlk.bench.{name}")
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group=BENCH_GROUP) if ep.name == name]
+    if len(eps) != 1:
+        raise ValueError(
+            f"the {name} family comes with {PLUGIN_FAMILIES[name]}"
+            if not eps
+            else f"more than one installed distribution declares the {name} family"
+        )
+    return eps[0].load()
+
+
+def available() -> list[str]:
+    """The families whose module is installed (:data:`FAMILIES` order)."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name for ep in entry_points(group=BENCH_GROUP)}
+    return [f for f in FAMILIES if f not in PLUGIN_FAMILIES or f in found]
+
+
 def run(
     families: list[str],
     quick: bool,
@@ -106,7 +139,7 @@ def run(
         if progress is not None:
             progress(f"[{fam}]")
         try:
-            importlib.import_module(f"rlk.bench.{fam}").run(quick=quick, emit=emit)
+            family_module(fam).run(quick=quick, emit=emit)
         except Exception:
             traceback.print_exc()
             failed.append(fam)
@@ -254,10 +287,15 @@ def main(
     """The ``rlk bench`` command; returns the exit status."""
     import torch
 
-    families = [f.strip() for f in (only or ",".join(FAMILIES)).split(",") if f.strip()]
+    families = [f.strip() for f in (only or ",".join(available())).split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         print(f"rlk: error: unknown families {unknown}; choose from {FAMILIES}", file=sys.stderr)
+        return 2
+    missing = [f for f in families if f not in available()]
+    if missing:
+        for f in missing:
+            print(f"rlk: error: the {f} family comes with {PLUGIN_FAMILIES[f]}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("rlk: error: rlk bench needs a CUDA/ROCm GPU, and this torch sees none",
@@ -266,6 +304,11 @@ def main(
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
+
+    if only is None:
+        for f in FAMILIES:
+            if f not in families:
+                say(f"not measured: the {f} family comes with {PLUGIN_FAMILIES[f]}")
 
     report: dict[str, Any] = {"meta": meta(argv)}
     say(

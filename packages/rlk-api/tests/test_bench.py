@@ -1,5 +1,6 @@
-"""``rlk bench``: the report, its ratios, merging and rendering, the CLI without a GPU, and every
-family run end to end on CPU (tiny shapes, timing stubbed: speed is measured on GPUs only)."""
+"""``rlk bench``: the report, its ratios, merging and rendering, the CLI without a GPU, and rlk's
+own families run end to end on CPU (tiny shapes, timing stubbed: speed is measured on GPUs only).
+The e2e family is rlk-integrations' (its tests)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,23 @@ def test_cli_without_a_gpu_says_so(capsys, monkeypatch):
     )
     assert cli.main(["bench", "--only", "nosuch"]) == 2
     assert "unknown families ['nosuch']" in capsys.readouterr().err
+
+
+def test_a_family_of_a_missing_distribution_says_what_to_install(capsys, monkeypatch):
+    """Without rlk-integrations (no entry point in the group rlk.bench) the e2e family is not
+    run by default, and asking for it is an error naming what to install."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    assert bench.available() == ["gemm", "attention", "norm", "logprobs", "sampling"]
+    with pytest.raises(ValueError, match=r"e2e family comes with rlk-integrations"):
+        bench.family_module("e2e")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["bench", "--only", "gemm,e2e"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        'rlk: error: the e2e family comes with rlk-integrations (pip install "rlk[transformers]")\n'
+    )
 
 
 @pytest.fixture
@@ -141,31 +159,3 @@ def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
     rows = _run(monkeypatch, sampling, SHAPES=[(4, 512)])
     assert _rlk_ops(rows) == {"sample.temperature", "sample.top_k_top_p"}
     assert {r["impl"] for r in rows} >= {"rlk", "torch"}
-
-
-def test_e2e_family_runs(on_cpu, monkeypatch):
-    """The end-to-end family on the tiny model (its own wall-clock timing, kept: on CPU it only
-    has to run); every row the result file's readers look for comes out."""
-    from rlk.bench import e2e
-
-    rows = _run(
-        monkeypatch,
-        e2e,
-        QUICK_MODELS=("tiny",),
-        QUICK_BATCHES=(2,),
-        QUICK_NEW_TOKENS=2,
-        QUICK_TRAIN_SEQS=2,
-        QUICK_TRAIN_LEN=8,
-        PROMPT_LEN=(3, 5),
-        TRAIN_ITERS=1,
-    )
-    got = {(r["op"], r["impl"]) for r in rows}
-    assert got >= {
-        ("e2e.rollout.padded", "hf-generate"),
-        ("e2e.rollout.padded", "rlk"),
-        ("e2e.rollout.paged", "hf-generate"),
-        ("e2e.rollout.paged", "rlk"),
-        ("e2e.train", "stock"),
-        ("e2e.train", "rlk"),
-    }
-    assert all(r["tok_s"] > 0 for r in rows)

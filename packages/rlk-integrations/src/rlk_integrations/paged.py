@@ -1,17 +1,17 @@
 """Rollout with a paged KV cache and continuous batching, attention by :func:`rlk.paged_attention`.
 
 :func:`generate_paged` is the second rollout mode beside the padded batch of
-:func:`rlk.integrations.rollout.generate`, with the same result type and the same sampling
+:func:`rlk_integrations.rollout.generate`, with the same result type and the same sampling
 (request seed, RNG offset = the token's position), so a request gets the very same tokens and
 log-probabilities in either mode, alone or with any other requests, and the training recompute
-(:mod:`rlk.integrations.training`) equals them bit for bit.
+(:mod:`rlk_integrations.training`) equals them bit for bit.
 
 Pieces:
 
 - :class:`PageAllocator`: a free list of page ids (lowest id first).
 - :class:`PagedKVCache`: per layer, ``k``/``v`` caches ``[pages, page_size, Hk, D]`` and the
   metadata of the current step (``slots``, ``block_table``, ``seq_lens``, ``cu_seqlens_q``).
-  The patched attention (:mod:`rlk.integrations.transformers`) sees it as ``past_key_values``
+  The patched attention (:mod:`rlk_integrations.transformers`) sees it as ``past_key_values``
   and hands it the layer's new ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]``; :meth:`attend` writes
   ``k``/``v`` into their slots and calls :func:`rlk.paged_attention`. Nothing in it reads a
   device value on the host.
@@ -47,7 +47,8 @@ import torch
 
 import rlk
 from rlk._validate import validate_requested
-from rlk.integrations.rollout import RolloutResult, Sample
+from rlk_integrations.rollout import RolloutResult, Sample
+from rlk_integrations.tp import local_kv_heads
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -192,7 +193,7 @@ class _DecodeGraphs:
 
     def __init__(self, model, cache: PagedKVCache, *, num_pages: int, width: int, max_batch: int,
                  sample_kw: dict, lp_temperature: float, capture: bool) -> None:  # fmt: skip
-        from rlk.integrations.transformers import decoder
+        from rlk_integrations.transformers import decoder
 
         self.model, self.base, self.cache = model, decoder(model), cache
         self.page_size, self.num_pages, self.width = cache.page_size, num_pages, width
@@ -375,8 +376,8 @@ def generate_paged(
 ) -> RolloutResult:
     """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
 
-    ``model``: a causal LM patched by :func:`rlk.integrations.transformers.patch_model`.
-    ``seeds`` as in :func:`rlk.integrations.rollout.generate` (default ``i``); the token at
+    ``model``: a causal LM patched by :func:`rlk_integrations.transformers.patch_model`.
+    ``seeds`` as in :func:`rlk_integrations.rollout.generate` (default ``i``); the token at
     position ``p`` uses RNG offset ``p``. A response stops after ``eos_token_id``.
 
     Scheduling: at most ``max_batch`` requests run at once; ``num_pages`` pages of
@@ -392,12 +393,11 @@ def generate_paged(
     power-of-two batch, the same bits as the eager step), so that the host launches one graph
     instead of every kernel of every layer. Steps with prompt chunks run eagerly.
 
-    Returns a :class:`~rlk.integrations.rollout.RolloutResult` (samples in prompt order);
+    Returns a :class:`~rlk_integrations.rollout.RolloutResult` (samples in prompt order);
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
     decodes together), ``prefill_chunks`` and ``graph_steps``.
     """
-    from rlk.integrations.tp import local_kv_heads
-    from rlk.integrations.transformers import decoder, is_patched
+    from rlk_integrations.transformers import decoder, is_patched
 
     if not is_patched(model):
         raise ValueError("generate_paged needs a model patched by rlk's patch_model")

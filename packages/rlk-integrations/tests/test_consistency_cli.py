@@ -1,5 +1,7 @@
-"""``rlk consistency`` checks its arguments before it builds a model: a usage error is one line,
-``rlk: error: ...``, with exit status 2 and no traceback."""
+"""``rlk consistency`` comes from rlk-integrations through the entry-point group
+``rlk.commands`` (and ``rlk bench``'s e2e family through ``rlk.bench``). The command checks its
+arguments before it builds a model: a usage error is one line, ``rlk: error: ...``, with exit
+status 2 and no traceback."""
 
 from __future__ import annotations
 
@@ -7,7 +9,28 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rlk import cli  # noqa: E402
+import rlk_cli  # noqa: E402
+from rlk import bench, cli  # noqa: E402
+
+
+def test_the_command_and_the_family_are_registered():
+    from rlk_integrations import commands, e2e_bench
+
+    assert rlk_cli._plugin_commands()["consistency"] is commands.CONSISTENCY
+    assert bench.available() == list(bench.FAMILIES)
+    assert bench.family_module("e2e") is e2e_bench
+
+
+def test_help_lists_the_command(capsys):
+    """(That --help imports no torch is checked for every installed plugin command by
+    rlk-api's tests.)"""
+    for argv in (["--help"], ["consistency", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            rlk_cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "rollout vs training log-prob mismatch" in out
+    assert "--rollout-tp ROLLOUT_TP" in out
 
 
 @pytest.mark.parametrize(
@@ -28,7 +51,7 @@ from rlk import cli  # noqa: E402
     ],
 )
 def test_usage_errors_are_one_line(argv, message, capsys, monkeypatch):
-    from rlk import consistency
+    from rlk_integrations import consistency
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a model was built before the arguments were checked")
@@ -47,25 +70,6 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["consistency", "--device", "cuda"]) == 2
     assert "sees no CUDA/ROCm GPU" in capsys.readouterr().err
-
-
-def test_help_and_version_do_not_import_torch():
-    """The entry point parses without importing torch, so --help and --version answer at once."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, rlk_cli\n"
-        "for argv in (['--help'], ['--version'], ['consistency', '--help']):\n"
-        "    try:\n"
-        "        rlk_cli.main(argv)\n"
-        "    except SystemExit as e:\n"
-        "        assert e.code == 0, e.code\n"
-        "assert 'torch' not in sys.modules\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 def test_tp_larger_than_the_gpus_is_a_usage_error(capsys, monkeypatch):

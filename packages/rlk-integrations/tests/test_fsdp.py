@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow  # spawned gloo processes
 
 from fsdp_workers import MODEL, build, step, worker  # noqa: E402
 
-from rlk.integrations import models, training  # noqa: E402
-from rlk.integrations.rollout import Sample  # noqa: E402
+from rlk_integrations import models, training  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
 
 WORLD = 2
 VOCAB = 512

@@ -1,6 +1,6 @@
 """``rlk consistency --rollout-tp / --train-tp`` with the transformers integration, on CPU.
 
-The command spawns 2 gloo processes that shard the tiny model (:mod:`rlk.integrations.tp`) and
+The command spawns 2 gloo processes that shard the tiny model (:mod:`rlk_integrations.tp`) and
 either sample (rollout at TP=2, padded and paged) or recompute with vocabulary-parallel
 ``linear_logprobs`` (training at TP=2); the other side runs at TP=1 in this process. fp32, where
 the tree order of o_proj/down_proj shows in the bits (bf16 rounds both orders alike at the tiny
@@ -20,9 +20,9 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 from rlk import cli  # noqa: E402
-from rlk.integrations import models, tp, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
-from rlk.integrations.rollout import Sample  # noqa: E402
+from rlk_integrations import models, tp, tp_workers, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
 
 
 def _cli(tmp_path, capsys, *extra):
@@ -64,9 +64,10 @@ def test_sharded_logprobs_are_the_tree_bits(tmp_path):
     hf = models.load_model("tiny", dtype=torch.float32)
     samples = _samples(hf.config.vocab_size)
     weights = str(tmp_path / "w.pt")
-    tp.save_weights(hf, weights)
-    got, _ = tp.spawn(tp.train_worker, 2, "cpu", hf.config, weights, torch.float32, 8,
-                      samples, [[0, 1, 2]], 1.0, torch.float32, False)  # fmt: skip
+    tp_workers.save_weights(hf, weights)
+    got, _ = tp_workers.spawn(tp_workers.train_worker, 2, "cpu", hf.config, weights,
+                              torch.float32, 8, samples, [[0, 1, 2]], 1.0, torch.float32,
+                              False)  # fmt: skip
     rt.patch_model(hf, leaves=8)
     tree = training.packed_logprobs(hf, samples)
     rt.unpatch_model(hf)

@@ -15,10 +15,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
 from rlk import cli, consistency  # noqa: E402
-from rlk.integrations import megatron as rm  # noqa: E402
-from rlk.integrations import models, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
-from rlk.integrations.rollout import Sample  # noqa: E402
+from rlk_integrations import megatron as rm  # noqa: E402
+from rlk_integrations import models, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
 
 ARGS = ["consistency", "--model", "tiny", "--prompts", "3", "--new-tokens", "3"]
 ARGS += ["--micro-batch", "2", "--rollout-mode", "padded", "--quiet"]

@@ -7,17 +7,17 @@ another composition (another order and size) with gradients on, and runs backwar
 
 - stock: transformers as shipped (SDPA attention, torch ops), ``torch.multinomial`` sampling,
   ``log_softmax`` of the logits on both sides;
-- rlk: the model patched by :func:`rlk.integrations.transformers.patch_model`, ``rlk.sample``
+- rlk: the model patched by :func:`rlk_integrations.transformers.patch_model`, ``rlk.sample``
   and ``rlk.logprobs`` in the rollout, ``rlk.linear_logprobs`` in training.
 
 Rollout modes (``rollout_modes``/``--rollout-mode``): ``padded`` is the left-padded batch above;
-``paged`` is :func:`rlk.integrations.paged.generate_paged` (paged KV cache, continuous batching,
+``paged`` is :func:`rlk_integrations.paged.generate_paged` (paged KV cache, continuous batching,
 ``rlk.paged_attention``), rlk only: the stock side always runs the padded batch. The rlk side
 gets one row per mode, each with its own rollout and training recompute.
 
 Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
 same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
-``GPTModel`` built with rlk's layer spec (:mod:`rlk.integrations.megatron`, weights converted by
+``GPTModel`` built with rlk's layer spec (:mod:`rlk_integrations.megatron`, weights converted by
 ``hf_to_megatron``; Megatron's process groups are set up in this process and torn down after),
 while the rollout stays transformers + rlk. The stock row always trains with stock transformers.
 
@@ -117,7 +117,7 @@ def run_side(
     ``rollout_fn(mode, prompts, new_tokens, kw) -> RolloutResult``: a rollout done elsewhere
     (TP ranks, :class:`TPRollout`), rlk only. ``warm_passes``: untimed training passes before
     the timed one (on a GPU the training shapes' kernels compile in the first)."""
-    from rlk.integrations import paged, rollout, training
+    from rlk_integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
@@ -193,7 +193,7 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
                     warm_passes=0):  # fmt: skip
     """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds).
     ``warm_passes`` untimed passes first (the training shapes' kernels compile there)."""
-    from rlk.integrations import training
+    from rlk_integrations import training
 
     def one_pass():
         lps_out: list[torch.Tensor | None] = [None] * len(ro.samples)
@@ -210,7 +210,7 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
                         logits_dtype=ro.logits_dtype,
                     )
                 else:
-                    from rlk.integrations import megatron
+                    from rlk_integrations import megatron
 
                     lps = megatron.packed_logprobs(
                         train_model, batch, temperature=temperature, logits_dtype=ro.logits_dtype
@@ -234,7 +234,7 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
 
 
 class TPRollout:
-    """The rlk rollout at tensor parallelism ``world`` (:mod:`rlk.integrations.tp`): spawned
+    """The rlk rollout at tensor parallelism ``world`` (:mod:`rlk_integrations.tp_workers`): spawned
     processes (gloo on CPU, NCCL on GPUs) shard ``model``'s weights and sample; rank 0's
     result comes back. Usable as ``run_side``'s ``rollout_fn``."""
 
@@ -243,13 +243,14 @@ class TPRollout:
         self.backend, self.warmup = backend, warmup
 
     def __call__(self, mode, prompts, new_tokens, kw):
-        from rlk.integrations import tp
+        from rlk_integrations import tp_workers
 
         p = next(self.model.parameters())
         with _weights_file(self.model) as weights:
-            ro = tp.spawn(tp.rollout_worker, self.world, p.device.type, self.model.config,
-                          weights, p.dtype, self.leaves, mode, prompts, new_tokens, kw,
-                          self.warmup, backend=self.backend)  # fmt: skip
+            ro = tp_workers.spawn(tp_workers.rollout_worker, self.world, p.device.type,
+                                  self.model.config, weights, p.dtype, self.leaves, mode,
+                                  prompts, new_tokens, kw, self.warmup,
+                                  backend=self.backend)  # fmt: skip
         for smp in ro.samples:
             smp.logprobs = smp.logprobs.to(p.device)
         return ro
@@ -257,7 +258,7 @@ class TPRollout:
 
 class TransformersTP:
     """The transformers + rlk training recompute at tensor parallelism ``world``
-    (:mod:`rlk.integrations.tp`, vocabulary-parallel ``linear_logprobs``). Usable as
+    (:mod:`rlk_integrations.tp_workers`, vocabulary-parallel ``linear_logprobs``). Usable as
     ``run_side``'s ``recompute``."""
 
     def __init__(self, model, world: int, leaves: int, backend: str | None, warmup: bool):
@@ -268,15 +269,16 @@ class TransformersTP:
     def __call__(self, samples, groups, temperature, logits_dtype):
         import dataclasses
 
-        from rlk.integrations import tp
+        from rlk_integrations import tp_workers
 
         p = next(self.model.parameters())
         samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
         with _weights_file(self.model) as weights:
-            lps, seconds = tp.spawn(tp.train_worker, self.world, p.device.type,
-                                    self.model.config, weights, p.dtype, self.leaves, samples,
-                                    groups, temperature, logits_dtype, self.warmup,
-                                    backend=self.backend)  # fmt: skip
+            lps, seconds = tp_workers.spawn(tp_workers.train_worker, self.world,
+                                            p.device.type, self.model.config, weights, p.dtype,
+                                            self.leaves, samples, groups, temperature,
+                                            logits_dtype, self.warmup,
+                                            backend=self.backend)  # fmt: skip
         return [lp.to(p.device) for lp in lps], seconds
 
 
@@ -285,11 +287,11 @@ def _weights_file(model):
     import os
     import tempfile
 
-    from rlk.integrations import tp
+    from rlk_integrations import tp_workers
 
     with tempfile.TemporaryDirectory(prefix="rlk-weights-") as tmp:
         path = os.path.join(tmp, "weights.pt")
-        tp.save_weights(model, path)
+        tp_workers.save_weights(model, path)
         yield path
 
 
@@ -297,7 +299,7 @@ class MegatronTP:
     """Training recompute in Megatron-core at tensor parallelism ``world``: spawns ``world``
     processes (NCCL, rank r on ``cuda:r``, when ``model`` is on a CUDA device; gloo on CPU)
     that each build the rlk ``GPTModel`` (``leaves`` tree-ordered linears) from their
-    :func:`~rlk.integrations.megatron.shard_for_tp` shard of ``model``'s weights, run the
+    :func:`~rlk_integrations.megatron.shard_for_tp` shard of ``model``'s weights, run the
     micro-batches forward + backward, and rank 0 hands back the log-probs and the time of the
     forward/backward loop. Usable as ``run_side``'s ``recompute``."""
 
@@ -336,12 +338,12 @@ def _megatron_tp_worker(
     rank, world, init_file, device, config, weights, leaves, backend, samples, groups,
     temperature, logits_dtype, out,
 ):  # fmt: skip
-    # Spawned: importing rlk.consistency imported rlk first, which picks Triton's CPU
+    # Spawned: importing rlk_integrations.consistency imported rlk first, which picks Triton's CPU
     # interpreter (on a machine without a GPU) before Megatron imports triton.
     import torch.distributed as dist
 
     import rlk
-    from rlk.integrations import megatron
+    from rlk_integrations import megatron
 
     dev, teardown = megatron.init_distributed(rank, world, init_file, device)
     try:
@@ -410,7 +412,7 @@ def check_args(
     import os
 
     from rlk import _plugins
-    from rlk.integrations.models import CONFIGS
+    from rlk_integrations.models import CONFIGS
 
     if model_name not in CONFIGS and not os.path.isdir(model_name):
         raise UsageError(
@@ -518,7 +520,7 @@ def run(
     )
     teardown = None
     if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
-        from rlk.integrations import megatron
+        from rlk_integrations import megatron
 
         teardown = megatron.init_single_process()
     try:
@@ -573,8 +575,8 @@ def _run(
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     import rlk
-    from rlk.integrations import models
-    from rlk.integrations.transformers import patch_model, unpatch_model
+    from rlk_integrations import models
+    from rlk_integrations.transformers import patch_model, unpatch_model
 
     say = progress or (lambda msg: None)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -595,7 +597,7 @@ def _run(
         say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned {comm} processes")
         recompute = MegatronTP(model, train_tp, leaves, backend)  # type: ignore[arg-type]
     elif train_engine == "megatron" and "rlk" in sides:
-        from rlk.integrations import megatron
+        from rlk_integrations import megatron
 
         say(f"building the Megatron-core GPTModel (rlk spec, leaves={leaves})")
         train_model = megatron.build_gpt_model(model.config, dtype=dtype, leaves=leaves)

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk.integrations import models, rollout, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
+from rlk_integrations import models, rollout, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
 
 VOCAB = 512
 
@@ -101,8 +101,52 @@ def test_unsupported_model_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(NotImplementedError, match="supports"):
+    with pytest.raises(NotImplementedError, match=r"supports \('llama', 'qwen2', 'qwen3'\), "
+                       r"not model_type='gpt2'"):  # fmt: skip
         rt.patch_model(model)
+
+
+@pytest.mark.parametrize(
+    "name, prefix", [("tiny-llama", "Llama"), ("tiny", "Qwen2"), ("tiny-qwen3", "Qwen3")]
+)
+def test_patch_replaces_the_named_classes(name, prefix):
+    """patch_model dispatches on model_type to the architecture's patch, which replaces the
+    forward of exactly the module classes it names (and every nn.Linear), nothing else."""
+    from torch import nn
+
+    model = models.load_model(name, dtype=torch.float32)
+    rt.patch_model(model)
+    patched = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
+    roles = {"RotaryEmbedding", "DecoderLayer", "RMSNorm", "Attention", "MLP"}
+    assert patched == {prefix + r for r in roles} | {"Linear"}
+    kept = {type(m).__name__ for m in model.modules() if "forward" not in vars(m)}
+    assert not kept & patched
+    assert all("forward" in vars(m) for m in model.modules() if isinstance(m, nn.Linear))
+    rt.unpatch_model(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_patch_of_another_architecture_raises():
+    model = models.load_model("tiny-llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match="qwen2 patch got a model_type='llama' model"):
+        rt.patch_qwen2(model)
+    assert not rt.is_patched(model)
+    assert rt.patch_llama(model) is model and rt.is_patched(model)
+
+
+def test_module_the_patch_does_not_replace_raises():
+    """A module class of the architecture's modeling file that the patch does not name (here
+    one defined there by hand) is refused before anything is patched."""
+    import importlib
+
+    model = models.load_model("tiny", dtype=torch.float32)
+    modeling = importlib.import_module("transformers.models.qwen2.modeling_qwen2")
+    extra = type("Qwen2NewBlock", (torch.nn.Module,), {"__module__": modeling.__name__})
+    model.model.layers[0].extra = extra()
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.extra \(Qwen2NewBlock\)"):
+        rt.patch_model(model)
+    assert not rt.is_patched(model)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_untested_transformers_version_warns_once(monkeypatch):
@@ -199,14 +243,14 @@ def test_rotary_table_does_not_depend_on_the_modules_device_values():
     can differ from the CPU's in the last bit (seen on an H200: Megatron's rotary, built on the
     CPU, then disagreed with a model built on the GPU). The table is built by a CPU twin from
     the config, so a module whose inv_freq differs by an ulp gives the same rows."""
-    from rlk.integrations.transformers import _RotaryTable
+    from rlk_integrations.rotary import RotaryTable
 
     hf = models.load_model("tiny", dtype=torch.float32)
     rotary = rt.decoder(hf).rotary_emb
     pos = torch.arange(0, 40)[None]
-    want = _RotaryTable(rotary).gather(pos)
+    want = RotaryTable.for_module(rotary).gather(pos)
     rotary.inv_freq.copy_(torch.nextafter(rotary.inv_freq, torch.full_like(rotary.inv_freq, 2.0)))
-    got = _RotaryTable(rotary).gather(pos)
+    got = RotaryTable.for_module(rotary).gather(pos)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     stale = rotary(torch.empty(1), pos)  # the module itself does change, so the test can fail
     assert not torch.equal(stale[0][0], want[0][0])

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk.integrations import models, paged, rollout, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
+from rlk_integrations import models, paged, rollout, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
 
 VOCAB = 512
 LENGTHS = [5, 11, 3, 8]

@@ -2,7 +2,7 @@
 
 A micro-batch packs whole sequences (prompt + response) into one ``[1, T]`` row whose
 ``position_ids`` restart at 0 for each sequence (no padding). With a model patched by
-:func:`rlk.integrations.transformers.patch_model`, the decoder runs on rlk ops and the
+:func:`rlk_integrations.transformers.patch_model`, the decoder runs on rlk ops and the
 log-probabilities come from :func:`rlk.linear_logprobs` on the final hidden states and the
 ``lm_head`` weight, so they equal the rollout's bit for bit whatever the micro-batch composition.
 The stock path (``use_rlk=False``) takes ``model(...).logits`` and an fp32 ``log_softmax``.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import rlk
-from rlk.integrations.rollout import Sample
+from rlk_integrations.rollout import Sample
 
 
 def micro_batches(n: int, size: int, order: list[int] | None = None) -> list[list[int]]:
@@ -52,14 +52,14 @@ def _rlk_logprobs(
 ) -> torch.Tensor:
     """The packed rows' hidden states from the decoder, then ``rlk.linear_logprobs`` with the
     ``lm_head`` weight: ``[len(rows)]`` float32."""
-    from rlk.integrations.transformers import decoder
+    from rlk_integrations.transformers import decoder
 
     hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
     hidden = hidden.last_hidden_state[0]
     head = model.get_output_embeddings()
     tp = getattr(model, "_rlk_tp", None)
     fn, extra = rlk.linear_logprobs, {}
-    if tp is not None:  # rlk.integrations.tp: this rank holds a vocabulary slice of lm_head
+    if tp is not None:  # rlk_integrations.tp: this rank holds a vocabulary slice of lm_head
         from rlk.parallel import vocab_parallel_linear_logprobs
 
         fn, extra = vocab_parallel_linear_logprobs, {"group": tp[2]}
@@ -199,7 +199,7 @@ def shard_model(model: torch.nn.Module, **fsdp_kwargs: Any) -> torch.nn.Module:
     Calls ``torch.distributed.fsdp.fully_shard`` on each decoder layer, then on the root (the
     embeddings, final norm and ``lm_head``, tied or not, are the root's group), passing
     ``fsdp_kwargs`` (``mesh``, ``reshard_after_forward``, ``mp_policy``, ...) to every call. It
-    needs an initialised process group; apply :func:`~rlk.integrations.transformers.patch_model`
+    needs an initialised process group; apply :func:`~rlk_integrations.transformers.patch_model`
     first. Then :func:`packed_logprobs`, :func:`recompute_logprobs` and
     :func:`grpo_step` work unchanged on each rank's own samples.
 
@@ -217,7 +217,7 @@ def shard_model(model: torch.nn.Module, **fsdp_kwargs: Any) -> torch.nn.Module:
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from rlk.integrations.transformers import decoder
+    from rlk_integrations.transformers import decoder
 
     for layer in decoder(model).layers:
         fully_shard(layer, **fsdp_kwargs)

@@ -1,18 +1,18 @@
 """End-to-end benchmarks: rollout and training tokens per second on whole models.
 
-Models: the built-in random-weight configs of :mod:`rlk.integrations.models` (:data:`MODELS`),
+Models: the built-in random-weight configs of :mod:`rlk_integrations.models` (:data:`MODELS`),
 bf16, on :data:`rlk.bench._timing.DEVICE`. Each model is loaded once; its stock rows run it
 unpatched (transformers as shipped, SDPA attention) and its rlk rows run the same weights under
-:func:`~rlk.integrations.transformers.patch_model`.
+:func:`~rlk_integrations.transformers.patch_model`.
 
 Rollout (``B`` random prompts of 16-64 tokens, seeded; :data:`NEW_TOKENS` sampled per prompt at
 temperature 1, no top-k / top-p, nothing stops early, so every engine makes ``B * NEW_TOKENS``
 tokens):
 
 - ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
-  left-padded batch; ``rlk`` is :func:`rlk.integrations.rollout.generate` (left-padded batch,
+  left-padded batch; ``rlk`` is :func:`rlk_integrations.rollout.generate` (left-padded batch,
   ``DynamicCache``, ``rlk.sample`` + ``rlk.logprobs``).
-- ``e2e.rollout.paged``: ``rlk`` is :func:`rlk.integrations.paged.generate_paged` (paged KV
+- ``e2e.rollout.paged``: ``rlk`` is :func:`rlk_integrations.paged.generate_paged` (paged KV
   cache, continuous batching, all ``B`` requests admitted at once). transformers has no paged
   engine, so this op's peer row is the padded ``hf-generate`` run emitted a second time, marked
   ``same_run_as: e2e.rollout.padded``.
@@ -31,11 +31,11 @@ three impls; field ``layout``). Forward, the log-probability of every token afte
 sequence's first, their sum, backward:
 
 - ``stock``: ``model(...).logits``, ``log_softmax`` + ``gather`` in fp32
-  (:func:`rlk.integrations.training.packed_logprobs` with ``use_rlk=False``);
+  (:func:`rlk_integrations.training.packed_logprobs` with ``use_rlk=False``);
 - ``stock+liger``: the stock decoder's hidden states, then Liger's fused linear cross-entropy
   with ``reduction="none"`` (per-token losses = -log-probs); skipped when liger is missing;
 - ``rlk``: the patched decoder's hidden states, then :func:`rlk.linear_logprobs`
-  (:func:`~rlk.integrations.training.packed_logprobs`, as ``rlk consistency`` trains).
+  (:func:`~rlk_integrations.training.packed_logprobs`, as ``rlk consistency`` trains).
 
 A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
 :data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
@@ -54,11 +54,11 @@ from typing import Any
 import torch
 
 from rlk.bench import _timing
-from rlk.consistency import _sync, random_prompts
-from rlk.integrations import paged, rollout, training
-from rlk.integrations.models import load_model
-from rlk.integrations.rollout import Sample
-from rlk.integrations.transformers import decoder, patch_model, unpatch_model
+from rlk_integrations import paged, rollout, training
+from rlk_integrations.consistency import _sync, random_prompts
+from rlk_integrations.models import load_model
+from rlk_integrations.rollout import Sample
+from rlk_integrations.transformers import decoder, patch_model, unpatch_model
 
 MODELS = ("qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers")
 BATCHES = (8, 64)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlk.integrations import models, training
-from rlk.integrations import transformers as rt
+from rlk_integrations import models, training
+from rlk_integrations import transformers as rt
 
 MODEL = "tiny"
 LR = 0.5

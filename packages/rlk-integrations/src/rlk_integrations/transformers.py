@@ -1,15 +1,18 @@
 """Run a transformers Llama / Qwen2 / Qwen3 causal LM on rlk ops.
 
-:func:`patch_model` rebinds ``forward`` on the model's own module instances (no new classes, no
-weight copies, the state dict is unchanged) so that:
+:func:`patch_model` picks the patch of the model's architecture (:func:`patch_llama`,
+:func:`patch_qwen2`, :func:`patch_qwen3`), which replaces ``forward`` on the model's own
+instances of the module classes that :mod:`rlk_integrations.architectures` names for it (no new
+classes, no weight copies, the state dict is unchanged), so that:
 
 - every ``nn.Linear`` of the decoder and ``lm_head`` calls :func:`rlk.linear`;
-- every RMSNorm (input, post-attention, final, Qwen3's per-head q/k norm) calls
-  :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it;
-- the MLP is ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
-- rotary embeddings: cos/sin come from a table built in fixed chunks of positions (so a
-  position's values never depend on how many positions were asked for), and are applied by
-  :func:`rlk.apply_rotary`;
+- every ``*RMSNorm`` (input, post-attention, final, Qwen3's per-head q/k norm) calls
+  :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it
+  (``*DecoderLayer``);
+- the ``*MLP`` is ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
+- ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.rotary.RotaryTable`, built in
+  fixed chunks of positions (so a position's values never depend on how many positions were
+  asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
 - attention is the function registered as ``"rlk"`` in transformers' ``AttentionInterface``
   (``model.config._attn_implementation = "rlk"``). It turns transformers' padded
   ``[B, H, S, D]`` tensors into :func:`rlk.attention`'s packed varlen form, dropping pad tokens,
@@ -17,7 +20,7 @@ weight copies, the state dict is unchanged) so that:
   (``position_ids`` that restart, or ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs) and the
   dynamic / static KV caches (the cache's update returns all the keys; the new queries are a
   sequence's last tokens, rlk.attention's bottom-right convention).
-- a :class:`rlk.integrations.paged.PagedKVCache` passed as ``past_key_values`` takes the
+- a :class:`rlk_integrations.paged.PagedKVCache` passed as ``past_key_values`` takes the
   attention over instead: one packed ``[1, T]`` row, K/V written into its pages,
   :func:`rlk.paged_attention` (the continuous-batching rollout drives it).
 
@@ -44,12 +47,17 @@ import torch
 from torch import nn
 
 import rlk
+from rlk_integrations.architectures import (
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    SUPPORTED_MODEL_TYPES,  # noqa: F401  (public: the model types patch_model takes)
+    Architecture,
+    architecture,
+)
+from rlk_integrations.rotary import RotaryTable
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ATTN_NAME = "rlk"
-# Positions per chunk of the rotary table: a chunk is always computed with this shape, so the
-# cos/sin of a position are the same bits whatever the longest sequence seen so far.
-ROTARY_CHUNK = 1024
 # The linears that are row-parallel under tensor parallelism (K split over the ranks): the ones
 # patch_model(leaves=...) runs on rlk.parallel.tree_linear.
 ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
@@ -176,7 +184,7 @@ def rlk_attention_forward(
         raise ValueError(
             "rlk attention takes a 2-D padding mask; got a "
             f"{attention_mask.dim()}-D mask (set the model's attention to 'rlk' before masks "
-            "are built, e.g. with rlk.integrations.transformers.patch_model)"
+            "are built, e.g. with rlk_integrations.transformers.patch_model)"
         )
     if (
         attention_mask is None
@@ -253,47 +261,6 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(rlk.silu_and_mul(gate_up))
 
 
-class _RotaryTable:
-    """fp32 cos/sin rows by position, built by a CPU twin of the model's rotary module in fixed
-    chunks of positions, then copied to the device asked for.
-
-    On the CPU because transformers computes ``inv_freq`` (a ``pow``) on the device the model
-    is created on, and a GPU's ``pow`` may differ from the CPU's in the last bit: a model built
-    on the GPU and one built on the CPU and moved (or Megatron's rotary) would rotate
-    differently. The twin is built from the config alone, so every engine, device and process
-    gets the same table."""
-
-    def __init__(self, rotary: nn.Module, original_forward: Any = None) -> None:
-        with torch.device("cpu"):
-            self.twin = type(rotary)(config=rotary.config)
-        self.cpu: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @torch.no_grad()
-    def gather(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        have = 0 if self.cpu is None else self.cpu[0].shape[0]
-        if have < need:
-            chunks = [] if self.cpu is None else [self.cpu]
-            dummy = torch.empty(1, dtype=torch.float32)
-            while have < need:
-                pos = torch.arange(have, have + ROTARY_CHUNK)[None, :]
-                cos, sin = self.twin(dummy, pos)
-                chunks.append((cos[0].float(), sin[0].float()))
-                have += ROTARY_CHUNK
-            self.cpu = (torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks]))
-            self.on.clear()
-        return self.lookup(position_ids)
-
-    def lookup(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of positions the table already holds (no device read, unlike gather)."""
-        device = position_ids.device
-        if device not in self.on:
-            self.on[device] = (self.cpu[0].to(device), self.cpu[1].to(device))
-        cos, sin = self.on[device]
-        return cos[position_ids], sin[position_ids]
-
-
 def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
     """Returns fp32 ``(cos, sin)`` ``[B, S, D]`` for ``position_ids [B, S]``."""
     return self._rlk_table.gather(position_ids)
@@ -330,7 +297,7 @@ def _attention_forward(
     q = rlk.apply_rotary(q.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
     k = rlk.apply_rotary(k.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
     if getattr(past_key_values, "rlk_paged", False):
-        # rlk.integrations.paged: one packed row, K/V into pages, rlk.paged_attention.
+        # rlk_integrations.paged: one packed row, K/V into pages, rlk.paged_attention.
         if b != 1:
             raise ValueError(f"the paged KV cache takes one packed row, got a batch of {b}")
         out = past_key_values.attend(self.layer_idx, q[0], k[0], v[0], self.scaling)
@@ -386,13 +353,11 @@ def _decoder_layer_forward(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_supported(model: nn.Module) -> None:
+def _check_supported(model: nn.Module) -> Architecture:
+    """The model's :class:`~rlk_integrations.architectures.Architecture`; raises
+    ``NotImplementedError`` for an architecture or a config option rlk cannot run."""
     cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"rlk's transformers integration supports {SUPPORTED_MODEL_TYPES}, "
-            f"not model_type={cfg.model_type!r}"
-        )
+    arch = architecture(cfg)
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"rlk MLP needs hidden_act='silu', got {cfg.hidden_act!r}")
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
@@ -402,6 +367,7 @@ def _check_supported(model: nn.Module) -> None:
         raise NotImplementedError(f"rope_type {rope!r} depends on the sequence length")
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         raise NotImplementedError("sliding-window layers are not supported by rlk attention")
+    return arch
 
 
 def _take_cache(past_key_values: Any, kwargs: dict) -> Any:
@@ -433,7 +399,7 @@ def _installed_transformers() -> str:
     return transformers.__version__
 
 
-def _check_transformers(model: nn.Module) -> None:
+def _check_transformers(model: nn.Module, arch: Architecture) -> None:
     """Warn (once) on a transformers release outside :data:`TESTED_TRANSFORMERS`; raise where
     the model's forwards do not follow the conventions the patched forwards rely on.
 
@@ -465,9 +431,10 @@ def _check_transformers(model: nn.Module) -> None:
         )
     except ImportError as e:
         problems.append(f"the attention registry is not where rlk registers ({e})")
+    classes = arch.classes()
     needs = {
-        "DecoderLayer": ("hidden_states", "attention_mask", "position_embeddings"),
-        "Attention": ("hidden_states", "position_embeddings", "attention_mask"),
+        classes["decoder_layer"]: ("hidden_states", "attention_mask", "position_embeddings"),
+        classes["attention"]: ("hidden_states", "position_embeddings", "attention_mask"),
     }
     seen = {type(model)}
     for module in model.modules():
@@ -475,8 +442,8 @@ def _check_transformers(model: nn.Module) -> None:
         if cls in seen:
             continue
         seen.add(cls)
-        for suffix, names in needs.items():
-            if not cls.__name__.endswith(suffix):
+        for base, names in needs.items():
+            if not isinstance(module, base):
                 continue
             params = inspect.signature(cls.forward).parameters
             missing = [n for n in names if n not in params]
@@ -494,21 +461,129 @@ def _check_transformers(model: nn.Module) -> None:
         )
 
 
-def _bind(module: nn.Module, fn: Any, patched: list[nn.Module]) -> None:
-    module.forward = types.MethodType(fn, module)
-    patched.append(module)
+#: The patched forward of each role of an architecture (see
+#: :data:`rlk_integrations.architectures.ROLES`).
+FORWARDS = {
+    "rotary": _rotary_forward,
+    "decoder_layer": _decoder_layer_forward,
+    "rms_norm": _rms_norm_forward,
+    "attention": _attention_forward,
+    "mlp": _mlp_forward,
+}
+
+
+def _plan(model: nn.Module, arch: Architecture, leaves: int | None) -> list[tuple[nn.Module, Any]]:
+    """(module, forward) for every module ``patch_model`` replaces; raises before anything is
+    patched if the model holds a module of the architecture that rlk does not replace."""
+    from transformers import PreTrainedModel
+
+    classes = arch.classes()
+    plan, unknown = [], []
+    for path, module in model.named_modules():
+        role = next((r for r, cls in classes.items() if isinstance(module, cls)), None)
+        if isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
+            if module.in_features % leaves:
+                raise ValueError(f"leaves = {leaves} must divide {path}'s K = {module.in_features}")
+            plan.append((module, _tree_linear_forward))
+        elif isinstance(module, nn.Linear):
+            plan.append((module, _linear_forward))
+        elif role is not None:
+            plan.append((module, FORWARDS[role]))
+        elif type(module).__module__ == arch.modeling and not isinstance(module, PreTrainedModel):
+            unknown.append(f"{path} ({type(module).__name__})")
+    if unknown:
+        replaced = ", ".join(cls.__name__ for cls in classes.values())
+        raise NotImplementedError(
+            f"rlk's {arch.model_type} patch replaces {replaced} and nn.Linear; this model also "
+            f"holds {', '.join(unknown[:5])}, which it would leave stock"
+        )
+    return plan
+
+
+def _patch(model: nn.Module, arch: Architecture, leaves: int | None) -> nn.Module:
+    """Replace the forwards of ``model``'s modules of ``arch`` (see :func:`patch_model`)."""
+    if getattr(model, "_rlk_patched", None) is not None:
+        if getattr(model, "_rlk_leaves", None) != leaves:
+            raise ValueError(
+                f"model already patched with leaves={model._rlk_leaves}; unpatch_model first"
+            )
+        return model
+    if _check_supported(model) is not arch:
+        raise ValueError(
+            f"this {arch.model_type} patch got a model_type={model.config.model_type!r} model: "
+            "use patch_model, which picks the patch of the model's architecture"
+        )
+    _check_transformers(model, arch)
+    if leaves is not None:
+        import rlk.parallel
+
+        leaves = rlk.parallel._leaves(leaves)
+    plan = _plan(model, arch, leaves)
+    _register_attention()
+    for module, fn in plan:
+        if fn is _tree_linear_forward:
+            module._rlk_leaves = leaves
+        if fn is _rotary_forward:
+            module._rlk_table = RotaryTable.for_module(module)
+        module.forward = types.MethodType(fn, module)
+    model._rlk_patched = ([m for m, _ in plan], model.config._attn_implementation)
+    model._rlk_leaves = leaves
+    model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def patch_llama(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Llama model on rlk (see :func:`patch_model`): the forwards of its
+    ``LlamaRotaryEmbedding``, ``LlamaDecoderLayer``, ``LlamaRMSNorm``, ``LlamaAttention``,
+    ``LlamaMLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, LLAMA, leaves)
+
+
+def patch_qwen2(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen2 model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen2RotaryEmbedding``, ``Qwen2DecoderLayer``, ``Qwen2RMSNorm``, ``Qwen2Attention``,
+    ``Qwen2MLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, QWEN2, leaves)
+
+
+def patch_qwen3(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen3 model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen3RotaryEmbedding``, ``Qwen3DecoderLayer``, ``Qwen3RMSNorm`` (the q/k norms too),
+    ``Qwen3Attention``, ``Qwen3MLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, QWEN3, leaves)
+
+
+#: The patch of each supported ``model_type``.
+PATCHES = {"llama": patch_llama, "qwen2": patch_qwen2, "qwen3": patch_qwen3}
 
 
 def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (or
-    its base model) run every decoder op on rlk. In place; returns ``model``. Idempotent
-    (patching again with other ``leaves`` raises).
+    its base model) run every decoder op on rlk: :func:`patch_llama`, :func:`patch_qwen2` or
+    :func:`patch_qwen3` by ``model.config.model_type``; ``NotImplementedError`` naming any other
+    architecture. In place; returns ``model``. Idempotent (patching again with other
+    ``leaves`` raises).
+
+    What runs after patching (the module classes are named by
+    :mod:`rlk_integrations.architectures`):
+
+    - ``nn.Linear`` (every projection and ``lm_head``): :func:`rlk.linear`;
+    - ``*RMSNorm``: :func:`rlk.rms_norm`;
+    - ``*MLP``: ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
+    - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.rotary.RotaryTable`;
+    - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
+      function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;
+    - ``*DecoderLayer``: the pre-norm layer with the post-attention norm fused with its
+      residual add (``rlk.rms_norm(..., residual=)``).
+
+    A model holding another module class of the architecture's modeling file is refused
+    before anything is patched.
 
     ``leaves``: None runs every linear on :func:`rlk.linear`. A power of two runs ``o_proj``
     and ``down_proj`` (the row-parallel layers under tensor parallelism) on
     :func:`rlk.parallel.tree_linear` with that many K-leaves, whose bits are those of
     :func:`rlk.parallel.row_parallel_linear` at any power-of-two TP size dividing ``leaves``
-    (e.g. Megatron's :func:`rlk.integrations.megatron.build_gpt_model` with the same
+    (e.g. Megatron's :func:`rlk_integrations.megatron.build_gpt_model` with the same
     ``leaves``). It must divide those layers' input sizes; it needs a backend with the
     tree-ordered GEMM (triton, cuda, rocm).
 
@@ -516,44 +591,7 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     caches; inputs may be padded (``attention_mask``) or packed (``position_ids`` restarting at
     0 in a ``[1, T]`` row). Undo with :func:`unpatch_model`.
     """
-    if getattr(model, "_rlk_patched", None) is not None:
-        if getattr(model, "_rlk_leaves", None) != leaves:
-            raise ValueError(
-                f"model already patched with leaves={model._rlk_leaves}; unpatch_model first"
-            )
-        return model
-    _check_supported(model)
-    _check_transformers(model)
-    if leaves is not None:
-        import rlk.parallel
-
-        leaves = rlk.parallel._leaves(leaves)
-    _register_attention()
-    patched: list[nn.Module] = []
-    for path, module in model.named_modules():
-        name = type(module).__name__
-        if isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
-            if module.in_features % leaves:
-                raise ValueError(f"leaves = {leaves} must divide {path}'s K = {module.in_features}")
-            module._rlk_leaves = leaves
-            _bind(module, _tree_linear_forward, patched)
-        elif isinstance(module, nn.Linear):
-            _bind(module, _linear_forward, patched)
-        elif name.endswith("RMSNorm"):
-            _bind(module, _rms_norm_forward, patched)
-        elif name.endswith("MLP"):
-            _bind(module, _mlp_forward, patched)
-        elif name.endswith("RotaryEmbedding"):
-            module._rlk_table = _RotaryTable(module, module.forward)
-            _bind(module, _rotary_forward, patched)
-        elif name.endswith("Attention"):
-            _bind(module, _attention_forward, patched)
-        elif name.endswith("DecoderLayer"):
-            _bind(module, _decoder_layer_forward, patched)
-    model._rlk_patched = (patched, model.config._attn_implementation)
-    model._rlk_leaves = leaves
-    model.config._attn_implementation = ATTN_NAME
-    return model
+    return PATCHES[architecture(model.config).model_type](model, leaves)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

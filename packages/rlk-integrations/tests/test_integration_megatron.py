@@ -20,10 +20,10 @@ import rlk  # first: it picks Triton's CPU interpreter before Megatron imports t
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from rlk.integrations import megatron as rm  # noqa: E402
-from rlk.integrations import models, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
-from rlk.integrations.rollout import Sample  # noqa: E402
+from rlk_integrations import megatron as rm  # noqa: E402
+from rlk_integrations import models, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
 
 NAMES = ["tiny-llama", "tiny", "tiny-qwen3"]  # llama (untied), qwen2 (qkv bias, tied), qwen3
 VOCAB = 512

@@ -19,9 +19,9 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 from rlk import cli, consistency  # noqa: E402
-from rlk.integrations import models, training  # noqa: E402
-from rlk.integrations import transformers as rt  # noqa: E402
-from rlk.integrations.rollout import Sample  # noqa: E402
+from rlk_integrations import models, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
 
 
 def test_cli_megatron_tp2_rlk_row_zero(tmp_path, capsys):

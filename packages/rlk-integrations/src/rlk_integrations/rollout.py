@@ -5,11 +5,11 @@
 token is drawn by :func:`rlk.sample` with the request's own seed and the token's position as
 the RNG offset, and its log-probability is :func:`rlk.logprobs` of the same logits, so a
 request's tokens and log-probabilities do not depend on the rest of the batch (when the model is
-patched with :func:`rlk.integrations.transformers.patch_model`). ``sampler="torch"`` is the
+patched with :func:`rlk_integrations.transformers.patch_model`). ``sampler="torch"`` is the
 stock path: softmax + ``torch.multinomial`` and ``log_softmax`` in fp32.
 
 The other rollout mode, continuous batching on a paged KV cache, is
-:func:`rlk.integrations.paged.generate_paged` (rlk only; same samples, same bits).
+:func:`rlk_integrations.paged.generate_paged` (rlk only; same samples, same bits).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 import rlk
-from rlk.integrations.transformers import cache_kwarg
+from rlk_integrations.transformers import cache_kwarg
 
 
 @dataclass

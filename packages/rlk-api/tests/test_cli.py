@@ -1,0 +1,96 @@
+"""The ``rlk`` command's entry point: it answers ``--help`` without importing torch, and the
+commands of other distributions (entry-point group ``rlk.commands``) come in as
+``rlk_cli.Command`` records; a known one that is not installed, or is broken, is a one-line
+error saying why."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import rlk_cli
+
+
+def test_help_and_version_do_not_import_torch():
+    """The entry point parses without importing torch, so --help and --version answer at once;
+    so does the --help of every installed plugin command (``rlk consistency`` with
+    rlk-integrations)."""
+    code = (
+        "import sys, rlk_cli\n"
+        "plugins = [[name, '--help'] for name in rlk_cli._plugin_commands()]\n"
+        "own = [['--help'], ['--version'], ['info', '--help'], ['bench', '--help']]\n"
+        "for argv in own + plugins:\n"
+        "    try:\n"
+        "        rlk_cli.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def _entry_points(monkeypatch, *eps):
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group: [e for e in eps if e.group == group]
+    )
+
+
+def test_a_known_command_not_installed_says_what_to_install(capsys, monkeypatch):
+    _entry_points(monkeypatch)
+    assert "consistency" in rlk_cli.parser().format_help()
+    for argv in (["consistency"], ["consistency", "--model", "tiny"], ["consistency", "-h"]):
+        assert rlk_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            "rlk: error: `rlk consistency` comes with rlk-integrations, which is not installed: "
+            'pip install "rlk[transformers]"\n'
+        )
+
+
+def test_a_broken_command_is_reported_by_name(capsys, monkeypatch):
+    """An entry point that fails to load, or names something else than a Command, makes its
+    command an error; the other commands keep working."""
+    ep = importlib.metadata.EntryPoint
+    _entry_points(
+        monkeypatch,
+        ep("consistency", "rlk_no_such_module:CMD", "rlk.commands"),
+        ep("other", "argparse:ArgumentParser", "rlk.commands"),
+    )
+    assert rlk_cli.main(["consistency", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "`rlk consistency` cannot run: its entry point rlk_no_such_module:CMD failed to " in err
+    assert "ModuleNotFoundError" in err and err.count("\n") == 1
+    assert rlk_cli.main(["other"]) == 2
+    assert "argparse:ArgumentParser is not an rlk_cli.Command" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        rlk_cli.main(["info", "--nosuch"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --nosuch" in capsys.readouterr().err
+
+
+def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monkeypatch):
+    from rlk import _plugins
+
+    seen = {}
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--backend")
+
+    def run(args: argparse.Namespace) -> int:
+        seen["backend"] = args.backend
+        if args.backend == "bogus":
+            raise _plugins.BackendError("unknown rlk backend 'bogus'")
+        return 0
+
+    cmd = rlk_cli.Command(help="a test command", add_arguments=add_arguments, run=run)
+    monkeypatch.setattr(rlk_cli, "_plugin_commands", lambda: {"probe": cmd})
+    assert "a test command" in rlk_cli.parser().format_help()
+    assert rlk_cli.main(["probe", "--backend", "triton"]) == 0 and seen == {"backend": "triton"}
+    assert rlk_cli.main(["probe", "--backend", "bogus"]) == 2
+    assert capsys.readouterr().err == "rlk: error: unknown rlk backend 'bogus'\n"

@@ -1,0 +1,14 @@
+"""Engines running on rlk ops.
+
+- :mod:`rlk_integrations.transformers`: patch a transformers Llama/Qwen2/Qwen3 model so every op
+  of its decoder runs through rlk (``patch_model`` / ``unpatch_model``).
+- :mod:`rlk_integrations.rollout`: batched generation with ``rlk.sample`` and the rollout's
+  log-probabilities.
+- :mod:`rlk_integrations.paged`: the same rollout with continuous batching on a paged KV cache
+  (``generate_paged``, attention by ``rlk.paged_attention``); the same bits as the padded batch.
+- :mod:`rlk_integrations.training`: recompute the same log-probabilities in packed micro-batches
+  with ``rlk.linear_logprobs``, and a GRPO step.
+- :mod:`rlk_integrations.models`: built-in random-init configs (``tiny``, ``qwen2-0.5b``, ...).
+
+Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``.
+"""

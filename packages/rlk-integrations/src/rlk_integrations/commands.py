@@ -1,0 +1,134 @@
+"""``rlk consistency``, added to the ``rlk`` command through the entry-point group
+``rlk.commands`` (see ``rlk_cli.Command``).
+
+Importing this module imports neither torch nor transformers: ``rlk --help`` reads the
+arguments declared here; :func:`_run` imports the engines when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rlk_cli import Command
+
+
+def _add_arguments(pk: argparse.ArgumentParser) -> None:
+    pk.add_argument(
+        "--model",
+        default="tiny",
+        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, qwen2-0.5b, "
+        "qwen3-0.6b, llama3-8b-4layers; random weights) or a local checkpoint directory "
+        "(default: tiny)",
+    )
+    pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
+    pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
+    pk.add_argument("--new-tokens", type=int, default=16, help="tokens sampled per prompt (16)")
+    pk.add_argument("--prompt-len", default="4:12", help="prompt lengths MIN:MAX (default 4:12)")
+    pk.add_argument("--micro-batch", type=int, default=3, help="sequences per training micro-batch")
+    pk.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
+    pk.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    pk.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    pk.add_argument(
+        "--rollout-mode",
+        default="both",
+        choices=("padded", "paged", "both"),
+        help="rlk rollout: left-padded batch, paged KV cache with continuous batching, or a row "
+        "for each (default: both; the stock side is always padded)",
+    )
+    pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
+    pk.add_argument(
+        "--max-batch", type=int, default=None, help="paged mode: running requests (default: all)"
+    )
+    pk.add_argument(
+        "--train-engine",
+        default="transformers",
+        choices=("transformers", "megatron"),
+        help="training recompute of the rlk rows: the transformers integration or Megatron-core's "
+        "GPTModel with rlk's layer spec (default: transformers; the stock row is always stock "
+        "transformers)",
+    )
+    pk.add_argument(
+        "--leaves",
+        type=int,
+        default=None,
+        help="rlk side: o_proj/down_proj (and Megatron's parallel linears) on the tree-ordered "
+        "linear with this many K-leaves, a power of two (default: plain rlk.linear)",
+    )
+    pk.add_argument(
+        "--train-tp",
+        type=int,
+        default=1,
+        help="rlk side: tensor-parallel size of the training recompute (either engine); > 1 "
+        "spawns that many processes (gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
+    )
+    pk.add_argument(
+        "--rollout-tp",
+        type=int,
+        default=1,
+        help="rlk side: tensor-parallel size of the rollout; > 1 spawns that many processes "
+        "(gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
+    )
+    pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    pk.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rlk_integrations import consistency
+
+    lo, _, hi = args.prompt_len.partition(":")
+    try:
+        prompt_len = (int(lo), int(hi or lo))
+    except ValueError:
+        print(f"rlk: error: --prompt-len must be MIN:MAX, got {args.prompt_len!r}", file=sys.stderr)
+        return 2
+    try:
+        report = _run_consistency(args, prompt_len)
+    except consistency.UsageError as e:
+        print(f"rlk: error: {e}", file=sys.stderr)
+        return 2
+    print(consistency.format_table(report))
+    if args.json:
+        consistency.write_json(report, args.json)
+    ok = consistency.ok(report)
+    if not ok:
+        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> dict[str, Any]:
+    import torch
+
+    from rlk_integrations import consistency
+
+    return consistency.run(
+        args.model,
+        backend=args.backend,
+        prompts=args.prompts,
+        new_tokens=args.new_tokens,
+        prompt_len=prompt_len,
+        micro_batch=args.micro_batch,
+        seed=args.seed,
+        temperature=args.temperature,
+        device=args.device,
+        dtype=getattr(torch, args.dtype),
+        rollout_modes=consistency.ROLLOUT_MODES
+        if args.rollout_mode == "both"
+        else (args.rollout_mode,),
+        page_size=args.page_size,
+        max_batch=args.max_batch,
+        train_engine=args.train_engine,
+        leaves=args.leaves,
+        train_tp=args.train_tp,
+        rollout_tp=args.rollout_tp,
+        progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
+    )
+
+
+CONSISTENCY = Command(
+    help="rollout vs training log-prob mismatch, stock transformers vs rlk",
+    add_arguments=_add_arguments,
+    run=_run,
+)

@@ -1,0 +1,39 @@
+"""``rlk bench``'s e2e family (rollout and training engines) run end to end on the tiny model on
+CPU: its own wall-clock timing is kept (on CPU it only has to run); every row the result file's
+readers look for comes out."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rlk.bench import _timing  # noqa: E402
+from rlk_integrations import e2e_bench  # noqa: E402
+
+
+def test_e2e_family_runs(monkeypatch):
+    monkeypatch.setattr(_timing, "DEVICE", "cpu")
+    shapes = dict(
+        QUICK_MODELS=("tiny",),
+        QUICK_BATCHES=(2,),
+        QUICK_NEW_TOKENS=2,
+        QUICK_TRAIN_SEQS=2,
+        QUICK_TRAIN_LEN=8,
+        PROMPT_LEN=(3, 5),
+        TRAIN_ITERS=1,
+    )
+    for name, value in shapes.items():
+        monkeypatch.setattr(e2e_bench, name, value)
+    rows = []
+    e2e_bench.run(quick=True, emit=rows.append)
+    got = {(r["op"], r["impl"]) for r in rows}
+    assert got >= {
+        ("e2e.rollout.padded", "hf-generate"),
+        ("e2e.rollout.padded", "rlk"),
+        ("e2e.rollout.paged", "hf-generate"),
+        ("e2e.rollout.paged", "rlk"),
+        ("e2e.train", "stock"),
+        ("e2e.train", "rlk"),
+    }
+    assert all(r["tok_s"] > 0 for r in rows)
