@@ -40,7 +40,7 @@ class Command:
     Example (in the distribution's ``pyproject.toml``)::
 
         [project.entry-points."rlk.commands"]
-        consistency = "rlk_integrations.commands:CONSISTENCY"
+        consistency = "rlk_integrations_cli:CONSISTENCY"
     """
 
     help: str

@@ -14,9 +14,10 @@ from rlk import bench, cli  # noqa: E402
 
 
 def test_the_command_and_the_family_are_registered():
-    from rlk_integrations import commands, e2e_bench
+    import rlk_integrations_cli
+    from rlk_integrations import e2e_bench
 
-    assert rlk_cli._plugin_commands()["consistency"] is commands.CONSISTENCY
+    assert rlk_cli._plugin_commands()["consistency"] is rlk_integrations_cli.CONSISTENCY
     assert bench.available() == list(bench.FAMILIES)
     assert bench.family_module("e2e") is e2e_bench
 

@@ -10,5 +10,15 @@
   with ``rlk.linear_logprobs``, and a GRPO step.
 - :mod:`rlk_integrations.models`: built-in random-init configs (``tiny``, ``qwen2-0.5b``, ...).
 
+Also :mod:`~rlk_integrations.architectures` (the module classes replaced per architecture),
+:mod:`~rlk_integrations.rotary`, :mod:`~rlk_integrations.megatron`, :mod:`~rlk_integrations.tp`
+and :mod:`~rlk_integrations.tp_workers` (tensor parallelism), :mod:`~rlk_integrations.consistency`
+(``rlk consistency``; its arguments are declared by the module ``rlk_integrations_cli``) and
+:mod:`~rlk_integrations.e2e_bench` (``rlk bench``'s e2e family).
+
 Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``.
 """
+
+# rlk first: on a machine without a GPU it makes Triton run its interpreter, which must happen
+# before transformers or Megatron-core import triton.
+import rlk  # noqa: F401

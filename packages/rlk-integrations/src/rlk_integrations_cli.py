@@ -1,8 +1,9 @@
 """``rlk consistency``, added to the ``rlk`` command through the entry-point group
 ``rlk.commands`` (see ``rlk_cli.Command``).
 
-Importing this module imports neither torch nor transformers: ``rlk --help`` reads the
-arguments declared here; :func:`_run` imports the engines when the command runs.
+A module beside the package, as ``rlk_cli`` is beside ``rlk``: importing it imports neither torch
+nor transformers nor ``rlk_integrations`` (which imports rlk first), so ``rlk --help`` reads the
+arguments declared here at once; :func:`_run` imports the engines when the command runs.
 """
 
 from __future__ import annotations
