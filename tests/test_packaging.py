@@ -1,4 +1,4 @@
-"""Packaging: wheels of all six packages build, and ``pip install "rlk[<extra>]"`` from a local
+"""Packaging: wheels of all seven packages build, and ``pip install "rlk[<extra>]"`` from a local
 wheelhouse into a fresh virtual environment pulls exactly the right rlk packages.
 
 Why not ``python -m venv --system-site-packages``: the development environment has the rlk
@@ -22,14 +22,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["rlk-reference", "rlk-api", "rlk-triton", "rlk-cuda", "rlk-rocm", "rlk-ascend"]
-DISTS = {"rlk", "rlk-reference", "rlk-triton", "rlk-cuda", "rlk-rocm", "rlk-ascend"}
+PACKAGES = [
+    "rlk-reference",
+    "rlk-api",
+    "rlk-triton",
+    "rlk-cuda",
+    "rlk-rocm",
+    "rlk-ascend",
+    "rlk-integrations",
+]
+DISTS = {"rlk", "rlk-reference", "rlk-triton", "rlk-cuda", "rlk-rocm", "rlk-ascend",
+         "rlk-integrations"}  # fmt: skip
 
 #: extra -> (rlk distributions it must install, backends registered by their entry points).
 EXPECTED = {
     "cuda": ({"rlk", "rlk-reference", "rlk-triton", "rlk-cuda"}, {"reference", "triton", "cuda"}),
     "rocm": ({"rlk", "rlk-reference", "rlk-triton", "rlk-rocm"}, {"reference", "triton", "rocm"}),
     "ascend": ({"rlk", "rlk-reference", "rlk-ascend"}, {"reference", "ascend"}),
+    # The integrations (transformers comes from the environment, as torch does).
+    "transformers": ({"rlk", "rlk-reference", "rlk-integrations"}, {"reference"}),
 }
 
 _RLK_ENTRY = re.compile(r"^(rlk([-_.].*)?|__editable__.*|.*\.pth|.*\.egg-link)$", re.IGNORECASE)
@@ -44,8 +55,9 @@ try:
     npu = md.version("torch-npu")
 except md.PackageNotFoundError:
     npu = None
+commands = sorted(ep.name for ep in md.entry_points(group="rlk.commands"))
 print(json.dumps({"dists": dists, "torch_npu": npu, "rlk_file": rlk.__file__,
-                  "backends": sorted(_plugins.registry().specs)}))
+                  "backends": sorted(_plugins.registry().specs), "commands": commands}))
 """
 
 
@@ -109,5 +121,7 @@ def test_extra_installs_the_right_packages(extra, wheelhouse, site_without_rlk, 
     assert set(got["dists"]) == dists
     assert all(v == "0.1.0" for v in got["dists"].values()), got["dists"]
     assert set(got["backends"]) == backends
+    # rlk consistency comes with rlk-integrations, and only with it.
+    assert got["commands"] == (["consistency"] if "rlk-integrations" in dists else [])
     assert Path(got["rlk_file"]).resolve().is_relative_to(venv.resolve()), got["rlk_file"]
     assert got["torch_npu"] is None  # rlk[ascend] never pulls torch-npu: it needs CANN
