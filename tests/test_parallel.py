@@ -115,10 +115,66 @@ def test_errors():
         P.row_parallel_linear(x, w, b, leaves=4, group=object())
     with pytest.raises(TypeError, match="gather_output"):
         P.column_parallel_linear(x, w, b, gather_output=1)
-    with rlk.use_backend("reference"), pytest.raises(rlk.BackendError, match="no tree-ordered"):
-        P.tree_linear(x, w, b, leaves=4)
     with pytest.raises(ValueError, match="world_size = 3 must divide"):
         P.shard(w, 0, rank=0, world_size=3)
+
+
+class _PlainPlugin:
+    """Backend "plain": the reference's required ops only (no optional tree-linear ops)."""
+
+    @rlk.hookimpl
+    def rlk_backends(self):
+        import rlk_reference
+
+        ops = {op: getattr(rlk_reference, op) for op in rlk.OPS}
+        impl = rlk.BackendImpl(ops=ops, claims=frozenset({"accuracy"}))
+        spec = rlk.BackendSpec("plain", 1, ("cpu",), lambda: (True, ""), lambda: impl)
+        return [spec]
+
+
+@pytest.fixture
+def plain_backend(monkeypatch):
+    from rlk import _plugins
+
+    monkeypatch.delenv("RLK_BACKEND", raising=False)
+    _plugins.reset_registry(extra_plugins=[_PlainPlugin()])
+    yield "plain"
+    _plugins.reset_registry()
+
+
+def test_backend_without_the_optional_op_names_the_ones_with_it(plain_backend):
+    x, w, b = _inputs(2, 32, 16, torch.float32)
+    assert rlk.linear(x, w, b) is not None  # "plain" is complete: it can be selected
+    calls = (
+        (P.tree_linear, "tree_linear"),
+        (P.row_parallel_linear, "tree_linear"),
+        (P.column_tree_linear, "column_tree_linear"),
+        (P.column_parallel_linear, "column_tree_linear"),
+    )
+    with rlk.use_backend(plain_backend):
+        for fn, op in calls:
+            with pytest.raises(rlk.BackendError) as e:
+                fn(x, w, b, leaves=4)
+            msg = str(e.value)
+            assert f"rlk.parallel.{fn.__name__}" in msg and "'plain'" in msg, msg
+            assert f"optional op {op!r}" in msg and "RLK_BACKEND" in msg, msg
+            # The backends here that have it are named (the float64 one and rlk-triton's).
+            assert "reference" in msg and "triton" in msg, msg
+    assert "plain" not in P.tree_backends("cpu")
+    assert {"reference", "triton"} <= set(P.TREE_BACKENDS)
+
+
+@pytest.mark.parametrize("fn", [P.tree_linear, P.column_tree_linear])
+def test_reference_backend_serves_the_tree_linears(fn):
+    # The float64 oracle claims the optional ops: accurate, and differentiable.
+    x, w, b = _inputs(5, 64, 24, torch.float32, seed=4)
+    xs = x.clone().requires_grad_(True)
+    with rlk.use_backend("reference"):
+        y = fn(xs, w, b, leaves=4)
+    y.sum().backward()
+    ref = x.double() @ w.double().T + b.double()
+    assert _rel_err(y.detach(), ref) < TOL[torch.float32]
+    assert _rel_err(xs.grad, w.double().sum(0).expand(5, 64)) < TOL[torch.float32]
 
 
 def test_no_process_group_is_one_rank():
@@ -179,7 +235,9 @@ def test_gpu_shards_equal_one_device(M):
 
     x, w, b = (t.cuda() for t in _inputs(512, 4864, 896, torch.bfloat16, seed=5))
     x = x[:M].contiguous()
-    table = P._tree_backend(x.device, "test")
+    from rlk_triton.backend import default_table
+
+    table = default_table()
     full = P.tree_linear(x, w, b, leaves=8)
     assert torch.equal(P.tree_linear(x[:1], w, b, leaves=8), full[:1])
     for t in (2, 4, 8):

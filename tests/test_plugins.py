@@ -368,3 +368,29 @@ def test_cli_unknown_backend_is_one_paragraph_without_traceback():
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and "Installed backends: " in r.stderr
+
+
+def test_vendor_tables_are_registered_by_entry_point():
+    # rlk_triton imports no vendor package: rlk-cuda and rlk-rocm declare their tables under
+    # the entry-point group "rlk_triton.tables", and the kit's configs cover all of them.
+    import rlk_cuda.tables
+    import rlk_rocm.tables
+    from rlk_triton import backend
+
+    tables = backend.vendor_tables()
+    assert tables["cuda"] is rlk_cuda.tables.NVIDIA and tables["rocm"] is rlk_rocm.tables.CDNA3
+    checked = [cfg for sets in backend.all_op_configs("linear") for cfg in sets.values()]
+    for key, rule in rlk_rocm.tables.CDNA3.items():
+        for cfg in rule.configs:
+            assert cfg in checked, (key, cfg)
+
+
+def test_a_vendor_table_that_fails_to_load_is_an_error(monkeypatch):
+    import importlib.metadata as md
+
+    from rlk_triton import backend
+
+    bad = md.EntryPoint("broken", "rlk_no_such_module.tables:X", backend.TABLES_GROUP)
+    monkeypatch.setattr(md, "entry_points", lambda group: [bad] if group else [])
+    with pytest.raises(RuntimeError, match="tuning table 'broken'.*failed to load"):
+        backend.known_tables()

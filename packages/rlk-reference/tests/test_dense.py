@@ -13,10 +13,9 @@ def _randn(*shape, dtype=torch.float64, requires_grad=False):
 
 
 def test_all_ops_exported():
-    assert ref.__all__ == [
-        "linear", "rms_norm", "silu_and_mul", "apply_rotary", "attention", "paged_attention",
-        "logprobs", "linear_logprobs", "policy_loss", "kl_penalty", "grpo_advantages", "sample",
-    ]  # fmt: skip
+    # That these are exactly the ops of rlk's catalog is checked by rlk-api's test_catalog.py
+    # (rlk-reference does not depend on rlk).
+    assert len(ref.__all__) == len(set(ref.__all__)) > 0
     for op in ref.__all__:
         assert callable(getattr(ref, op))
 

@@ -23,7 +23,9 @@ def _choose_triton_mode() -> None:
 
 _choose_triton_mode()
 
-from rlk._ops import (  # noqa: E402
+# The ops are imported by name (spelled out for static tools: type checkers, IDEs); __all__
+# below takes their names from the catalog, and a test checks that the two agree.
+from rlk._ops import (  # noqa: E402, F401
     apply_rotary,
     attention,
     grpo_advantages,
@@ -51,26 +53,16 @@ from rlk.batch_invariant import batch_invariant  # noqa: E402
 
 __version__ = "0.1.0"
 
+#: The public names: the API, then every required op of the catalog (``rlk/_catalog.py``).
 __all__ = [
     "GUARANTEES",
     "OPS",
     "BackendError",
     "BackendImpl",
     "BackendSpec",
-    "apply_rotary",
-    "attention",
     "batch_invariant",
     "current_backend",
-    "grpo_advantages",
     "hookimpl",
-    "kl_penalty",
-    "linear",
-    "linear_logprobs",
-    "logprobs",
-    "paged_attention",
-    "policy_loss",
-    "rms_norm",
-    "sample",
-    "silu_and_mul",
     "use_backend",
+    *OPS,
 ]

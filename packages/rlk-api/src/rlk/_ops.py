@@ -84,6 +84,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def check_linear(x: object, weight: object, bias: object) -> torch.device:
+    """The checks of :func:`linear`'s arguments (also those of ``rlk.parallel``'s linears);
+    returns their device."""
+    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True)
+    chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    if bias is not None:
+        chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+    device = chk.same_device(x=x, weight=weight, bias=bias)
+    chk.same_dtype(x=x, weight=weight, bias=bias)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        chk.shape("bias", bias, (weight.shape[0],), "N = weight.shape[0]")
+    return device
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``y = x @ weight.T + bias``.
 
@@ -99,18 +117,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         y = rlk.linear(torch.randn(8, 64), torch.randn(32, 64))   # [8, 32]
     """
-    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True)
-    chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    if bias is not None:
-        chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
-    device = chk.same_device(x=x, weight=weight, bias=bias)
-    chk.same_dtype(x=x, weight=weight, bias=bias)
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        chk.shape("bias", bias, (weight.shape[0],), "N = weight.shape[0]")
+    device = check_linear(x, weight, bias)
     y = _call("linear", device, _rows(x), weight, bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 

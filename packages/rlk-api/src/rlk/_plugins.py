@@ -20,27 +20,13 @@ from typing import Any
 
 import pluggy
 
+from rlk._catalog import OPS, OPTIONAL_OPS
+
 log = logging.getLogger("rlk")
 
 PROJECT = "rlk"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-
-#: Every op a backend must serve. A backend missing one cannot be selected.
-OPS: tuple[str, ...] = (
-    "linear",
-    "rms_norm",
-    "silu_and_mul",
-    "apply_rotary",
-    "attention",
-    "paged_attention",
-    "logprobs",
-    "linear_logprobs",
-    "policy_loss",
-    "kl_penalty",
-    "grpo_advantages",
-    "sample",
-)
 
 #: The guarantees a backend may claim; the conformance kit checks exactly the claimed ones.
 GUARANTEES: tuple[str, ...] = (
@@ -72,12 +58,13 @@ _Spec.rlk_backends = hookspec(_Spec.rlk_backends)
 class BackendImpl:
     """What a backend's loader returns: a callable for every op, and what it claims.
 
-    ``ops[name]`` is called with validated, normalised arguments in the order of the public
-    function's signature (keyword-only arguments passed by keyword). ``delegated`` names ops the
-    backend deliberately serves with another implementation, and says which (shown by
-    ``rlk info``). ``tuning_configs(op)`` lists every config the backend may pick for ``op``;
-    ``use_config(op, config)`` is a context manager forcing one, so the conformance kit can
-    prove that tuning never changes bits.
+    ``ops`` holds every op of ``rlk.OPS`` and any of the optional ops (``OPTIONAL_OPS``) the
+    backend claims. ``ops[name]`` is called with validated, normalised arguments in the order
+    of the public function's signature (keyword-only arguments passed by keyword).
+    ``delegated`` names ops the backend deliberately serves with another implementation, and
+    says which (shown by ``rlk info``). ``tuning_configs(op)`` lists every config the backend
+    may pick for ``op``; ``use_config(op, config)`` is a context manager forcing one, so the
+    conformance kit can prove that tuning never changes bits.
     """
 
     ops: Mapping[str, Callable[..., Any]]
@@ -315,7 +302,7 @@ class Registry:
                 if not isinstance(impl.ops, Mapping):
                     what = type(impl.ops).__name__
                     raise BackendError(f"backend {name!r} loader returned ops as a {what}")
-                unknown = set(impl.ops) - set(OPS)
+                unknown = set(impl.ops) - set(OPS) - set(OPTIONAL_OPS)
                 if unknown:
                     raise BackendError(f"backend {name!r} provides unknown ops {sorted(unknown)}")
                 bad = [op for op, fn in impl.ops.items() if not callable(fn)]
@@ -484,6 +471,45 @@ def backend_impl(device: Any) -> BackendImpl:
         impl = registry().load(current_backend(device))
         _resolved[key] = impl
     return impl
+
+
+def claimants(op: str, device_type: str) -> list[str]:
+    """The installed backends available for ``device_type`` tensors that implement ``op``.
+
+    Loads every such backend (for error messages and ``rlk.parallel.TREE_BACKENDS``, not for
+    dispatch); one that fails to load is left out, as ``rlk info`` reports it.
+    """
+    reg = registry()
+    names = []
+    for name, spec in reg.specs.items():
+        try:
+            ok = spec.serves(device_type) and reg.status(name)[0]
+            if ok and op in reg.load(name, complete=False).ops:
+                names.append(name)
+        except BackendError:
+            continue
+    return names
+
+
+def optional_op(device: Any, op: str, caller: str) -> Callable[..., Any]:
+    """The selected backend's implementation of the optional op ``op`` for ``device``.
+
+    Raises :class:`BackendError` naming the backend, the op and ``caller`` (the public function
+    that needs it) where the backend does not implement it: rlk never runs another backend's
+    kernel in its place, which would change the bits.
+    """
+    fn = backend_impl(device).ops.get(op)
+    if fn is not None:
+        return fn
+    device_type = getattr(device, "type", None) or _device_type(device)
+    have = claimants(op, device_type)
+    raise BackendError(
+        f"{caller}: rlk backend {current_backend(device)!r} does not implement the optional op "
+        f"{op!r} (rlk does not fall back to another backend's kernel, since that would break "
+        f"bitwise agreement). Backends here that implement it for {device_type!r} tensors: "
+        f"{', '.join(have) or 'none'}; choose one with RLK_BACKEND=<name> or "
+        "rlk.use_backend(<name>)."
+    )
 
 
 @contextlib.contextmanager

@@ -19,46 +19,42 @@ K-ranges (a constant of the model, not of the parallelism):
   N-leaf tree, as :func:`column_tree_linear` does on one device.
 
 Use the ``tree`` / ``column_tree`` ops on one device and the ``parallel`` ones under TP with the
-same ``leaves``, and the forward and backward bits agree across TP degrees. Only backends built
-on rlk_triton's GEMM (triton, cuda, rocm) serve these ops; others raise :class:`BackendError`
-(rlk never falls back to another kernel). Cost and limits: docs/design/parallel.md.
+same ``leaves``, and the forward and backward bits agree across TP degrees.
+
+Where the code is: this module checks the arguments, owns the process groups and the
+communication (:class:`Exchange`), and dispatches to the selected backend's optional ops
+``tree_linear``, ``column_tree_linear`` and ``vocab_parallel_linear_logprobs`` (see
+``rlk/_catalog.py``), which hold the kernels and the ``autograd.Function``s (rlk-triton:
+``tree_gemm.py``, ``vocab_parallel.py``; the float64 reference has them too). A backend
+without them raises :class:`BackendError` naming the backends that have them (rlk never falls
+back to another kernel). Cost and limits: docs/design/parallel.md.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlk import _plugins
 from rlk import _validate as chk
-from rlk._plugins import BackendError, current_backend
-
-#: Backends whose ``linear`` is rlk_triton's GEMM bound to a tuning table of that name.
-TREE_BACKENDS = ("triton", "cuda", "rocm")
+from rlk._ops import check_linear, check_linear_logprobs
 
 
-@functools.cache
-def _table(name: str) -> Any:
-    from rlk_triton import backend
-
-    tables = backend.known_tables()
-    if name not in tables:
-        raise BackendError(f"rlk.parallel: no rlk_triton tuning table for backend {name!r}")
-    return tables[name]
+def __getattr__(name: str) -> Any:
+    # TREE_BACKENDS (kept for callers of the earlier constant) is asked of the installed
+    # backends, loading them, when it is read; it is not in __all__ for that reason.
+    if name == "TREE_BACKENDS":
+        return tree_backends()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _tree_backend(device: torch.device, op: str) -> Any:
-    """The tuning table of the selected backend, which must run rlk_triton's GEMM."""
-    name = current_backend(device)
-    if name not in TREE_BACKENDS:
-        raise BackendError(
-            f"rlk.parallel.{op}: backend {name!r} has no tree-ordered GEMM (served by "
-            f"{', '.join(TREE_BACKENDS)}); rlk does not fall back to another backend's kernel, "
-            "since that would break bitwise agreement"
-        )
-    return _table(name)
+def tree_backends(device: Any = None) -> tuple[str, ...]:
+    """The installed backends available for ``device`` (default: cuda if present, else cpu)
+    that implement the tree-ordered linears (also readable as ``TREE_BACKENDS``)."""
+    return tuple(_plugins.claimants("tree_linear", _plugins._device_type(device)))
 
 
 def _leaves(leaves: object) -> int:
@@ -67,22 +63,6 @@ def _leaves(leaves: object) -> int:
     if leaves < 1 or leaves & (leaves - 1):
         raise ValueError(f"leaves must be a power of two >= 1, got {leaves}")
     return leaves
-
-
-def _check_linear(x, weight, bias, *, bias_n=None):
-    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True)
-    chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    if bias is not None:
-        chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
-    device = chk.same_device(x=x, weight=weight, bias=bias)
-    chk.same_dtype(x=x, weight=weight, bias=bias)
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        chk.shape("bias", bias, (weight.shape[0],), "N = weight.shape[0]")
-    return device
 
 
 def _divides(leaves: int, n: int, what: str) -> None:
@@ -162,17 +142,44 @@ def _sendrecv(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
         req.wait()
 
 
+def tree_combine(parts):
+    """Sum tensors (a power-of-two count, in leaf order) by the balanced binary tree.
+
+    ``((p0 + p1) + (p2 + p3)) + ...``: the order of the tree-ordered ops, shared by the ranks'
+    exchange here and the backends' per-leaf paths. Streams: at most ``log2(len) + 1`` partial
+    sums are alive. The left operand of each add is reused as its output (adds are correctly
+    rounded, so where the result lives changes nothing). A part may be ``None``: an empty leaf,
+    the exact identity (``None`` if every part is).
+    """
+    stack: list[tuple[int, torch.Tensor | None]] = []
+    for p in parts:
+        size = 1
+        while stack and stack[-1][0] == size:
+            left = stack.pop()[1]
+            p = left if p is None else (p if left is None else left.add_(p))
+            size *= 2
+        stack.append((size, p))
+    if len(stack) != 1:
+        raise ValueError(f"tree_combine needs a power-of-two number of parts, got {stack}")
+    return stack[0][1]
+
+
+def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Add the bias to the fp32 root and round once to ``dtype`` (as the GEMM kernel does)."""
+    if bias is not None:
+        acc = acc.add_(bias.to(torch.float32))
+    return acc.to(dtype)
+
+
 def _tree_reduce(local, world, group, bias, dtype):
-    """``finish(top of the tree over the ranks' fp32 subtree values, bias, dtype)`` on every
-    rank: the deterministic replacement of an all-reduce. ``local``: this rank's fp32 [M, N],
-    a fresh value of the caller's that the halving exchange may sum into in place."""
+    """``finish(top of the tree over the ranks' subtree values, bias, dtype)`` on every rank:
+    the deterministic replacement of an all-reduce. ``local``: this rank's fp32 [M, N] (float64
+    from the reference backend), a fresh value of the caller's that the halving exchange may
+    sum into in place."""
     import torch.distributed as dist
 
-    from rlk_triton import tree_gemm
-
     if world == 1 or _exchange() == "gather":
-        root = tree_gemm.tree_combine(_all_gather(local, world, group))
-        return tree_gemm.finish(root, bias, dtype)
+        return finish(tree_combine(_all_gather(local, world, group)), bias, dtype)
     rank = dist.get_rank(group)
     # Recursive halving: step j pairs rank r with r ^ 2^j, which holds the sibling subtree of
     # level j for the same rows; each keeps half of its rows and adds the peer's values there.
@@ -193,7 +200,7 @@ def _tree_reduce(local, world, group, bias, dtype):
         _sendrecv(buf[give * rows : (give + size) * rows], recv, rank ^ step, group)
         buf[keep * rows : (keep + size) * rows] += recv
         lo, step = keep, step * 2
-    mine = tree_gemm.finish(buf[lo * rows : (lo + 1) * rows], bias, dtype)
+    mine = finish(buf[lo * rows : (lo + 1) * rows], bias, dtype)
     # Gather each rank's finished rows straight into the row block it holds.
     out = torch.empty(rows * world, N, dtype=dtype, device=local.device)
     blocks = [_halving_owner(r, world) for r in range(world)]
@@ -201,6 +208,40 @@ def _tree_reduce(local, world, group, bias, dtype):
         [out[b * rows : (b + 1) * rows] for b in blocks], mine.contiguous(), group=group
     )
     return out[:M]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What a backend's tensor-parallel op gets to combine the ranks' values (rank ``rank`` of
+    ``world`` in ``group``). The backend computes; this moves data and adds the tree's top.
+
+    - ``gather(t)``: every rank's ``t`` (same shape and dtype on all), in rank order.
+    - ``reduce(partial, bias, dtype)``: the top of the tree over the ranks' subtree values
+      ``partial`` ([M, N], fp32, or float64 from the reference backend; this rank's fresh
+      tensor, which may be summed into), plus ``bias``, rounded once to ``dtype``; the same
+      result on every rank (``RLK_TP_EXCHANGE`` picks how: :data:`EXCHANGES`).
+    """
+
+    rank: int
+    world: int
+    group: Any = None
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return _all_gather(t, self.world, self.group)
+
+    def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        return _tree_reduce(partial, self.world, self.group, bias, dtype)
+
+
+def _exchange_of(group) -> Exchange | None:
+    """The exchange of ``group``; None on one rank (the ops then run their one-device path,
+    which has the same bits)."""
+    rank, world = _group_info(group)
+    return None if world == 1 else Exchange(rank, world, group)
+
+
+def _op(device: torch.device, op: str, caller: str):
+    return _plugins.optional_op(device, op, f"rlk.parallel.{caller}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,12 +268,10 @@ def tree_linear(
         y = rlk.parallel.tree_linear(torch.randn(4, 64), torch.randn(32, 64), leaves=8)
     """
     leaves = _leaves(leaves)
-    device = _check_linear(x, weight, bias)
+    device = check_linear(x, weight, bias)
     _divides(leaves, x.shape[-1], "K = x.shape[-1]")
-    from rlk_triton import tree_gemm
-
-    table = _tree_backend(device, "tree_linear")
-    y = tree_gemm.tree_linear(_rows(x), weight, bias, leaves=leaves, table=table)
+    fn = _op(device, "tree_linear", "tree_linear")
+    y = fn(_rows(x), weight, bias, leaves, exchange=None)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -243,41 +282,22 @@ def column_tree_linear(
 
     Shapes as ``rlk.linear``; ``leaves``: a power of two dividing N. The one-device twin of
     :func:`column_parallel_linear` (whose ranks split N, so dX = dY @ W is a sum over ranks).
+
+    Example::
+
+        y = rlk.parallel.column_tree_linear(torch.randn(4, 64), torch.randn(32, 64), leaves=8)
     """
     leaves = _leaves(leaves)
-    device = _check_linear(x, weight, bias)
+    device = check_linear(x, weight, bias)
     _divides(leaves, weight.shape[0], "N = weight.shape[0]")
-    from rlk_triton import tree_gemm
-
-    table = _tree_backend(device, "column_tree_linear")
-    y = tree_gemm.column_tree_linear(_rows(x), weight, bias, leaves=leaves, table=table)
+    fn = _op(device, "column_tree_linear", "column_tree_linear")
+    y = fn(_rows(x), weight, bias, leaves, exchange=None)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # --------------------------------------------------------------------------------------------
 # Tensor-parallel (torch.distributed)
 # --------------------------------------------------------------------------------------------
-
-
-class _RowParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, leaves, world, group, table):
-        from rlk_triton import tree_gemm
-
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.table = table
-        local = tree_gemm.subtree_sum(x, weight, leaves // world, table=table)
-        return _tree_reduce(local, world, group, bias, x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from rlk_triton import tree_gemm
-
-        # dY is replicated on the ranks (the output is); dX's K-slice and dW's K-columns need
-        # only this rank's W and X, and every rank gets the (identical) full dbias.
-        x, weight = ctx.saved_tensors
-        return (*tree_gemm.linear_backward(ctx, dy, x, weight), None, None, None, None)
 
 
 def row_parallel_linear(
@@ -301,48 +321,19 @@ def row_parallel_linear(
     all-gather of the finished rows (the same bits).
     Backward: local (no communication), as Megatron's row-parallel layer; dX is the K-slice of
     the one-device dX, dW the K-columns of the one-device dW.
+
+    Example::
+
+        y = rlk.parallel.row_parallel_linear(x_shard, o_proj_shard, leaves=8, group=tp)
     """
     leaves = _leaves(leaves)
-    device = _check_linear(x, weight, bias)
-    rank, world = _group_info(group)
+    device = check_linear(x, weight, bias)
+    _, world = _group_info(group)
     per_rank = _tp_leaves(leaves, world)
     _divides(per_rank, x.shape[-1], f"this rank's K-shard x.shape[-1] (leaves / {world} ranks)")
-    table = _tree_backend(device, "row_parallel_linear")
-    y = _RowParallel.apply(_rows(x), weight, bias, leaves, world, group, table)
+    fn = _op(device, "tree_linear", "row_parallel_linear")
+    y = fn(_rows(x), weight, bias, per_rank, exchange=_exchange_of(group))
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-class _ColumnParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, leaves, world, group, table):
-        from rlk_triton import gemm
-
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.table = table
-        ctx.leaves, ctx.world, ctx.group = leaves, world, group
-        return gemm.linear_forward(x, weight, bias, table)
-
-    @staticmethod
-    def backward(ctx, dy):
-        from rlk_triton import gemm, tree_gemm
-
-        x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # dX sums over the ranks' N-slices: this rank's subtree of the N-leaf tree, the
-            # subtrees gathered and topped by the tree (the deterministic replacement of
-            # Megatron's all-reduce of dX).
-            local = tree_gemm.tree_matmul(
-                dy, weight, ctx.leaves // ctx.world, table=ctx.table, key="linear.bwd_dx"
-            )
-            dx = _tree_reduce(local, ctx.world, ctx.group, None, x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = gemm._matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = gemm._bias_grad(dy, weight.dtype)
-        return dx, dw, db, None, None, None, None
 
 
 def column_parallel_linear(
@@ -365,16 +356,20 @@ def column_parallel_linear(
     Backward: dW, dbias local; dX = dY @ W sums over the ranks' N-slices, combined by the
     N-leaf tree of :func:`column_tree_linear` (an all-gather of fp32 ``[M, K]`` subtree values),
     so dX has the one-device bits of ``column_tree_linear`` with the same ``leaves``.
+
+    Example::
+
+        y = rlk.parallel.column_parallel_linear(x, gate_up_shard, leaves=8, group=tp)
     """
     leaves = _leaves(leaves)
-    device = _check_linear(x, weight, bias)
+    device = check_linear(x, weight, bias)
     if not isinstance(gather_output, bool):
         raise TypeError(f"gather_output must be a bool, got {type(gather_output).__name__}")
     rank, world = _group_info(group)
     per_rank = _tp_leaves(leaves, world)
     _divides(per_rank, weight.shape[0], f"this rank's N-shard weight.shape[0] (leaves / {world})")
-    table = _tree_backend(device, "column_parallel_linear")
-    y = _ColumnParallel.apply(_rows(x), weight, bias, leaves, world, group, table)
+    fn = _op(device, "column_tree_linear", "column_parallel_linear")
+    y = fn(_rows(x), weight, bias, per_rank, exchange=_exchange_of(group))
     if gather_output:
         y = _GatherColumns.apply(y, rank, world, group)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -398,59 +393,6 @@ class _GatherColumns(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-class _VocabParallelLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, temperature, entropy, logits_dtype, rank,
-                world, group, table):  # fmt: skip
-        from rlk_triton import fused_logprobs as fl
-        from rlk_triton import logprobs as lp_mod
-
-        v_local = weight.shape[0]
-        vocab, offset = v_local * world, v_local * rank
-        m, s, t, zt = fl.linear_leaf_states(
-            hidden, weight, targets, bias, temperature, entropy, logits_dtype, table, vocab, offset
-        )
-        # Deterministic merge: gather every rank's subtree triple (and its target logit, which
-        # only the owner of the target holds), then the top of the leaf tree on every rank.
-        triple = torch.stack([m, s, t if entropy else s, zt], 0)
-        parts = torch.stack(_all_gather(triple, world, group), 2)  # [4, T, world]
-        owner = (targets // v_local).clamp_(0, world - 1)
-        zt = parts[3].gather(1, owner[:, None])[:, 0]
-        lp, lse, ent = lp_mod.merge_states(
-            parts[0].contiguous(),
-            parts[1].contiguous(),
-            parts[2].contiguous() if entropy else None,
-            zt,
-            final=True,
-        )
-        ctx.save_for_backward(hidden, weight, targets, bias, lse, ent)
-        ctx.args = (temperature, entropy, logits_dtype, vocab, offset, world, group, table)
-        return (lp, ent) if entropy else lp
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        from rlk_triton import fused_logprobs as fl
-
-        hidden, weight, targets, bias, lse, ent = ctx.saved_tensors
-        temperature, entropy, logits_dtype, vocab, offset, world, group, table = ctx.args
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
-        if entropy:
-            g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
-        else:
-            ent = g_ent = None
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[3]
-        dh, dw, db = fl.backward_slices(
-            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
-            table, need_h, need_w, need_b, vocab, offset,
-        )  # fmt: skip
-        if need_h:
-            # hidden is replicated; its gradient sums over the vocabulary, which the ranks
-            # split: this rank's subtree of the leaf tree, the top of the tree after a gather.
-            dh = _tree_reduce(dh, world, group, None, hidden.dtype)
-        return dh, dw, None, db, None, None, None, None, None, None, None
-
-
 def vocab_parallel_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -464,13 +406,14 @@ def vocab_parallel_linear_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`rlk.linear_logprobs` with the lm_head split over the vocabulary, one-device bits.
 
-    Rank r of the group (size t, a power of two dividing ``rlk_triton.logprobs.VOCAB_LEAVES``)
-    passes the replicated ``hidden [T, H]`` and ``targets`` int64 ``[T]`` (ids in the whole
-    vocabulary of ``V = t * V_r``), its rows ``weight [V_r, H]`` of the lm_head (rows
-    ``r*V_r .. (r+1)*V_r``, Megatron's vocabulary-parallel layout; V must be a multiple of
-    ``VOCAB_LEAVES``) and the same slice of ``bias``. Every rank returns the float32 ``[T]``
-    log-probabilities (and entropy), bitwise equal to ``rlk.linear_logprobs`` of the full
-    lm_head on one device. Without an initialised process group it is ``rlk.linear_logprobs``.
+    Rank r of the group (size t) passes the replicated ``hidden [T, H]`` and ``targets`` int64
+    ``[T]`` (ids in the whole vocabulary of ``V = t * V_r``), its rows ``weight [V_r, H]`` of the
+    lm_head (rows ``r*V_r .. (r+1)*V_r``, Megatron's vocabulary-parallel layout) and the same
+    slice of ``bias``. Every rank returns the float32 ``[T]`` log-probabilities (and entropy),
+    bitwise equal to ``rlk.linear_logprobs`` of the full lm_head on one device. Without an
+    initialised process group it is ``rlk.linear_logprobs``. The backend may restrict the
+    split: rlk-triton's kernels need t a power of two dividing their vocabulary leaves
+    (``rlk_triton.logprobs.VOCAB_LEAVES``) and V a multiple of them (a ``ValueError`` says so).
 
     How: the log-sum-exp is a fixed tree over vocabulary leaves; a rank's rows are a subtree,
     so each rank merges its own leaves, the ranks all-gather their ``(max, sum-exp, entropy
@@ -482,28 +425,17 @@ def vocab_parallel_linear_logprobs(
 
         lp = rlk.parallel.vocab_parallel_linear_logprobs(h, lm_head_shard, tokens, group=tp)
     """
-    from rlk._ops import check_linear_logprobs
-
-    rank, world = _group_info(group)
+    _, world = _group_info(group)
     device, targets, temperature, logits_dtype = check_linear_logprobs(
         hidden, weight, targets, bias, temperature, logits_dtype, weight.shape[0] * world
     )
     return_entropy = chk.flag("return_entropy", return_entropy)
-    if world > 1:
-        from rlk_triton import logprobs as lp_mod
-
-        _tp_leaves(lp_mod.VOCAB_LEAVES, world)
-        if (weight.shape[0] * world) % lp_mod.VOCAB_LEAVES:
-            raise ValueError(
-                f"the vocabulary V = {weight.shape[0] * world} ({world} ranks x "
-                f"{weight.shape[0]} rows) must be a multiple of {lp_mod.VOCAB_LEAVES} "
-                "(the vocabulary leaves; pad the lm_head as Megatron does)"
-            )
-    table = _tree_backend(device, "vocab_parallel_linear_logprobs")
-    return _VocabParallelLogprobs.apply(
-        hidden.contiguous(), weight, targets.contiguous(), bias, temperature,
-        return_entropy, logits_dtype, rank, world, group, table,
-    )  # fmt: skip
+    args = (hidden, weight, targets, bias, temperature, return_entropy, logits_dtype)
+    exchange = _exchange_of(group)
+    if exchange is None:  # one rank holds the whole lm_head
+        return _plugins.backend_impl(device).ops["linear_logprobs"](*args)
+    fn = _op(device, "vocab_parallel_linear_logprobs", "vocab_parallel_linear_logprobs")
+    return fn(hidden.contiguous(), weight, targets.contiguous(), *args[3:], exchange=exchange)
 
 
 def shard(t: torch.Tensor, dim: int, *, rank: int, world_size: int) -> torch.Tensor:
@@ -522,11 +454,13 @@ def shard(t: torch.Tensor, dim: int, *, rank: int, world_size: int) -> torch.Ten
 
 
 __all__ = [
-    "TREE_BACKENDS",
+    "EXCHANGES",
+    "Exchange",
     "column_parallel_linear",
     "column_tree_linear",
     "row_parallel_linear",
     "shard",
+    "tree_backends",
     "tree_linear",
     "vocab_parallel_linear_logprobs",
 ]

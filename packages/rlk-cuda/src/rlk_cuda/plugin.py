@@ -23,9 +23,9 @@ def _available() -> tuple[bool, str]:
 
 def _load() -> BackendImpl:
     from rlk_cuda.tables import NVIDIA
-    from rlk_triton import backend, tuning
+    from rlk_triton import backend
 
-    return backend.make_impl(tuning.merge(backend.default_table(), NVIDIA))
+    return backend.make_vendor_impl(NVIDIA)
 
 
 @hookimpl

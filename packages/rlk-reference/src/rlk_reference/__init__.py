@@ -6,6 +6,10 @@ results in the input dtype (log-probabilities, entropies, losses, KL and advanta
 float64 inputs give float64 results). The backward is torch autograd through the float64
 computation. Every op accepts an ignored ``table=None`` keyword, like the rlk_triton ops.
 
+It also implements the optional ops of ``rlk.parallel`` (:func:`tree_linear`,
+:func:`column_tree_linear`, :func:`vocab_parallel_linear_logprobs`), whose ranks exchange
+float64 partial values through the ``exchange`` that ``rlk.parallel`` passes.
+
 The random numbers of :func:`sample` are specified bit-exactly in :mod:`rlk_reference.philox`.
 """
 
@@ -13,6 +17,11 @@ from rlk_reference._attention import attention, paged_attention
 from rlk_reference._dense import apply_rotary, linear, rms_norm, silu_and_mul
 from rlk_reference._logprobs import linear_logprobs, logprobs
 from rlk_reference._losses import grpo_advantages, kl_penalty, policy_loss
+from rlk_reference._parallel import (
+    column_tree_linear,
+    tree_linear,
+    vocab_parallel_linear_logprobs,
+)
 from rlk_reference._sampling import sample
 
 __all__ = [
@@ -28,4 +37,7 @@ __all__ = [
     "kl_penalty",
     "grpo_advantages",
     "sample",
+    "tree_linear",
+    "column_tree_linear",
+    "vocab_parallel_linear_logprobs",
 ]

@@ -21,9 +21,9 @@ def _available() -> tuple[bool, str]:
 
 def _load() -> BackendImpl:
     from rlk_rocm.tables import CDNA3
-    from rlk_triton import backend, tuning
+    from rlk_triton import backend
 
-    return backend.make_impl(tuning.merge(backend.default_table(), CDNA3))
+    return backend.make_vendor_impl(CDNA3)
 
 
 @hookimpl

@@ -1,29 +1,30 @@
-"""Build a backend implementation from the rlk_triton kernels and a tuning table."""
+"""Build a backend implementation from the rlk_triton kernels and a tuning table.
+
+Vendor packages (rlk-cuda, rlk-rocm) build their backends with :func:`make_impl` on their
+tuning table merged over :func:`default_table`, and declare that table under the entry-point
+group :data:`TABLES_GROUP` so that the conformance kit runs its configs on any device (the
+rocm table on an NVIDIA GPU or under the interpreter). This package imports none of them.
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 
 from rlk import BackendImpl
+from rlk._catalog import CATALOG
 from rlk_triton import tuning
 from rlk_triton._triton import INTERPRET
 
-#: op -> module of rlk_triton holding its public function (one file per op family).
-OP_MODULES = {
-    "linear": "gemm",
-    "rms_norm": "norm",
-    "silu_and_mul": "activation",
-    "apply_rotary": "rotary",
-    "attention": "attention",
-    "paged_attention": "attention",
-    "logprobs": "logprobs",
-    "linear_logprobs": "fused_logprobs",
-    "policy_loss": "losses",
-    "kl_penalty": "losses",
-    "grpo_advantages": "losses",
-    "sample": "sampling",
-}
+#: op -> module of rlk_triton holding its public function (one file per op family, named by
+#: the family of the op catalog).
+OP_MODULES = {spec.name: spec.family for spec in CATALOG}
+
+#: Entry-point group of the vendor tuning tables: ``name = "module:ATTRIBUTE"``, the attribute a
+#: ``{kernel key: tuning.Rule}`` of overrides of :func:`default_table` (rlk-cuda's pyproject.toml
+#: declares ``cuda = "rlk_cuda.tables:NVIDIA"``).
+TABLES_GROUP = "rlk_triton.tables"
 
 CLAIMS = frozenset(
     {"accuracy", "batch_invariance", "determinism", "tuning_invariance", "path_invariance"}
@@ -58,23 +59,30 @@ def default_table() -> dict[str, tuning.Rule]:
     return table
 
 
-#: Vendor tuning tables built on these kernels: (name, module, attribute of overrides).
-VENDOR_TABLES = (("cuda", "rlk_cuda.tables", "NVIDIA"), ("rocm", "rlk_rocm.tables", "CDNA3"))
+def vendor_tables() -> dict[str, tuning.TuningTable]:
+    """The override tables declared under :data:`TABLES_GROUP` by installed packages, by name.
+
+    Found through their entry points, not through their backends: the rocm table must be
+    checkable on an NVIDIA GPU or a CPU, where backend ``rocm`` is not available. A declared
+    table that fails to load is an error (its configs would otherwise go unchecked).
+    """
+    tables = {}
+    for ep in sorted(importlib.metadata.entry_points(group=TABLES_GROUP), key=lambda e: e.name):
+        try:
+            tables[ep.name] = ep.load()
+        except Exception as e:
+            raise RuntimeError(
+                f"rlk_triton: the tuning table {ep.name!r} ({ep.value!r}, declared by "
+                f"distribution {ep.dist.name if ep.dist else '?'!r}) failed to load: {e}"
+            ) from e
+    return tables
 
 
 def known_tables() -> dict[str, dict[str, tuning.Rule]]:
-    """The portable table and every installed vendor table (merged over it), by backend name.
-
-    Vendor packages are found by import, not through their backends: the rocm table must be
-    checkable on an NVIDIA GPU or a CPU, where backend ``rocm`` is not available.
-    """
+    """The portable table and every installed vendor table (merged over it), by backend name."""
     base = default_table()
     tables = {"triton": base}
-    for name, module, attr in VENDOR_TABLES:
-        try:
-            overrides = getattr(importlib.import_module(module), attr)
-        except ModuleNotFoundError:
-            continue
+    for name, overrides in vendor_tables().items():
         tables[name] = tuning.merge(base, overrides)
     return tables
 
@@ -110,3 +118,10 @@ def make_impl(table: tuning.TuningTable) -> BackendImpl:
         tuning_configs=all_op_configs,
         use_config=tuning.force,
     )
+
+
+def make_vendor_impl(overrides: tuning.TuningTable) -> BackendImpl:
+    """A vendor backend: these kernels with ``overrides`` merged over :func:`default_table`
+    (what rlk-cuda and rlk-rocm load; they also declare ``overrides`` under
+    :data:`TABLES_GROUP`)."""
+    return make_impl(tuning.merge(default_table(), overrides))

@@ -49,14 +49,34 @@ config they set launch parameters only, never a bit. See docs/design/parallel.md
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+# The tree's fp32 combine and the final bias-and-round are rlk.parallel's: its exchange tops the
+# same tree over tensor-parallel ranks, so one definition serves both.
+from rlk.parallel import finish, tree_combine
 from rlk_triton import gemm, tuning
 from rlk_triton._triton import INTERPRET, jit, tl, triton
 
 #: Leaves the fused kernel unrolls at most (a carry chain of at most 6 levels); more leaves run
 #: the unfused path (same bits).
 MAX_FUSED_LEAVES = 64
+
+
+@jit
+def _store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    # The epilogue of gemm._matmul_kernel: the bias added to the fp32 tile, one rounding to C's
+    # dtype, a masked store of the tile at (row0, col0).
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
+    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @jit
@@ -130,12 +150,8 @@ def _tree_kernel(
                             else:
                                 v = s5 + v
 
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
-        v = v + bias[None, :]
-    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
-    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, v.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_tile(v, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+                HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 @jit
@@ -284,12 +300,8 @@ def _tree_flat_kernel(
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
-    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+                HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def _tcfg(bm, bn, warps, stages, group_m=8):
@@ -400,24 +412,10 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
     width = R // leaves
     block_k = gemm.BLOCK_K[a.dtype]
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    # The flat loop runs LEAVES * cdiv(width, BLOCK_K) tiles and writes C at the last one: with
-    # empty leaves it would write nothing, so they take _tree_kernel (the same zeros and bias).
-    if cfg.get("VARIANT") == "flat" and width > 0:
-        return _tree_flat_launch(a, b, bias, c, leaves, cfg, grid, width, block_k)
-    return _tree_kernel[grid](
-        a,
-        b,
-        bias if bias is not None else c,
-        c,
-        M,
-        N,
-        width,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
+    # The arguments both kernels take: sizes and strides, then the compile-time parameters.
+    sizes = (M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+             c.stride(1))  # fmt: skip
+    meta = dict(
         LEAVES=leaves,
         HAS_BIAS=bias is not None,
         EVEN_K=width % block_k == 0,
@@ -429,9 +427,11 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-
-
-def _tree_flat_launch(a, b, bias, c, leaves, cfg, grid, width, block_k):
+    bias = bias if bias is not None else c
+    # The flat loop runs LEAVES * cdiv(width, BLOCK_K) tiles and writes C at the last one: with
+    # empty leaves it would write nothing, so they take _tree_kernel (the same zeros and bias).
+    if cfg.get("VARIANT") != "flat" or width == 0:
+        return _tree_kernel[grid](a, b, bias, c, *sizes, **meta)
     log2_leaves = leaves.bit_length() - 1
     reg_slots = min(cfg["REG_SLOTS"], log2_leaves)
     halves = cfg.get("HALVES", False)
@@ -441,35 +441,9 @@ def _tree_flat_launch(a, b, bias, c, leaves, cfg, grid, width, block_k):
     parked = grid[0] * (log2_leaves - reg_slots) * cfg["BLOCK_M"] * cfg["BLOCK_N"]
     park = torch.empty(parked, dtype=torch.float32, device=a.device) if parked else c
     return _tree_flat_kernel[grid](
-        a,
-        b,
-        bias if bias is not None else c,
-        c,
-        park,
-        a.shape[0],
-        b.shape[1],
-        width,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
-        LEAVES=leaves,
-        LOG2_LEAVES=log2_leaves,
-        REG_SLOTS=reg_slots,
-        HALVES=halves,
-        ASM_BARRIER=a.is_cuda and torch.version.hip is None and not INTERPRET,
-        HAS_BIAS=bias is not None,
-        EVEN_K=width % block_k == 0,
-        IEEE=a.dtype == torch.float32,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=block_k,
-        GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+        a, b, bias, c, park, *sizes, **meta, LOG2_LEAVES=log2_leaves, REG_SLOTS=reg_slots,
+        HALVES=halves, ASM_BARRIER=a.is_cuda and torch.version.hip is None and not INTERPRET,
+    )  # fmt: skip
 
 
 def tree_config(table, key, M, N, R, leaves, dtype_bytes):
@@ -498,26 +472,6 @@ def _check_leaves(R: int, leaves: int, dim: str = "K") -> None:
         raise ValueError(f"leaves must be a power of two >= 1, got {leaves}")
     if R % leaves:
         raise ValueError(f"leaves = {leaves} must divide {dim} = {R} (the leaves are equal ranges)")
-
-
-def tree_combine(parts):
-    """Sum fp32 tensors (a power-of-two count, in leaf order) by the balanced binary tree.
-
-    Streams: at most ``log2(len) + 1`` partial sums are alive. The left operand of each add is
-    reused as its output (adds are correctly rounded, so where the result lives changes nothing).
-    A part may be ``None``: an empty leaf, the exact identity (``None`` if every part is).
-    """
-    stack: list[tuple[int, torch.Tensor | None]] = []
-    for p in parts:
-        size = 1
-        while stack and stack[-1][0] == size:
-            left = stack.pop()[1]
-            p = left if p is None else (p if left is None else left.add_(p))
-            size *= 2
-        stack.append((size, p))
-    if len(stack) != 1:
-        raise ValueError(f"tree_combine needs a power-of-two number of parts, got {stack}")
-    return stack[0][1]
 
 
 def _leaf_partials(a, b, leaves, table, key):
@@ -571,13 +525,6 @@ def subtree_sum(x, weight, leaves, *, table):
     return tree_matmul(x, weight.t(), leaves, table=table, key="linear.fwd")
 
 
-def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Add the bias to the fp32 root and round once to ``dtype`` (as the GEMM kernel does)."""
-    if bias is not None:
-        acc = acc.add_(bias.to(torch.float32))
-    return acc.to(dtype)
-
-
 def tree_linear_forward_unfused(x, weight, bias, leaves, table):
     """The reference of :func:`tree_linear_forward` (per-leaf GEMMs, torch adds)."""
     return finish(tree_matmul_unfused(x, weight.t(), leaves, table=table), bias, x.dtype)
@@ -589,21 +536,27 @@ def tree_linear_forward(x, weight, bias, leaves, table):
     return _fused(x, weight.t(), bias, leaves, x.dtype, table, "linear.fwd")
 
 
-def linear_backward(ctx, dy, x, weight, dx_leaves=None):
+def linear_backward(ctx, dy, x, weight, dx_leaves=None, exchange=None):
     """dX, dW, dbias of ``y = x @ W.T + b`` with the batch-invariant GEMM of ``linear``.
 
     With ``dx_leaves``, dX = dY @ W reduces N by the binary tree of that many N-leaves (the
     backward of a column-parallel layer, whose ranks split N); otherwise in ascending order.
+    With ``exchange`` too, ``weight`` is this rank's N-slice: its fp32 subtree of dX is topped
+    by ``exchange.reduce`` over the ranks' subtrees (the deterministic replacement of
+    Megatron's all-reduce of dX).
     """
     dy = dy.contiguous()
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
         if dx_leaves is None:
             dx = gemm._matmul(dy, weight, None, x.dtype, ctx.table, "linear.bwd_dx")
-        else:
+        elif exchange is None:
             dx = tree_matmul(
                 dy, weight, dx_leaves, table=ctx.table, key="linear.bwd_dx", out_dtype=x.dtype
             )
+        else:
+            local = tree_matmul(dy, weight, dx_leaves, table=ctx.table, key="linear.bwd_dx")
+            dx = exchange.reduce(local, None, x.dtype)
     if ctx.needs_input_grad[1]:
         dw = gemm._matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw")
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -611,37 +564,47 @@ def linear_backward(ctx, dy, x, weight, dx_leaves=None):
     return dx, dw, db
 
 
+def _forward(x, weight, bias, leaves, table, exchange):
+    """tree_linear's forward; with ``exchange``, this rank's fp32 subtree (its K-shard) topped
+    over the ranks by ``exchange.reduce``, which adds the bias and rounds once."""
+    if exchange is None:
+        return tree_linear_forward(x, weight, bias, leaves, table)
+    return exchange.reduce(subtree_sum(x, weight, leaves, table=table), bias, x.dtype)
+
+
 class TreeLinearFunction(torch.autograd.Function):
-    """Forward: K by the leaf tree (row-parallel layers). Backward: that of ``linear``."""
+    """Forward: K by the leaf tree (row-parallel layers). Backward: that of ``linear``, local
+    under tensor parallelism (dX's K-slice and dW's K-columns need only this rank's shard)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, leaves, table):
+    def forward(ctx, x, weight, bias, leaves, table, exchange):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.table = table
-        return tree_linear_forward(x, weight, bias, leaves, table)
+        return _forward(x, weight, bias, leaves, table, exchange)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        return (*linear_backward(ctx, dy, x, weight), None, None)
+        return (*linear_backward(ctx, dy, x, weight), None, None, None)
 
 
 class ColumnTreeLinearFunction(torch.autograd.Function):
     """Forward: that of ``linear``. Backward: dX reduces N by the leaf tree (column layers)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, leaves, table):
+    def forward(ctx, x, weight, bias, leaves, table, exchange):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.table = table
-        ctx.leaves = leaves
+        ctx.leaves, ctx.exchange = leaves, exchange
         return gemm.linear_forward(x, weight, bias, table)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        return (*linear_backward(ctx, dy, x, weight, dx_leaves=ctx.leaves), None, None)
+        grads = linear_backward(ctx, dy, x, weight, ctx.leaves, ctx.exchange)
+        return (*grads, None, None, None)
 
 
 def _needs_grad(*ts):
@@ -652,8 +615,9 @@ def tree_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
     leaves: int = 8,
+    *,
+    exchange: Any = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """``y = x @ weight.T + bias`` with K reduced by a fixed binary tree of ``leaves`` leaves.
@@ -663,31 +627,38 @@ def tree_linear(
     tuning-invariant); the bits equal those of a row-parallel linear over any power-of-two TP
     degree dividing ``leaves``. Differentiable (the backward of ``linear``).
 
+    Tensor parallelism (``rlk.parallel.row_parallel_linear``): ``x``, ``weight`` are this
+    rank's K-shard and ``leaves`` its share of the leaves (a subtree); ``exchange.reduce(fp32
+    subtree, bias, dtype)`` returns the top of the tree over the ranks, bias added, rounded.
+
     Example::
 
         y = tree_linear(torch.randn(4, 64), torch.randn(32, 64), leaves=8, table=default_table())
     """
     _check_leaves(x.shape[1], leaves)
     if _needs_grad(x, weight, bias):
-        return TreeLinearFunction.apply(x, weight, bias, leaves, table)
-    return tree_linear_forward(x, weight, bias, leaves, table)
+        return TreeLinearFunction.apply(x, weight, bias, leaves, table, exchange)
+    return _forward(x, weight, bias, leaves, table, exchange)
 
 
 def column_tree_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
     leaves: int = 8,
+    *,
+    exchange: Any = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """``linear`` (the same forward bits) whose dX reduces N by a tree of ``leaves`` N-leaves.
 
     The single-device twin of a column-parallel layer: its ranks split N, so the backward's
     dX = dY @ W is a sum over ranks; with the tree it has the same bits for any power-of-two
-    TP degree dividing ``leaves``. ``leaves`` must divide N.
+    TP degree dividing ``leaves``. ``leaves`` must divide N. With ``exchange``
+    (``rlk.parallel.column_parallel_linear``), ``weight`` and ``bias`` are this rank's N-slice,
+    ``leaves`` its share, and ``exchange.reduce`` tops dX's tree over the ranks.
     """
     _check_leaves(weight.shape[0], leaves, "N")
     if _needs_grad(x, weight, bias):
-        return ColumnTreeLinearFunction.apply(x, weight, bias, leaves, table)
+        return ColumnTreeLinearFunction.apply(x, weight, bias, leaves, table, exchange)
     return gemm.linear_forward(x, weight, bias, table)

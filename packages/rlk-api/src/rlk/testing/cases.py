@@ -19,76 +19,12 @@ from typing import Any
 
 import torch
 
+from rlk._catalog import KWONLY, OPS
+
 SEED = 1234
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-#: Arguments a backend receives by keyword (the keyword-only parameters of the public ops).
-KWONLY = {
-    "policy_loss": (
-        "clip_low",
-        "clip_high",
-        "clip_c",
-        "agg",
-        "ratio_level",
-        "rollout_logprobs",
-        "is_level",
-        "is_mode",
-        "is_min",
-        "is_max",
-        "is_normalize",
-        "reject",
-        "num_tokens",
-        "num_seqs",
-        "norm_length",
-    ),
-    "kl_penalty": ("clamp", "old_logprobs"),
-    "grpo_advantages": ("norm_std", "eps", "group_ids", "estimator", "mask"),
-    "sample": ("temperature", "top_k", "top_p"),
-}
-
-#: Inputs that get a gradient (the differentiable arguments of each op).
-GRAD_ARGS = {
-    "linear": ("x", "weight", "bias"),
-    "rms_norm": ("x", "weight", "residual"),
-    "silu_and_mul": ("x",),
-    "apply_rotary": ("x",),
-    "attention": ("q", "k", "v"),
-    "logprobs": ("logits",),
-    "linear_logprobs": ("hidden", "weight", "bias"),
-    "policy_loss": ("logprobs",),
-    "kl_penalty": ("logprobs",),
-}
-
-#: Input gradients that belong to one row / sequence, so must not depend on the batch
-#: (weight gradients sum over rows: they only have to be deterministic).
-UNIT_GRADS = {
-    "linear": ("x",),
-    "rms_norm": ("x", "residual"),
-    "silu_and_mul": ("x",),
-    "apply_rotary": ("x",),
-    "attention": ("q", "k", "v"),
-    "logprobs": ("logits",),
-    "linear_logprobs": ("hidden",),
-    "kl_penalty": ("logprobs",),
-}
-
-#: Output dtype of each op: "input" = the dtype of its first tensor argument.
-OUT_DTYPE = {
-    "linear": "input",
-    "rms_norm": "input",
-    "silu_and_mul": "input",
-    "apply_rotary": "input",
-    "attention": "input",
-    "paged_attention": "input",
-    "logprobs": FP32,
-    "linear_logprobs": FP32,
-    "policy_loss": FP32,
-    "kl_penalty": FP32,
-    "grpo_advantages": FP32,
-    "sample": torch.int64,
-}
 
 
 @dataclass
@@ -887,20 +823,9 @@ def paged_attention(gen: Gen, quick: bool) -> OpCases:
     return OpCases(acc, inv, path)
 
 
-BUILDERS: dict[str, Callable[[Gen, bool], OpCases]] = {
-    "linear": linear,
-    "rms_norm": rms_norm,
-    "silu_and_mul": silu_and_mul,
-    "apply_rotary": apply_rotary,
-    "attention": attention,
-    "paged_attention": paged_attention,
-    "logprobs": logprobs,
-    "linear_logprobs": linear_logprobs,
-    "policy_loss": policy_loss,
-    "kl_penalty": kl_penalty,
-    "grpo_advantages": grpo_advantages,
-    "sample": sample,
-}
+#: op -> its case builder: the function of this module named after the op (every op of the
+#: catalog must have one; a missing builder fails at import).
+BUILDERS: dict[str, Callable[[Gen, bool], OpCases]] = {op: globals()[op] for op in OPS}
 
 
 def build(op: str, quick: bool, device: torch.device) -> OpCases:

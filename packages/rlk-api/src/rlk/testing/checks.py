@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
+from rlk._catalog import GRAD_ARGS, OUT_DTYPE, UNIT_GRADS
 from rlk.testing.cases import (
-    GRAD_ARGS,
-    OUT_DTYPE,
-    UNIT_GRADS,
     AttnPath,
     Case,
     Gen,
@@ -144,7 +142,7 @@ def _expected_dtype(case: Case, key: str) -> torch.dtype | None:
     if key.startswith("metric."):
         return torch.float32
     want = OUT_DTYPE[case.op]
-    return case.dtype if want == "input" else want
+    return case.dtype if want == "input" else getattr(torch, want)
 
 
 # --------------------------------------------------------------------------------------------
