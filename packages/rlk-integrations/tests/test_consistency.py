@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from rlk import cli, consistency  # noqa: E402
+from rlk import cli  # noqa: E402
+from rlk_integrations import consistency  # noqa: E402
 
 
 @pytest.mark.slow

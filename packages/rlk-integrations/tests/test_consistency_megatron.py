@@ -14,9 +14,13 @@ import rlk  # first: it picks Triton's CPU interpreter before Megatron imports t
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from rlk import cli, consistency  # noqa: E402
+from rlk import cli  # noqa: E402
+from rlk_integrations import (  # noqa: E402
+    consistency,  # noqa: E402
+    models,
+    training,
+)
 from rlk_integrations import megatron as rm  # noqa: E402
-from rlk_integrations import models, training  # noqa: E402
 from rlk_integrations import transformers as rt  # noqa: E402
 from rlk_integrations.rollout import Sample  # noqa: E402
 

@@ -18,8 +18,12 @@ pytest.importorskip("megatron.core")
 # Spawned gloo processes running Megatron-core under the interpreter.
 pytestmark = pytest.mark.slow
 
-from rlk import cli, consistency  # noqa: E402
-from rlk_integrations import models, training  # noqa: E402
+from rlk import cli  # noqa: E402
+from rlk_integrations import (  # noqa: E402
+    consistency,  # noqa: E402
+    models,
+    training,
+)
 from rlk_integrations import transformers as rt  # noqa: E402
 from rlk_integrations.rollout import Sample  # noqa: E402
 
