@@ -42,6 +42,8 @@ EXPECTED = {
     # The integrations (transformers comes from the environment, as torch does).
     "transformers": ({"rlk", "rlk-reference", "rlk-integrations"}, {"reference"}),
 }
+#: extra -> the tuning tables its vendor package declares to rlk-triton (entry points).
+TABLES = {"cuda": ["cuda"], "rocm": ["rocm"], "ascend": [], "transformers": []}
 
 _RLK_ENTRY = re.compile(r"^(rlk([-_.].*)?|__editable__.*|.*\.pth|.*\.egg-link)$", re.IGNORECASE)
 
@@ -56,8 +58,10 @@ try:
 except md.PackageNotFoundError:
     npu = None
 commands = sorted(ep.name for ep in md.entry_points(group="rlk.commands"))
+tables = sorted(ep.name for ep in md.entry_points(group="rlk_triton.tables"))
 print(json.dumps({"dists": dists, "torch_npu": npu, "rlk_file": rlk.__file__,
-                  "backends": sorted(_plugins.registry().specs), "commands": commands}))
+                  "backends": sorted(_plugins.registry().specs), "commands": commands,
+                  "tables": tables}))
 """
 
 
@@ -121,6 +125,7 @@ def test_extra_installs_the_right_packages(extra, wheelhouse, site_without_rlk, 
     assert set(got["dists"]) == dists
     assert all(v == "0.1.0" for v in got["dists"].values()), got["dists"]
     assert set(got["backends"]) == backends
+    assert got["tables"] == TABLES[extra]
     # rlk consistency comes with rlk-integrations, and only with it.
     assert got["commands"] == (["consistency"] if "rlk-integrations" in dists else [])
     assert Path(got["rlk_file"]).resolve().is_relative_to(venv.resolve()), got["rlk_file"]
