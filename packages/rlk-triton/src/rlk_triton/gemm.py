@@ -133,6 +133,17 @@ def _matmul_kernel(
         stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
+    store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+               HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@jit
+def store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The epilogue of every GEMM: the bias added to the fp32 tile, one rounding to C's dtype,
+    a masked store of the tile at (row0, col0)."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]

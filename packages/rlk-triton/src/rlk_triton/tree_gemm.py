@@ -65,21 +65,6 @@ MAX_FUSED_LEAVES = 64
 
 
 @jit
-def _store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    # The epilogue of gemm._matmul_kernel: the bias added to the fp32 tile, one rounding to C's
-    # dtype, a masked store of the tile at (row0, col0).
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + col0 + rn, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
-    c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@jit
 def _tree_kernel(
     a_ptr,
     b_ptr,
@@ -150,7 +135,7 @@ def _tree_kernel(
                             else:
                                 v = s5 + v
 
-    _store_tile(v, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+    gemm.store_tile(v, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
                 HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
@@ -300,7 +285,7 @@ def _tree_flat_kernel(
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    _store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
+    gemm.store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
                 HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
