@@ -27,11 +27,12 @@ step() {  # step NAME SECONDS CMD...: output to NAME.txt, status and wall time t
   echo "$name: rc=$? $(( $(date +%s) - t ))s (limit ${secs}s)" >> "$OUT/summary.txt"
 }
 fam() { step "bench_$1" "$2" rlk bench "${Q[@]}" --only "$1" --json "$OUT/bench_$1.json"; }
-checks() {  # the GPU tests and real-shape conformance of rotary and the RL objectives
-  RLK_VALIDATE=1 step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-    packages/rlk-triton/tests/test_rotary.py packages/rlk-triton/tests/test_losses.py
+checks() {  # the GPU tests and real-shape conformance of GEMM, attention and the paged rollout
+  RLK_VALIDATE=1 step gpu_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    packages/rlk-triton/tests/test_gemm.py packages/rlk-triton/tests/test_attention.py \
+    packages/rlk-triton/tests/test_rotary.py packages/rlk-integrations/tests/test_paged_rollout.py
   RLK_VALIDATE=1 step conformance 150 rlk conformance --backend cuda --full --quiet \
-    --ops apply_rotary,policy_loss,kl_penalty,grpo_advantages
+    --ops linear,attention,paged_attention,apply_rotary
 }
 consistency() {  # the contract at this commit on the GPU, both rollout modes
   step consistency 150 rlk consistency --model qwen2-0.5b --prompts 64 --new-tokens 128 \

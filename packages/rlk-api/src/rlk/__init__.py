@@ -23,8 +23,8 @@ def _choose_triton_mode() -> None:
 
 _choose_triton_mode()
 
-# The ops are imported by name (spelled out for static tools: type checkers, IDEs); __all__
-# below takes their names from the catalog, and a test checks that the two agree.
+# The ops are imported by name and listed in __all__ (spelled out for static tools: type
+# checkers, IDEs, the API docs); a test checks both against the catalog.
 from rlk._ops import (  # noqa: E402, F401
     apply_rotary,
     attention,
@@ -64,5 +64,17 @@ __all__ = [
     "current_backend",
     "hookimpl",
     "use_backend",
-    *OPS,
+    # the ops, in the catalog's order (written out: documentation tools read __all__ statically)
+    "linear",
+    "rms_norm",
+    "silu_and_mul",
+    "apply_rotary",
+    "attention",
+    "paged_attention",
+    "logprobs",
+    "linear_logprobs",
+    "policy_loss",
+    "kl_penalty",
+    "grpo_advantages",
+    "sample",
 ]
