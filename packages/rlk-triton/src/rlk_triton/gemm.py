@@ -344,12 +344,15 @@ def _launch(a, b, bias, c, cfg):
     handle of the compiled kernel (the GPU tests read its PTX).
 
     A config asking for descriptors (``TMA``) gets them for bf16/fp16 operands whose layouts a
-    descriptor can express; other operands run the pointer kernel with the same tiles, which
-    gives the same bits (the same ``tl.dot`` chain over the same K tiles)."""
+    descriptor can express and an output of their width; others run the pointer kernel with the
+    same tiles, which gives the same bits (the same ``tl.dot`` chain over the same K tiles)."""
     M, R = a.shape
     N = b.shape[1]
     block_k = BLOCK_K[a.dtype]
-    if cfg.get("TMA") and a.dtype != torch.float32 and c.is_contiguous():
+    # The descriptor kernel stages C's tile in shared memory for its bulk store: at the input
+    # width the configs fit, an fp32 C (fused_logprobs' partials) would not.
+    wide_c = c.element_size() != a.element_size()
+    if cfg.get("TMA") and a.dtype != torch.float32 and not wide_c and c.is_contiguous():
         a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
             return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)

@@ -63,7 +63,10 @@ def fwd_bwd_step(fwd: Callable[[], Any], leaves: Sequence[torch.Tensor]) -> Call
     def step() -> Any:
         outs = _outputs(fwd())
         if not grads:
-            grads.extend(torch.randn_like(o) for o in outs)  # keeps a peer's output layout
+            # empty_like keeps a peer's output layout
+            grads.extend(
+                torch.empty_like(o).copy_(_timing.randn(*o.shape, dtype=o.dtype)) for o in outs
+            )
         return torch.autograd.grad(outs, leaves, grads)
 
     return step

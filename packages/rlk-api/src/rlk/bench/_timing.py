@@ -26,6 +26,24 @@ MIN_US = 50.0
 DEVICE = "cuda"
 
 
+_generators: dict[str, torch.Generator] = {}
+
+
+def generator() -> torch.Generator:
+    """The generator the families draw random inputs from (on :data:`DEVICE`, seeded 0).
+
+    Not the default one: a failed graph capture (a peer that syncs the host) leaves the default
+    CUDA generator refusing every later draw in the process."""
+    if DEVICE not in _generators:
+        _generators[DEVICE] = torch.Generator(device=DEVICE).manual_seed(0)
+    return _generators[DEVICE]
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Standard normal values on :data:`DEVICE` from :func:`generator`."""
+    return torch.randn(*shape, device=DEVICE, dtype=dtype, generator=generator())
+
+
 def median_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn()`` in milliseconds (CUDA events, through triton's do_bench)."""
     from triton.testing import do_bench

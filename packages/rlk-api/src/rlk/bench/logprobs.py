@@ -55,11 +55,11 @@ def _linear_logprobs_ref(hidden, weight, targets):
 
 
 def _randn(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.randn(*shape, device=_timing.DEVICE, dtype=dtype or DTYPE)
+    return _timing.randn(*shape, dtype=dtype or DTYPE)
 
 
 def _targets(T: int, V: int) -> torch.Tensor:
-    return torch.randint(0, V, (T,), device=_timing.DEVICE)
+    return torch.randint(0, V, (T,), device=_timing.DEVICE, generator=_timing.generator())
 
 
 def _logprobs(emit, T: int, V: int) -> None:

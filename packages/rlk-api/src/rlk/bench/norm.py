@@ -94,7 +94,7 @@ def _rotary_ref(q, k, cos, sin):
 
 
 def _randn(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, device=_timing.DEVICE, dtype=DTYPE)
+    return _timing.randn(*shape, dtype=DTYPE)
 
 
 def _rms_norm(emit, T: int, H: int) -> None:
