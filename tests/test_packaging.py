@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -75,10 +76,16 @@ def _run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory) -> Path:
+    """Wheels of every package, each built from a copy of its sources: setuptools builds in the
+    source tree (build/, *.egg-info), and test processes running side by side (pytest -n) must
+    not build in the same directory."""
     out = tmp_path_factory.mktemp("wheelhouse")
+    src = tmp_path_factory.mktemp("sources")
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
     for p in PACKAGES:
+        shutil.copytree(ROOT / "packages" / p, src / p, ignore=skip)
         _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-             "-w", str(out), str(ROOT / "packages" / p))  # fmt: skip
+             "-w", str(out), str(src / p))  # fmt: skip
     return out
 
 

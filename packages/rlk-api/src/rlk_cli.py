@@ -133,6 +133,11 @@ def parser() -> argparse.ArgumentParser:
         help="measure nothing: turn earlier --json reports (several: parts of one run, e.g. one "
         "per GPU, merged) into Markdown (stdout or --markdown) and, with --json, one report",
     )  # fmt: skip
+    pb.add_argument(
+        "--mixed-commits", action="store_true",
+        help="with --render: merge parts measured at different commits (each part keeps its "
+        "commit, and the report names the parts measured at another commit than the first)",
+    )  # fmt: skip
     return p
 
 

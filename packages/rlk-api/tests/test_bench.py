@@ -52,6 +52,14 @@ def test_render_and_merge(tmp_path):
     assert "`rlk bench --only e2e`" in text
     with pytest.raises(ValueError, match="different commits"):
         bench.merge([a, _report([], commit="def")])
+    c = _report([], commit="def")
+    c["meta"]["command"] = "rlk bench --only norm"
+    mixed = bench.merge([a, c], mixed_commits=True)
+    assert [p["commit"] for p in mixed["meta"]["parts"]] == [a["meta"]["commit"], "def"]
+    assert mixed["meta"]["commit_note"] == (
+        "measured at other commits: `rlk bench --only norm` at `def`"
+    )
+    assert "measured at other commits" in bench.render_markdown(mixed)
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))

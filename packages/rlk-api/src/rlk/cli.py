@@ -175,7 +175,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for path in args.render:
             with open(path) as f:
                 parts.append(json.load(f))
-        report = bench.merge(parts)
+        report = bench.merge(parts, mixed_commits=args.mixed_commits)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)

@@ -212,17 +212,30 @@ def format_family(rows: list[dict], family: str) -> str:
     return text
 
 
-def merge(parts: list[dict]) -> dict:
+def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     """One report from the reports of parts of one run (families split over processes or GPUs
     of one machine): the rows and failures of all; ``meta`` of the first, with every part's
-    command, GPU and ceilings under ``parts``. A single report comes back unchanged."""
+    command, GPU and ceilings under ``parts``. A single report comes back unchanged.
+
+    Parts must have measured one commit, unless ``mixed_commits``: then each part keeps its own
+    commit under ``parts`` and ``meta["commit_note"]`` names the parts measured at a commit
+    other than the first part's."""
     if len(parts) == 1:
         return parts[0]
     keep = ("command", "gpu", "copy_GBps", "cublas_bf16_TFLOPs", "commit", "date")
     commits = {p["meta"]["commit"] for p in parts}
-    if len(commits) != 1:
-        raise ValueError(f"the parts measured different commits: {sorted(commits)}")
+    if len(commits) != 1 and not mixed_commits:
+        raise ValueError(
+            f"the parts measured different commits: {sorted(commits)} (--mixed-commits to "
+            "merge them anyway, each part keeping its commit)"
+        )
     meta = dict(parts[0]["meta"], parts=[{k: p["meta"][k] for k in keep} for p in parts])
+    first = parts[0]["meta"]["commit"]
+    others = [p["meta"] for p in parts if p["meta"]["commit"] != first]
+    if others:
+        meta["commit_note"] = "measured at other commits: " + "; ".join(
+            f"`{m['command']}` at `{m['commit']}`" for m in others
+        )
     rows = [r for p in parts for r in p["rows"]]
     failed = [f for p in parts for f in p.get("failed", [])]
     return {"meta": meta, "rows": rows, "failed": failed}
