@@ -704,8 +704,9 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
         )
     lines.append(
-        "tok/s: this command's own loops (one forward per decode step, no CUDA graphs; the "
-        "stock row is not transformers' generate). Engine speed: rlk bench --only e2e."
+        "tok/s: this command's own loops (the paged rollout replays CUDA graphs of its decode "
+        "steps on a GPU, the others run eagerly; the stock row is not transformers' generate). "
+        "Engine speed: rlk bench --only e2e."
     )
     return "\n".join(lines)
 
