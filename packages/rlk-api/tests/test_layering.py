@@ -1,5 +1,5 @@
-"""The import graph runs one way: the core (``rlk``) reaches kernel packages only through
-plugins, and the shared kernels (``rlk_triton``) know none of their vendor users.
+"""The import graph runs one way: the integrations and the core (``rlk``) reach kernel packages
+only through plugins, and the shared kernels (``rlk_triton``) know none of their vendor users.
 
 Reads the sources with ``ast`` (nothing is imported): ``import x``, ``from x import y`` and
 ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name, anywhere in a file
@@ -21,6 +21,9 @@ FORBIDDEN = {
     "rlk-api/src/rlk_cli.py": ("rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
     "rlk-triton/src/rlk_triton": ("rlk_cuda", "rlk_rocm", "rlk_ascend"),
     "rlk-reference/src/rlk_reference": ("rlk", "rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
+    # The integrations reach kernels through rlk only.
+    "rlk-integrations/src/rlk_integrations": ("rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
+    "rlk-integrations/src/rlk_integrations_cli.py": ("rlk_triton", "rlk_cuda", "rlk_rocm"),
 }
 
 

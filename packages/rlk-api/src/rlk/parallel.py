@@ -107,6 +107,22 @@ def _all_gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
     return out
 
 
+#: Vocabulary leaves of ``linear_logprobs``' fixed tree (a power of two), part of the numerics
+#: every backend serving ``vocab_parallel_linear_logprobs`` keeps: a vocabulary-parallel group
+#: may have any power-of-two size up to this, over a vocabulary that is a multiple of it. Each
+#: leaf costs a row a column tree and the fused backward a dh GEMM, so it is no larger than the
+#: TP degrees served (32 leaves made rlk-triton's forward 2.6x and linear_logprobs'
+#: forward+backward 1.6x slower on an H200 than one leaf).
+VOCAB_LEAVES = 8
+
+
+def vocab_splits(vocab: int, world: int) -> bool:
+    """Whether :func:`vocab_parallel_linear_logprobs` takes a ``vocab``-row lm_head split over
+    ``world`` ranks: a power-of-two group dividing the leaves, a vocabulary that is a multiple
+    of them."""
+    return vocab % VOCAB_LEAVES == 0 and VOCAB_LEAVES % world == 0 and not world & (world - 1)
+
+
 #: How :func:`_tree_reduce` combines the ranks' fp32 subtree values (``RLK_TP_EXCHANGE``):
 #: ``gather`` all-gathers them and adds the top of the tree on every rank; ``halving`` adds
 #: them by recursive halving in the tree's order, then all-gathers the finished rows. The bits

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from rlk.parallel import VOCAB_LEAVES
 from rlk_triton import _bounds, tuning
 from rlk_triton._triton import jit, tl, triton
 
@@ -38,12 +39,8 @@ from rlk_triton._triton import jit, tl, triton
 #: a tuning choice; a power of two.
 CHUNK = 1024
 
-#: Vocabulary leaves merged by the fixed tree: a constant of the op (a power of two). A
-#: vocabulary-parallel group may have any power-of-two size up to this. Each leaf costs a row a
-#: column tree and the fused backward a dh GEMM, so it is no larger than the TP degrees served
-#: (32 leaves made the forward 2.6x and linear_logprobs' forward+backward 1.6x slower on the
-#: H200 than one leaf).
-VOCAB_LEAVES = 8
+# VOCAB_LEAVES, the vocabulary leaves merged by the fixed tree, is a constant of the op: it is
+# defined with the vocabulary-parallel contract in rlk.parallel (imported above).
 
 
 def leaf_geometry(vocab: int) -> tuple[int, int]:

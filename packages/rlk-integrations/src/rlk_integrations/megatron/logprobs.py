@@ -89,18 +89,10 @@ def packed_logprobs(
     from megatron.core import parallel_state
 
     world = parallel_state.get_tensor_model_parallel_world_size()
-    if world > 1 and _vocab_splits(local.shape[0] * world, world):
+    if world > 1 and rlk.parallel.vocab_splits(local.shape[0] * world, world):
         # This rank's vocabulary rows; one-device bits without gathering the weight.
         group = parallel_state.get_tensor_model_parallel_group()
         lp = rlk.parallel.vocab_parallel_linear_logprobs(hidden, local, targets, group=group, **kw)
     else:
         lp = rlk.linear_logprobs(hidden, output_weight(model), targets, **kw)
     return list(lp.split([len(s.response) for s in samples]))
-
-
-def _vocab_splits(vocab: int, world: int) -> bool:
-    """Whether :func:`rlk.parallel.vocab_parallel_linear_logprobs` takes this vocabulary split
-    (a multiple of the vocabulary leaves, over a power-of-two group dividing them)."""
-    from rlk_triton.logprobs import VOCAB_LEAVES
-
-    return vocab % VOCAB_LEAVES == 0 and VOCAB_LEAVES % world == 0 and not world & (world - 1)
