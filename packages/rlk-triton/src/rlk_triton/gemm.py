@@ -348,7 +348,6 @@ def _launch(a, b, bias, c, cfg):
     same tiles, which gives the same bits (the same ``tl.dot`` chain over the same K tiles)."""
     M, R = a.shape
     N = b.shape[1]
-    block_k = BLOCK_K[a.dtype]
     # The descriptor kernel stages C's tile in shared memory for its bulk store: at the input
     # width the configs fit, an fp32 C (fused_logprobs' partials) would not.
     wide_c = c.element_size() != a.element_size()
@@ -357,20 +356,18 @@ def _launch(a, b, bias, c, cfg):
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
             return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     return _matmul_kernel[grid](
-        a,
-        b,
-        bias if bias is not None else c,
-        c,
-        M,
-        N,
-        R,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
+        a, b, bias if bias is not None else c, c, M, N, R, *strides,
+        **launch_meta(a, R, bias, cfg),
+    )  # fmt: skip
+
+
+def launch_meta(a: torch.Tensor, R: int, bias, cfg) -> dict:
+    """The compile-time arguments and launch options of the pointer kernels (``_matmul_kernel``
+    and the tree kernels) for ``a`` reduced over ``R``, under launch config ``cfg``."""
+    block_k = BLOCK_K[a.dtype]
+    return dict(
         HAS_BIAS=bias is not None,
         EVEN_K=R % block_k == 0,
         IEEE=a.dtype == torch.float32,

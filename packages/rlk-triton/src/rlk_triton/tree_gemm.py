@@ -395,23 +395,11 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
     M, R = a.shape
     N = b.shape[1]
     width = R // leaves
-    block_k = gemm.BLOCK_K[a.dtype]
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     # The arguments both kernels take: sizes and strides, then the compile-time parameters.
     sizes = (M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
              c.stride(1))  # fmt: skip
-    meta = dict(
-        LEAVES=leaves,
-        HAS_BIAS=bias is not None,
-        EVEN_K=width % block_k == 0,
-        IEEE=a.dtype == torch.float32,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=block_k,
-        GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    meta = dict(LEAVES=leaves, **gemm.launch_meta(a, width, bias, cfg))
     bias = bias if bias is not None else c
     # The flat loop runs LEAVES * cdiv(width, BLOCK_K) tiles and writes C at the last one: with
     # empty leaves it would write nothing, so they take _tree_kernel (the same zeros and bias).
