@@ -925,6 +925,8 @@ def sample(
     Each parameter is a number or a per-row ``[B]`` tensor. Numbers are checked always, on the
     host; tensors' values when value checks are on (on CPU, or with ``RLK_VALIDATE``): NaN, a
     negative ``temperature``/``top_k``/``offsets`` and ``top_p`` outside (0, 1] are errors.
+    A row of ``logits`` with a NaN has no token to draw: a ``ValueError`` where value checks
+    run, and the token ``-1`` for that row otherwise (every backend; no host synchronisation).
 
     Example::
 
