@@ -49,9 +49,11 @@ def _rlk_logprobs(
     targets: torch.Tensor,
     temperature: float,
     logits_dtype: torch.dtype | None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The packed rows' hidden states from the decoder, then ``rlk.linear_logprobs`` with the
-    ``lm_head`` weight: ``[len(rows)]`` float32."""
+    ``lm_head`` weight: ``[len(rows)]`` float32 (and the rows' entropies with
+    ``return_entropy``)."""
     from rlk_integrations.transformers import decoder
 
     hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
@@ -69,6 +71,7 @@ def _rlk_logprobs(
         targets,
         bias=head.bias,
         temperature=temperature,
+        return_entropy=return_entropy,
         logits_dtype=logits_dtype,
         **extra,
     )
@@ -81,20 +84,27 @@ def packed_logprobs(
     temperature: float = 1.0,
     use_rlk: bool = True,
     logits_dtype: torch.dtype | None = None,
-) -> list[torch.Tensor]:
+    return_entropy: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log-probabilities of each sample's response tokens from one packed forward.
 
-    Returns one float32 tensor ``[len(response)]`` per sample (differentiable when grad is on).
+    Returns one float32 tensor ``[len(response)]`` per sample (differentiable when grad is on);
+    with ``return_entropy`` (rlk only) a pair of such lists: the log-probabilities and the
+    entropies of the tempered distributions that gave them.
     ``logits_dtype``: the dtype the rollout's logits had (default: the model's dtype).
     """
+    if return_entropy and not use_rlk:
+        raise ValueError("return_entropy=True needs use_rlk=True")
     device = next(model.parameters()).device
     ids, pos, rows, targets = _pack(samples, device)
     temperature = temperature if temperature > 0 else 1.0
+    sizes = [len(s.response) for s in samples]
     if use_rlk:
         # A model sharded by shard_model runs this as an FSDP forward method (its root
         # parameters gathered around it); an unsharded model runs the same function directly.
         forward = getattr(model, FSDP_FORWARD, None) or types.MethodType(_rlk_logprobs, model)
-        lp = forward(ids, pos, rows, targets, temperature, logits_dtype)
+        out = forward(ids, pos, rows, targets, temperature, logits_dtype, return_entropy)
+        lp, entropy = out if return_entropy else (out, None)
         if hasattr(model, FSDP_FORWARD) and not lp.requires_grad:
             # FSDP2 keeps the root's parameters gathered after its forward, for the backward;
             # without one coming, shard them again (else model.parameters() are the gathered
@@ -103,8 +113,10 @@ def packed_logprobs(
     else:
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         logp = torch.log_softmax(logits.index_select(0, rows).float() / temperature, dim=-1)
-        lp = logp.gather(1, targets[:, None]).reshape(-1)
-    return list(lp.split([len(s.response) for s in samples]))
+        lp, entropy = logp.gather(1, targets[:, None]).reshape(-1), None
+    if entropy is not None:
+        return list(lp.split(sizes)), list(entropy.split(sizes))
+    return list(lp.split(sizes))
 
 
 def recompute_logprobs(

@@ -1,0 +1,194 @@
+"""rlk inside TRL's GRPOTrainer (CPU, the Triton interpreter): the sampling log-probabilities
+equal TRL's old and current ones bit for bit, the importance ratio of the first iteration is
+exactly 1, and stock TRL on the same model differs; unsupported options are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
+
+from rlk_integrations import models  # noqa: E402
+from rlk_integrations.trl import (  # noqa: E402
+    RLKGRPOTrainer,
+    StockGRPOTrainer,
+    char_tokenizer,
+    rollout_seeds,
+)
+
+# Prompts of different lengths: padded batches in TRL, packed rows in rlk.
+PROMPTS = ["1+2=", "13+24=", "7+1=", "20+22="]
+ANSWERS = ["3", "37", "8", "42"]
+MISMATCH = "sampling/sampling_logp_difference/max"
+
+
+def _reward(completions, answer, **kwargs):
+    """Verifiable toy reward: 1 for the right answer, plus 0.1 per digit."""
+    return [
+        float(c.startswith(a)) + 0.1 * sum(ch.isdigit() for ch in c)
+        for c, a in zip(completions, answer)
+    ]
+
+
+def _config(tmp_path, **kw) -> GRPOConfig:
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        num_iterations=2,
+        max_steps=2,
+        learning_rate=1e-2,  # large enough to move bf16 weights in one step
+        bf16=False,  # the weights are bf16 already: no autocast
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def _dataset() -> Dataset:
+    return Dataset.from_dict({"prompt": PROMPTS, "answer": ANSWERS})
+
+
+def _model() -> torch.nn.Module:
+    return models.load_model("tiny", dtype=torch.bfloat16)
+
+
+def _trainer(cls, args: GRPOConfig, model=None, **kw):
+    """A trainer of ``cls`` on the toy task (the tiny model unless ``model`` is given)."""
+    return cls(
+        _model() if model is None else model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=char_tokenizer(models.CONFIGS["tiny"][1]["vocab_size"]),
+        **kw,
+    )
+
+
+class _Recording(RLKGRPOTrainer):
+    """Keeps, per optimizer step, the tensors TRL's loss sees."""
+
+    def _init_check(self) -> None:
+        super()._init_check()
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.seen.append(
+            dict(
+                mask=inputs["completion_mask"].bool(),
+                sampling=inputs["sampling_per_token_logps"].clone(),
+                old=inputs["old_per_token_logps"].clone(),
+                current=self._rlk_current.clone(),
+            )
+        )
+        return loss
+
+
+def test_rlk_grpo_sampling_equals_training(tmp_path):
+    """Two GRPO steps, num_iterations=2 (one generation, two updates on it): at the first
+    iteration the sampling, old and current log-probabilities are the same bits and the ratio
+    is exactly 1; at the second the weights have moved, so the ratio is not."""
+    trainer = _trainer(_Recording, _config(tmp_path))
+    trainer.train()
+    first, second = trainer.seen
+    m = first["mask"]
+    assert int(m.sum()) > 0
+    assert torch.equal(first["sampling"][m], first["old"][m])
+    assert torch.equal(first["current"][m], first["sampling"][m])
+    assert torch.equal(torch.exp(first["current"] - first["old"])[m], torch.ones(int(m.sum())))
+    # The same batch in the second iteration: old and sampling unchanged, current moved.
+    assert torch.equal(second["old"], first["old"])
+    assert not torch.equal(second["current"][m], second["old"][m])
+    # The logged comparison (old at generation, current at the first iteration) is 0.
+    logged = [h[MISMATCH] for h in trainer.state.log_history if MISMATCH in h]
+    assert logged == [0.0]
+
+
+def test_stock_trl_mismatch_is_not_zero(tmp_path):
+    """The same run with TRL's own generation and log-probabilities on the unpatched model: the
+    comparison the rlk trainer holds at 0 is not 0 here (so the test above can fail)."""
+    trainer = _trainer(StockGRPOTrainer, _config(tmp_path))
+    trainer.train()
+    logged = [h[MISMATCH] for h in trainer.state.log_history if MISMATCH in h]
+    assert len(logged) == 1 and logged[0] > 0
+
+
+@pytest.mark.slow
+def test_rlk_grpo_beta_checkpointing_and_sampling_options(tmp_path):
+    """beta > 0 (a patched reference model, KL exactly 0 before the first update), gradient
+    checkpointing, top-k / top-p / temperature, loss_type='grpo' and one iteration per
+    generation: the comparison stays 0 at each step."""
+    path = tmp_path / "model"
+    _model().save_pretrained(path)  # TRL builds the reference model from the checkpoint
+    model = models.load_model(str(path), dtype=torch.bfloat16)
+    args = _config(
+        tmp_path / "out", beta=0.1, num_iterations=1, gradient_checkpointing=True,
+        loss_type="grpo", top_k=50, top_p=0.9, temperature=0.8, max_completion_length=6,
+    )  # fmt: skip
+    trainer = _trainer(RLKGRPOTrainer, args, model)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if MISMATCH in h]
+    assert [h[MISMATCH] for h in logs] == [0.0, 0.0]
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (dict(use_vllm=True), "use_vllm"),
+        (dict(min_p=0.1), "min_p"),
+        (dict(repetition_penalty=1.1), "repetition_penalty"),
+        (dict(generation_kwargs={"do_sample": True}), "generation_kwargs"),
+        (dict(cache_implementation="static"), "cache_implementation"),
+        (dict(cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32"),
+        (dict(torch_compile=True), "torch_compile"),
+        (dict(use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
+        (dict(bf16=True), "bf16=True over torch.float32"),
+    ],
+)
+def test_unsupported_options_are_refused(tmp_path, options, named):
+    model = models.load_model("tiny", dtype=torch.float32)
+    with pytest.raises(ValueError, match=named):
+        _trainer(RLKGRPOTrainer, _config(tmp_path, **options), model)
+
+
+@pytest.mark.parametrize("argument", ["tools", "rollout_func", "environment_factory"])
+def test_unsupported_trainer_arguments_are_refused(tmp_path, argument):
+    with pytest.raises(ValueError, match=argument):
+        _trainer(RLKGRPOTrainer, _config(tmp_path), **{argument: [lambda: None]})
+
+
+def test_rollout_kwargs_checked(tmp_path):
+    with pytest.raises(ValueError, match="temperature"):
+        _trainer(RLKGRPOTrainer, _config(tmp_path), rollout_kwargs={"temperature": 0.5})
+    with pytest.raises(ValueError, match="page_sise"):
+        _trainer(RLKGRPOTrainer, _config(tmp_path), rollout_kwargs={"page_sise": 8})
+
+
+def test_rollout_seeds():
+    a = rollout_seeds(0, 0, 0, 8)
+    assert a == rollout_seeds(0, 0, 0, 8)  # deterministic
+    assert len(set(a + rollout_seeds(0, 1, 0, 8) + rollout_seeds(0, 0, 1, 8))) == 24
+    assert all(0 <= s < 2**63 for s in a)
+    with pytest.raises(ValueError, match="round_"):
+        rollout_seeds(0, -1, 0, 8)
+
+
+def test_char_tokenizer_round_trip():
+    tok = char_tokenizer(512)
+    ids = tok("13+24=")["input_ids"]
+    assert tok.decode(ids) == "13+24="
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "13+24="
+    assert len(tok) == 512
