@@ -65,7 +65,7 @@ def tests(session: nox.Session) -> None:
     :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
     runs) once. Arguments after ``--`` go to every pytest run.
     """
-    _install(session, "transformers", "megatron-core", "pytest", "pytest-xdist")
+    _install(session, "transformers", "megatron-core", "trl", "pytest", "pytest-xdist")
     session.run("rlk", "info")
     cores = _openblas_core_types()
     base = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"}

@@ -42,9 +42,11 @@ EXPECTED = {
     "ascend": ({"rlk", "rlk-reference", "rlk-ascend"}, {"reference", "ascend"}),
     # The integrations (transformers comes from the environment, as torch does).
     "transformers": ({"rlk", "rlk-reference", "rlk-integrations"}, {"reference"}),
+    # The integrations with TRL (TRL too comes from the environment).
+    "trl": ({"rlk", "rlk-reference", "rlk-integrations"}, {"reference"}),
 }
 #: extra -> the tuning tables its vendor package declares to rlk-triton (entry points).
-TABLES = {"cuda": ["cuda"], "rocm": ["rocm"], "ascend": [], "transformers": []}
+TABLES = {"cuda": ["cuda"], "rocm": ["rocm"], "ascend": [], "transformers": [], "trl": []}
 
 _RLK_ENTRY = re.compile(r"^(rlk([-_.].*)?|__editable__.*|.*\.pth|.*\.egg-link)$", re.IGNORECASE)
 
