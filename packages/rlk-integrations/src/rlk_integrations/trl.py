@@ -67,6 +67,7 @@ Install: ``pip install "rlk[trl]"`` (TRL 1.16).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import warnings
@@ -584,8 +585,10 @@ class StockGRPOTrainer(_LogprobCheck, GRPOTrainer):
         steps: list[torch.Tensor] = []
         generate: Callable[..., Any] = model.generate
 
-        def recording_generate(*args: Any, **kwargs: Any) -> torch.Tensor:
-            out = generate(*args, **kwargs, output_logits=True, return_dict_in_generate=True)
+        def recording_generate(*args: Any, generation_config: Any, **kwargs: Any) -> torch.Tensor:
+            config = copy.deepcopy(generation_config)
+            config.output_logits = config.return_dict_in_generate = True
+            out = generate(*args, generation_config=config, **kwargs)
             steps.extend(out.logits)  # one [B, V] tensor per new token
             return out.sequences
 
@@ -596,10 +599,21 @@ class StockGRPOTrainer(_LogprobCheck, GRPOTrainer):
             )
         finally:
             del model.generate
-        logprobs = [[] for _ in completion_ids]
-        for t, logits in enumerate(steps):
-            logp = torch.log_softmax(logits.float() / self.temperature, dim=-1).cpu()
-            for i, ids in enumerate(completion_ids):
-                if t < len(ids):
-                    logprobs[i].append(float(logp[i, ids[t]]))
-        return completion_ids, logprobs
+        if not steps:
+            return completion_ids, [[] for _ in completion_ids]
+        # Gathered on the device, one copy to the host: [B, steps] of the sampled tokens.
+        width = len(steps)
+        ids = torch.tensor(
+            [c[:width] + [0] * (width - len(c[:width])) for c in completion_ids],
+            device=steps[0].device,
+        )
+        picked = torch.stack(
+            [
+                torch.log_softmax(logits.float() / self.temperature, dim=-1)
+                .gather(1, ids[:, t : t + 1])
+                .squeeze(1)
+                for t, logits in enumerate(steps)
+            ],
+            dim=1,
+        ).cpu()
+        return completion_ids, [picked[i, : len(c)].tolist() for i, c in enumerate(completion_ids)]
