@@ -8,6 +8,8 @@
   (``generate_paged``, attention by ``rlk.paged_attention``); the same bits as the padded batch.
 - :mod:`rlk_integrations.training`: recompute the same log-probabilities in packed micro-batches
   with ``rlk.linear_logprobs``, and a GRPO step.
+- :mod:`rlk_integrations.trl`: TRL's ``GRPOTrainer`` on rlk (``RLKGRPOTrainer``: the paged
+  rollout and ``rlk.linear_logprobs``, sampling log-probabilities equal to the trainer's).
 - :mod:`rlk_integrations.models`: built-in random-init configs (``tiny``, ``qwen2-0.5b``, ...).
 
 Also :mod:`~rlk_integrations.architectures` (the module classes replaced per architecture),
@@ -16,7 +18,8 @@ and :mod:`~rlk_integrations.tp_workers` (tensor parallelism), :mod:`~rlk_integra
 (``rlk consistency``; its arguments are declared by the module ``rlk_integrations_cli``) and
 :mod:`~rlk_integrations.e2e_bench` (``rlk bench``'s e2e family).
 
-Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``.
+Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``;
+:mod:`~rlk_integrations.trl` needs TRL: ``pip install "rlk[trl]"``.
 """
 
 # rlk first: on a machine without a GPU it makes Triton run its interpreter, which must happen
