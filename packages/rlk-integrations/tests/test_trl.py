@@ -144,6 +144,35 @@ def test_rlk_grpo_beta_checkpointing_and_sampling_options(tmp_path):
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0
 
 
+@pytest.mark.slow
+def test_rlk_grpo_accumulation_chat_and_masked_truncation(tmp_path):
+    """Gradient accumulation over a generation batch of several micro-batches, conversational
+    prompts, two EOS ids, and mask_truncated_completions with every completion truncated (the
+    micro-batches have no token to score and still train, with zero gradients)."""
+    model = _model()
+    model.generation_config.eos_token_id = [1, 20]  # "<eos>" and "1"
+    tokenizer = char_tokenizer(models.CONFIGS["tiny"][1]["vocab_size"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    args = _config(
+        tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4, num_iterations=1, max_steps=1, loss_type="bnpo",
+        mask_truncated_completions=True, max_completion_length=3,
+    )  # fmt: skip
+    chat = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": p}] for p in PROMPTS], "answer": ANSWERS}
+    )
+    trainer = RLKGRPOTrainer(
+        model,
+        reward_funcs=lambda completions, **kw: [float(len(c[0]["content"])) for c in completions],
+        args=args,
+        train_dataset=chat,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "step" in h]
+    assert len(logs) == 1 and logs[0][MISMATCH] == 0.0
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

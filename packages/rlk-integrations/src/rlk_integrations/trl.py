@@ -530,15 +530,11 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         # The rollout ran without autocast: so does the recompute (the weights' own dtype).
         with torch.autocast(input_ids.device.type, enabled=False):
             for start in range(0, b, step):
-                group = samples[start : start + step]
-                if not any(s.response for s in group):  # nothing to score: no forward
-                    zeros = [torch.zeros(0, device=input_ids.device) for _ in group]
-                    lps += zeros
-                    ents += zeros
-                    continue
+                # A group without completion tokens (mask_truncated_completions) still runs:
+                # its empty result keeps the loss in the graph, zero gradients as in TRL.
                 out = packed_logprobs(
                     model,
-                    group,
+                    samples[start : start + step],
                     temperature=self.temperature,
                     logits_dtype=self.logits_dtype,
                     return_entropy=compute_entropy,
