@@ -1,0 +1,114 @@
+"""Where a training step's time goes: wall time against GPU kernel time, per kernel and per
+host function, for stock transformers, stock + Liger's fused linear cross-entropy, and rlk.
+
+    python scripts/profile_training.py [--models qwen2-0.5b,qwen3-0.6b] [--seqs 8] [--len 512]
+
+The step is the e2e benchmark's (``rlk_integrations.e2e_bench``): a packed row of random
+sequences, forward, log-probabilities, their sum, backward. For each model and impl:
+
+- ``wall``: median of 3 synchronised steps;
+- ``gpu``: the sum of kernel durations in one profiled step (torch.profiler), so ``wall - gpu``
+  is time the GPU waited for the host (kernels do not overlap in one stream);
+- the kernels that take the most GPU time, and (``--host``) the Python functions that take
+  the most host time in one step (cProfile, cumulative, rlk's and the integration's own).
+
+The table printed last has one line per model and impl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from rlk_integrations import e2e_bench as e2e
+from rlk_integrations.models import load_model
+from rlk_integrations.transformers import patch_model, unpatch_model
+
+
+def _wall(step, model, samples) -> float:
+    times = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(model, samples)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _kernels(step, model, samples) -> tuple[float, dict[str, list[float]]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, samples)
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    total = 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            per[ev.name[:60]][0] += us
+            per[ev.name[:60]][1] += 1
+            total += us
+    return total / 1e6, per
+
+
+def _host(step, model, samples, top: int) -> str:
+    model.zero_grad(set_to_none=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    step(model, samples)
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen2-0.5b,qwen3-0.6b")
+    p.add_argument("--seqs", type=int, default=e2e.TRAIN_SEQS)
+    p.add_argument("--len", type=int, default=e2e.TRAIN_LEN)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--host", action="store_true", help="also cProfile one step")
+    a = p.parse_args()
+    flce = e2e._liger()
+    table = []
+    for name in a.models.split(","):
+        model = load_model(name, dtype=torch.bfloat16, device="cuda", seed=0)
+        samples = e2e._train_samples(model.config.vocab_size, a.seqs, a.len)
+        impls = [("stock", False, e2e._stock_step)]
+        if flce is not None:
+            impls.append(("stock+liger", False, lambda m, s: e2e._liger_step(flce, m, s)))
+        impls.append(("rlk", True, e2e._rlk_step))
+        for impl, patched, step in impls:
+            (patch_model if patched else unpatch_model)(model)
+            wall = _wall(step, model, samples)
+            gpu, per = _kernels(step, model, samples)
+            print(f"\n== {name} {impl}: wall {wall * 1e3:.1f} ms, kernels {gpu * 1e3:.1f} ms")
+            for k, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
+                print(f"  {us / 1e3:8.2f} ms {n:5d}x  {k}")
+            if a.host and impl in ("rlk", "stock+liger"):
+                print(_host(step, model, samples, 30))
+            table.append((name, impl, wall, gpu, a.seqs * a.len / wall))
+        unpatch_model(model)
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n{'model':<20} {'impl':<12} {'wall ms':>8} {'gpu ms':>8} {'idle %':>7} {'tok/s':>9}")
+    for name, impl, wall, gpu, tok in table:
+        idle = 100 * max(0.0, 1 - gpu / wall)
+        print(f"{name:<20} {impl:<12} {wall * 1e3:8.1f} {gpu * 1e3:8.1f} {idle:7.1f} {tok:9.0f}")
+
+
+if __name__ == "__main__":
+    main()
