@@ -9,8 +9,10 @@ sequences, forward, log-probabilities, their sum, backward. For each model and i
 - ``wall``: median of 3 synchronised steps;
 - ``gpu``: the sum of kernel durations in one profiled step (torch.profiler), so ``wall - gpu``
   is time the GPU waited for the host (kernels do not overlap in one stream);
+- ``host``: the time until the step returns, the device not waited for at its end;
+- ``syncs``: synchronising CUDA calls in one step (torch's sync debug mode), by Python line;
 - the kernels that take the most GPU time, and (``--host``) the Python functions that take
-  the most host time in one step (cProfile, cumulative, rlk's and the integration's own).
+  the most host time in one step (cProfile, by own time, then rlk's by cumulative time).
 
 The table printed last has one line per model and impl.
 """
@@ -70,8 +72,44 @@ def _host(step, model, samples, top: int) -> str:
     pr.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(pr, stream=s)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("rlk", top)
     return s.getvalue()
+
+
+def _enqueue(step, model, samples) -> float:
+    """Seconds until ``step`` returns, the device not waited for at its end: close to the wall
+    time when the host is the limit (or the step synchronises), well below it when the GPU is."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    step(model, samples)
+    seconds = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return seconds
+
+
+def _syncs(step, model, samples) -> dict[str, int]:
+    """Synchronising CUDA calls in one step (torch's sync debug mode), by the Python line that
+    made them."""
+    import warnings
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(model, samples)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    where: dict[str, int] = defaultdict(int)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{w.filename}:{w.lineno}"] += 1
+    return dict(where)
 
 
 def main() -> None:
@@ -95,19 +133,33 @@ def main() -> None:
             (patch_model if patched else unpatch_model)(model)
             wall = _wall(step, model, samples)
             gpu, per = _kernels(step, model, samples)
-            print(f"\n== {name} {impl}: wall {wall * 1e3:.1f} ms, kernels {gpu * 1e3:.1f} ms")
+            enq = _enqueue(step, model, samples)
+            syncs = _syncs(step, model, samples)
+            print(
+                f"\n== {name} {impl}: wall {wall * 1e3:.1f} ms, kernels {gpu * 1e3:.1f} ms "
+                f"({sum(n for _, n in per.values())} launches), host enqueue {enq * 1e3:.1f} ms, "
+                f"{sum(syncs.values())} synchronising calls"
+            )
+            for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"  sync {n:4d}x  {where}")
             for k, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
                 print(f"  {us / 1e3:8.2f} ms {n:5d}x  {k}")
             if a.host and impl in ("rlk", "stock+liger"):
                 print(_host(step, model, samples, 30))
-            table.append((name, impl, wall, gpu, a.seqs * a.len / wall))
+            table.append((name, impl, wall, gpu, enq, sum(syncs.values()), a.seqs * a.len / wall))
         unpatch_model(model)
         del model
         torch.cuda.empty_cache()
-    print(f"\n{'model':<20} {'impl':<12} {'wall ms':>8} {'gpu ms':>8} {'idle %':>7} {'tok/s':>9}")
-    for name, impl, wall, gpu, tok in table:
+    print(
+        f"\n{'model':<20} {'impl':<12} {'wall ms':>8} {'gpu ms':>8} {'idle %':>7} "
+        f"{'host ms':>8} {'syncs':>6} {'tok/s':>9}"
+    )
+    for name, impl, wall, gpu, enq, syncs, tok in table:
         idle = 100 * max(0.0, 1 - gpu / wall)
-        print(f"{name:<20} {impl:<12} {wall * 1e3:8.1f} {gpu * 1e3:8.1f} {idle:7.1f} {tok:9.0f}")
+        print(
+            f"{name:<20} {impl:<12} {wall * 1e3:8.1f} {gpu * 1e3:8.1f} {idle:7.1f} "
+            f"{enq * 1e3:8.1f} {syncs:6d} {tok:9.0f}"
+        )
 
 
 if __name__ == "__main__":
