@@ -167,6 +167,16 @@ def test_bias_grad_strided():
     _close(db, dy.double().sum(0), torch.bfloat16, "db")
 
 
+def test_bias_grad_chunks():
+    # Rows are summed in chunks of _BIAS_CHUNK, then the chunk sums: integer values make every
+    # partial exact, so a row counted twice or lost at a chunk edge changes the result.
+    m = 2 * gemm._BIAS_CHUNK + 37
+    dy = torch.randint(-4, 5, (m, 150)).to(torch.bfloat16)
+    assert torch.equal(gemm._bias_grad(dy, torch.float32), dy.double().sum(0).float())
+    one = dy[: gemm._BIAS_CHUNK]  # one chunk: the first kernel writes dbias itself
+    assert torch.equal(gemm._bias_grad(one, torch.float32), one.double().sum(0).float())
+
+
 # --------------------------------------------------------------------------------------------
 # GPU (H200): run on the GPU machine with `pytest -m gpu`.
 # --------------------------------------------------------------------------------------------

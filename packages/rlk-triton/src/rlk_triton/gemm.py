@@ -15,8 +15,9 @@ fixed by constants of this module, never by the shape or the tuning config:
   for one row) but then runs the very instructions a 4096-row batch runs, which is what makes
   row i of a batch equal the row computed alone. On Ampere every config is mma.sync (v2), on
   AMD MFMA; fp32 inputs use ``input_precision="ieee"`` (FMA, no TF32) on all of them.
-- dbias sums rows with its own kernel whose launch parameters are module constants (a
-  ``tl.sum`` tree depends on the layout, so its block sizes and warps are never tuned).
+- dbias sums rows with its own kernels whose launch parameters are module constants (a
+  ``tl.sum`` tree depends on the layout, so its block sizes and warps are never tuned): fixed
+  chunks of rows in parallel, then the chunk sums in order.
 
 Two kernels run this one reduction: ``_matmul_kernel`` loads tiles through pointers (any
 strides, every dtype), ``_matmul_tma_kernel`` through tensor descriptors (Hopper's tensor memory
@@ -42,7 +43,9 @@ from rlk_triton._triton import jit, tl, triton
 #: (under the interpreter each tile is one partial sum; on GPUs the tile's 16-wide MMA steps).
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 
-#: dbias kernel: columns per program, rows per step, warps. Constants, never tuned.
+#: dbias kernels: rows per chunk, columns per program, rows per step, warps. Constants, never
+#: tuned (they fix the order of the column sums).
+_BIAS_CHUNK = 256
 _BIAS_BLOCK_N = 128
 _BIAS_BLOCK_ROWS = 32
 _BIAS_WARPS = 4
@@ -191,20 +194,35 @@ def _matmul_tma_kernel(
 
 @jit
 def _bias_grad_kernel(
-    dy_ptr, db_ptr, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr
-):
-    # One program owns BLOCK_N columns and walks all rows in ascending BLOCK_ROWS steps: a
-    # fixed partition and order, no atomics.
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    dy_ptr, out_ptr, M, N, stride_m, stride_n,
+    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):  # fmt: skip
+    # Program (j, c) sums rows [c * CHUNK, (c + 1) * CHUNK) of BLOCK_N columns in ascending
+    # BLOCK_ROWS steps into row c of out (fp32 partials [chunks, N]; with one chunk, out is
+    # dbias itself): a fixed partition and order, no atomics.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = cols < N
+    chunk = tl.program_id(1)
+    row0 = chunk.to(tl.int64) * CHUNK
+    n_rows = tl.minimum(M - row0, CHUNK)
     rows = tl.arange(0, BLOCK_ROWS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, M, BLOCK_ROWS):
+    for r0 in range(0, n_rows, BLOCK_ROWS):
         r = r0 + rows
-        ptrs = dy_ptr + r.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n
-        tile = tl.load(ptrs, mask=(r < M)[:, None] & mask_n[None, :], other=0.0)
+        ptrs = dy_ptr + (row0 + r)[:, None] * stride_m + cols[None, :] * stride_n
+        tile = tl.load(ptrs, mask=(r < n_rows)[:, None] & mask_n[None, :], other=0.0)
         acc += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(out_ptr + chunk.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@jit
+def _bias_chunks_kernel(part_ptr, db_ptr, N, CHUNKS, BLOCK_N: tl.constexpr):
+    # dbias = the chunk partials summed in ascending chunk order (0 + p0 + p1 + ...).
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        acc += tl.load(part_ptr + c * N + cols, mask=mask_n, other=0.0)
     tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -395,22 +413,26 @@ def _matmul(a, b, bias, out_dtype, table, key):
 
 
 def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dbias [N] = the column sums of ``dy [M, N]`` (any strides), in ``dtype``: rows summed in
+    chunks of ``_BIAS_CHUNK`` (one program per chunk and column block, so a 4096-row dY fills
+    the GPU), then the chunk sums in order. With one chunk (M <= _BIAS_CHUNK) the first kernel
+    writes dbias itself: the same bits, as 0 + p0 == p0."""
     M, N = dy.shape
     db = torch.empty(N, dtype=dtype, device=dy.device)
     if N == 0:
         return db
-    grid = (triton.cdiv(N, _BIAS_BLOCK_N),)
-    _bias_grad_kernel[grid](
-        dy,
-        db,
-        M,
-        N,
-        dy.stride(0),
-        dy.stride(1),
-        BLOCK_N=_BIAS_BLOCK_N,
-        BLOCK_ROWS=_BIAS_BLOCK_ROWS,
+    chunks = max(1, triton.cdiv(M, _BIAS_CHUNK))
+    cols = triton.cdiv(N, _BIAS_BLOCK_N)
+    out = db if chunks == 1 else torch.empty((chunks, N), dtype=torch.float32, device=dy.device)
+    _bias_grad_kernel[(cols, chunks)](
+        dy, out, M, N, dy.stride(0), dy.stride(1),
+        CHUNK=_BIAS_CHUNK, BLOCK_N=_BIAS_BLOCK_N, BLOCK_ROWS=_BIAS_BLOCK_ROWS,
         num_warps=_BIAS_WARPS,
-    )
+    )  # fmt: skip
+    if chunks > 1:
+        _bias_chunks_kernel[(cols,)](
+            out, db, N, chunks, BLOCK_N=_BIAS_BLOCK_N, num_warps=_BIAS_WARPS
+        )
     return db
 
 
