@@ -4,7 +4,10 @@
 
 Parts: ``decode`` and ``tma`` (GEMM, below), ``rotary`` (apply_rotary configs against Liger),
 ``attention`` (forward and backward configs of causal varlen attention against SDPA's default
-backend, and the forward with 128-key tiles, a different numerics timed only to see its worth).
+backend, and the forward with 128-key tiles, a different numerics timed only to see its worth),
+``logprobs`` (forward configs for each chunk-group constant ``GROUP``, with and without the
+division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
+(``silu_and_mul`` and ``rms_norm`` forward configs against Liger).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -380,6 +383,130 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     print(json.dumps(r), flush=True)
 
 
+# --------------------------------------------------------------------------------------------
+# Memory-bound kernels: logprobs (the chunk-group constant and launch configs), silu_and_mul and
+# rms_norm launch configs, each against Liger-Kernel, GPU time from CUDA graphs
+# --------------------------------------------------------------------------------------------
+
+
+def _liger_ms(name, make_call):
+    from rlk.bench._peers import liger
+
+    Fn = liger(name)
+    if Fn is None:
+        return float("nan")
+    try:
+        return products_ms(lambda x, w: make_call(Fn), None, [None])
+    except Exception as e:  # a peer that cannot be captured in a graph
+        print(name, type(e).__name__, str(e)[:200])
+        return float("nan")
+
+
+def _config_sweep(rows, part, shape, fn, key, configs, nbytes, peer_ms, ref=None):
+    """Time ``fn`` under every config of kernel ``key``; bits compared with ``ref``."""
+    op = key.split(".")[0]
+    chosen = products_ms(lambda x, w: fn(), None, [None])
+    ref = fn() if ref is None else ref
+    for cf in configs:
+        with tuning.force(op, {key: cf}):
+            out = fn()
+            equal = all(torch.equal(a, b) for a, b in zip(_tensors(out), _tensors(ref)))
+            t = products_ms(lambda x, w: fn(), None, [None])
+        r = {
+            "part": part, "shape": shape, "key": key, "cfg": cf, "us": round(t * 1e3, 2),
+            "chosen_us": round(chosen * 1e3, 2), "peer_us": round(peer_ms * 1e3, 2),
+            "GBps": round(nbytes / t / 1e6), "bits_equal": bool(equal),
+        }  # fmt: skip
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+
+def _tensors(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def logprobs_part(rows) -> None:
+    for T, V in ((16384, 151936), (8192, 128256)):
+        _logprobs_shape(rows, T, V)
+
+
+def _logprobs_shape(rows, T: int, V: int) -> None:
+    from rlk_triton import logprobs as lpmod
+
+    logits = torch.randn(T, V, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, V, (T,), device="cuda")
+    args = (logits.clone(), targets, None, -100, 0.0, 0.0, "none")
+    peer = _liger_ms("LigerCrossEntropyFunction", lambda Fn: Fn.apply(*args)[0])
+    configs = [
+        {"ROWS": r, "num_warps": w} for r, w in ((1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16))
+    ]
+    chosen = [dict(tuning.config(lpmod.TUNING, "logprobs.fwd", T=T, V=V))]
+    group0, unit0 = lpmod.GROUP, lpmod._unit
+    try:
+        for group in (1, 2, 4):
+            lpmod.GROUP = group
+            for unit in (True, False):
+                lpmod._unit = unit0 if unit else (lambda temperature: False)
+                _config_sweep(
+                    rows, "logprobs", f"T={T} V={V} GROUP={group} unit={unit}",
+                    lambda: rlk.logprobs(logits, targets), "logprobs.fwd",
+                    configs if unit else chosen, T * V * 2, peer,
+                )  # fmt: skip
+    finally:
+        lpmod.GROUP, lpmod._unit = group0, unit0
+
+
+def silu_part(rows) -> None:
+    for T, I in ((32768, 4864), (16384, 14336)):
+        _silu_shape(rows, T, I)
+
+
+def _silu_shape(rows, T: int, I: int) -> None:
+    x = torch.randn(T, 2 * I, device="cuda", dtype=torch.bfloat16)
+    gate, up = (h.contiguous() for h in x.chunk(2, dim=-1))
+    peer = _liger_ms("LigerSiLUMulFunction", lambda Fn: Fn.apply(gate, up))
+    configs = [{"block": 512, "num_warps": 2}] + [
+        {"block": b, "num_warps": w} for b in (1024, 2048, 4096) for w in (4, 8)
+    ]
+    _config_sweep(
+        rows, "silu", f"T={T} I={I}", lambda: rlk.silu_and_mul(x), "silu_and_mul.fwd",
+        configs, 3 * T * I * 2, peer,
+    )  # fmt: skip
+
+
+def norm_part(rows) -> None:
+    for T, H in ((16384, 4096), (65536, 2048), (65536, 896)):
+        _norm_shape(rows, T, H)
+
+
+def _norm_shape(rows, T: int, H: int) -> None:
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    peer = _liger_ms("LigerRMSNormFunction", lambda Fn: Fn.apply(x, w, 1e-6, 0.0, "gemma", False))
+    configs = [{"tile": t, "num_warps": nw} for t in (2048, 4096, 8192) for nw in (4, 8, 16)]
+    _config_sweep(
+        rows, "norm", f"T={T} H={H}", lambda: rlk.rms_norm(x, w, 1e-6), "rms_norm.fwd",
+        configs, 2 * T * H * 2, peer,
+    )  # fmt: skip
+
+
+def print_memory_bound(rows) -> None:
+    """Per part and shape: the chosen config, the fastest one, and the peer, in us."""
+    groups: dict = {}
+    for r in rows:
+        if r["part"] in ("logprobs", "silu", "norm"):
+            groups.setdefault((r["part"], r["shape"]), []).append(r)
+    if groups:
+        print(f"\n{'part':8} {'shape':36} {'chosen':>8} {'best':>8} {'peer':>8} bits  best cfg")
+    for (part, shape), rs in groups.items():
+        best = min(rs, key=lambda r: r["us"])
+        ok = all(r["bits_equal"] for r in rs)
+        print(
+            f"{part:8} {shape:36} {rs[0]['chosen_us']:>8} {best['us']:>8} {best['peer_us']:>8} "
+            f"{'ok' if ok else 'DIFF'}  {best['cfg']}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -396,10 +523,17 @@ def main() -> None:
             rotary_part(rows)
         if "attention" in parts:
             attention_part(rows)
+        if "logprobs" in parts:
+            logprobs_part(rows)
+        if "silu" in parts:
+            silu_part(rows)
+        if "norm" in parts:
+            norm_part(rows)
     finally:
         with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print_tables(rows)
+    print_memory_bound(rows)
 
 
 def decode_part(rows) -> None:

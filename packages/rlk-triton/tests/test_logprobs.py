@@ -3,7 +3,7 @@
 V = 300 is cut into vocabulary leaves merged by a fixed tree. The fixture runs each test with
 the op's constants (CHUNK, VOCAB_LEAVES) as shipped (8 leaves of 38 logits, one 64-wide chunk
 each, the last leaf 34 logits) and patched to (16, 2) (two leaves of 150 logits, ten chunks
-each, the last one partial, so the NSUB=4 config reads chunks past the end of a leaf).
+each in groups of GROUP = 4, so the last group of a leaf reads chunks past its end).
 """
 
 from __future__ import annotations
@@ -94,6 +94,24 @@ def test_gradient_of_logprobs_only_and_entropy_only():
     torch.testing.assert_close(
         x.grad.double(), -p * (log_p + (-(p * log_p).sum(-1, keepdim=True))), atol=1e-6, rtol=1e-6
     )
+
+
+def test_temperature_one_skips_the_division_with_the_same_bits(chunk, monkeypatch):
+    # The kernels skip z = x / temperature at temperature 1 (x / 1 == x in IEEE arithmetic):
+    # forcing the division must give the same bits, specials and signed zeros included.
+    logits, targets = _inputs(6, 300, torch.float32)
+    logits[0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, 0.0])
+    logits[1, 7] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[2, 5] = 1.0
+    g_lp, g_ent = torch.randn(6), torch.randn(6)
+    fast = _run(logits, targets, 1.0, True, g_lp, g_ent)
+    monkeypatch.setattr(lpmod, "_unit", lambda temperature: False)
+    slow = _run(logits, targets, 1.0, True, g_lp, g_ent)
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.signbit(), b.signbit())
 
 
 def test_batch_invariance(chunk):
