@@ -3,7 +3,7 @@
 V = 300 is cut into vocabulary leaves merged by a fixed tree. The fixture runs each test with
 the op's constants (CHUNK, VOCAB_LEAVES) as shipped (8 leaves of 38 logits, one 64-wide chunk
 each, the last leaf 34 logits) and patched to (16, 2) (two leaves of 150 logits, ten chunks
-each in groups of GROUP = 4, so the last group of a leaf reads chunks past its end).
+each, the last one partial, so the NSUB=4 config reads chunks past the end of a leaf).
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Log-probabilities (and entropy) of targets from logits: ``[T, V] -> [T]``, read once.
 
 Numerics (the contract of :func:`rlk.logprobs`): ``z = logit / temperature`` is a correctly
-rounded fp32 division (skipped at temperature 1, where it is the identity). The vocabulary is cut
-into :data:`VOCAB_LEAVES` equal contiguous leaves of ``leaf_len = ceil(V / VOCAB_LEAVES)`` logits
-(a function of V alone). Each leaf is read from a fresh state in chunks of
-``chunk = min(CHUNK, next_pow2(leaf_len))`` logits, in ascending order, in groups of
-:data:`GROUP` chunks: a block of rows raises its running max ``m`` once per group
-(:func:`rescale`, which rescales the sums), then adds the group's chunks one at a time
-(:func:`add_chunk`) to per-column running sums of ``exp(z - m)`` and ``exp(z - m) * (z - m)``:
-elementwise work whose order is fixed by the chunk sequence alone. One fixed binary tree
+rounded fp32 division (skipped at temperature 1, where it is the identity). The vocabulary is cut into :data:`VOCAB_LEAVES` equal contiguous leaves
+of ``leaf_len = ceil(V / VOCAB_LEAVES)`` logits (a function of V alone). Each leaf is read from a
+fresh state in chunks of ``chunk = min(CHUNK, next_pow2(leaf_len))`` logits, in ascending order:
+a block of rows keeps its running max ``m`` and, per column of the chunk, running sums of
+``exp(z - m)`` and ``exp(z - m) * (z - m)`` (rescaled when ``m`` grows), elementwise work whose
+order is fixed by the chunk sequence alone (:func:`accumulate`); one fixed binary tree
 (:func:`tree_sum`) adds the columns, giving the leaf's ``(m, s, t)``. The leaves are then merged
 by one fixed binary tree of adjacent pairs (:func:`merge_tree`):
 ``m = max(m_a, m_b)``, ``s = s_a e^(m_a-m) + s_b e^(m_b-m)``,
 ``t = (t_a + (m_a-m) s_a) e^(m_a-m) + (t_b + (m_b-m) s_b) e^(m_b-m)``; at the root
 ``lse = m + log(s)`` and ``entropy = log(s) - t / s``. No ``tl.sum`` is used: its order follows
-num_warps and the layout, so it would let a launch config change bits (a max is exact in any
-order).
+num_warps and the layout, so it would let a launch config change bits.
 
 Why leaves: a contiguous, aligned block of ``VOCAB_LEAVES / n`` leaves is a subtree, so a rank
 of a vocabulary-parallel group of ``n`` ranks (V a multiple of ``VOCAB_LEAVES``) computes its
@@ -41,11 +38,6 @@ from rlk_triton._triton import jit, tl, triton
 #: chunks in ascending order, one tree over the columns at the end). A constant of the op, never
 #: a tuning choice; a power of two.
 CHUNK = 1024
-
-#: Chunks per group: the running max of a row rises once per group of GROUP chunks (one
-#: cross-thread max per GROUP * CHUNK logits), then the chunks are added in order. A constant of
-#: the op (it sets the bits), at most 4.
-GROUP = 4
 
 # VOCAB_LEAVES, the vocabulary leaves merged by the fixed tree, is a constant of the op: it is
 # defined with the vocabulary-parallel contract in rlk.parallel (imported above).
@@ -94,35 +86,30 @@ def _minus(x, ref):
 
 
 @jit
-def rescale(m, sv, tv, zmax, ENTROPY: tl.constexpr):
-    """Raise a block of rows' running max ``m [R]`` to include ``zmax [R]`` (the max of the valid
-    logits about to be added, ``-inf`` for none), rescaling the running sums ``sv``/``tv
-    [R, CHUNK]`` to it: ``sv`` holds, per column, the sums of ``exp(z - m)`` so far and ``tv``
-    those of ``exp(z - m) * (z - m)``. Returns ``(m_new, ref, sv, tv)``, ``ref`` the max used for
-    the differences (0 while no logit was finite). All elementwise: the bits cannot depend on how
-    Triton lays the tile out over threads. A group with no valid logit changes nothing."""
-    m_new = tl.maximum(m, zmax)
+def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
+    """Add one chunk ``z [R, CHUNK]`` (fp32, where ``valid``) to a block of rows' running state.
+
+    ``m [R]`` is the running row max. ``sv``/``tv [R, CHUNK]`` hold, per column of the chunk, the
+    sums over the chunks seen so far of ``exp(z - m)`` and ``exp(z - m) * (z - m)``. Each column
+    adds its chunks in ascending order and all of this is elementwise, so the bits cannot depend
+    on how Triton lays the tile out over threads; only the row max crosses columns, and a max is
+    exact in any order. A chunk with no valid logit leaves the state bitwise unchanged.
+    """
+    zm = tl.where(valid, z, float("-inf"))
+    m_new = tl.maximum(m, tl.max(zm, axis=1))
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     # Differences to the max are 0 where equal (the same value for finite numbers), so a +inf
     # logit counts 1 instead of exp(inf - inf) = NaN: the row's log-sum-exp is then +inf.
     d = _minus(m, ref)[:, None]  # <= 0; -inf before the first finite logit
     a = tl.exp(d)
-    if ENTROPY:
-        # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s).
-        tv = tl.where(d == 0.0, tv, tl.where(sv > 0, (tv + d * sv) * a, 0.0))
-    return m_new, ref, sv * a, tv
-
-
-@jit
-def add_chunk(sv, tv, zm, ref, ENTROPY: tl.constexpr):
-    """Add one chunk ``zm [R, CHUNK]`` (fp32, ``-inf`` where not valid) to the running sums, whose
-    max ``ref`` already covers it (:func:`rescale`): each column adds its chunks in ascending
-    order. An invalid logit adds an exact 0."""
     w = _minus(zm, ref[:, None])
     e = tl.exp(w)
     if ENTROPY:
+        # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s).
+        tv = tl.where(d == 0.0, tv, tl.where(sv > 0, (tv + d * sv) * a, 0.0))
         tv = tl.where(e > 0, tv + e * w, tv)
-    return sv + e, tv
+    sv = sv * a + e
+    return m_new, sv, tv
 
 
 @jit
@@ -180,7 +167,7 @@ def _leaf_state_kernel(
     CHUNK: tl.constexpr,
     LOG2_CHUNK: tl.constexpr,
     ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
+    NSUB: tl.constexpr,
     UNIT: tl.constexpr,
     ENTROPY: tl.constexpr,
 ):
@@ -194,33 +181,14 @@ def _leaf_state_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     sv = tl.zeros([ROWS, CHUNK], tl.float32)
     tv = tl.zeros([ROWS, CHUNK], tl.float32)
-    # The chunks of a leaf come in groups of GROUP (a constant of the op): the running max rises
-    # once per group, then the group's chunks are added one at a time in ascending order. A
-    # chunk past the leaf's end is all -inf, which adds exact zeros and never raises the max.
-    for c0 in range(0, tl.cdiv(leaf_len, CHUNK), GROUP):
-        zmax = tl.full([ROWS], float("-inf"), tl.float32)
-        for j in tl.static_range(GROUP):
+    # NSUB chunks per iteration only batches the loads; chunks are still added one at a time, and
+    # a chunk past the leaf's end is an exact no-op, so NSUB never changes a bit.
+    for c0 in range(0, tl.cdiv(leaf_len, CHUNK), NSUB):
+        for j in tl.static_range(NSUB):
             offs = start + (c0 + j) * CHUNK + cols
             valid = row_ok[:, None] & (offs < end)[None, :]
             x = tl.load(row_ptr + offs[None, :], mask=valid, other=0.0)
-            z = tl.where(valid, scale_logits(x, temperature, UNIT), float("-inf"))
-            zmax = tl.maximum(zmax, tl.max(z, axis=1))
-            if j == 0:
-                z0 = z
-            elif j == 1:
-                z1 = z
-            elif j == 2:
-                z2 = z
-            else:
-                z3 = z
-        m, ref, sv, tv = rescale(m, sv, tv, zmax, ENTROPY)
-        sv, tv = add_chunk(sv, tv, z0, ref, ENTROPY)
-        if GROUP > 1:
-            sv, tv = add_chunk(sv, tv, z1, ref, ENTROPY)
-        if GROUP > 2:
-            sv, tv = add_chunk(sv, tv, z2, ref, ENTROPY)
-        if GROUP > 3:
-            sv, tv = add_chunk(sv, tv, z3, ref, ENTROPY)
+            m, sv, tv = accumulate(m, sv, tv, scale_logits(x, temperature, UNIT), valid, ENTROPY)
     out = rows.to(tl.int64) * n_leaves + leaf
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, tree_sum(sv, LOG2_CHUNK), mask=row_ok)
@@ -340,7 +308,9 @@ def _logprobs_bwd_kernel(
 
 
 def _choose_fwd(T: int, V: int) -> int:
-    return 0 if T < 2048 else 1
+    # 2 rows x 4 warps: 1.90 ms at T=16384, V=151936 bf16 on an H200 against 2.33 ms for 4 rows
+    # x 8 warps (scripts/kernel_sweep.py --parts logprobs).
+    return 0 if T < 2048 else 3
 
 
 def _choose_bwd(T: int, V: int) -> int:
@@ -350,9 +320,10 @@ def _choose_bwd(T: int, V: int) -> int:
 TUNING = {
     "logprobs.fwd": tuning.Rule(
         configs=(
-            {"ROWS": 1, "num_warps": 4},
-            {"ROWS": 4, "num_warps": 8},
-            {"ROWS": 2, "num_warps": 2},
+            {"ROWS": 1, "NSUB": 4, "num_warps": 4},
+            {"ROWS": 4, "NSUB": 2, "num_warps": 8},
+            {"ROWS": 2, "NSUB": 1, "num_warps": 2},
+            {"ROWS": 2, "NSUB": 1, "num_warps": 4},
         ),
         choose=_choose_fwd,
     ),
@@ -369,7 +340,9 @@ TUNING = {
 #: Under the Triton interpreter (CPU), whose cost is per program and per op: many rows per
 #: program. Extra candidates, so the tuning-invariance checks run them beside the GPU ones.
 CPU_TUNING = {
-    "logprobs.fwd": tuning.preferring(TUNING["logprobs.fwd"], {"ROWS": 64, "num_warps": 4}),
+    "logprobs.fwd": tuning.preferring(
+        TUNING["logprobs.fwd"], {"ROWS": 64, "NSUB": 1, "num_warps": 4}
+    ),
     "logprobs.bwd": tuning.preferring(
         TUNING["logprobs.bwd"], {"BLOCK_T": 64, "BLOCK_V": 1024, "num_warps": 4}
     ),
@@ -438,7 +411,6 @@ def leaf_states(
             CHUNK=chunk,
             LOG2_CHUNK=chunk.bit_length() - 1,
             ROWS=rows,
-            GROUP=GROUP,
             UNIT=_unit(temperature),
             ENTROPY=entropy,
             **cfg,
