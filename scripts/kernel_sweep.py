@@ -7,7 +7,8 @@ Parts: ``decode`` and ``tma`` (GEMM, below), ``rotary`` (apply_rotary configs ag
 backend, and the forward with 128-key tiles, a different numerics timed only to see its worth),
 ``logprobs`` (forward configs for each chunk-group constant ``GROUP``, with and without the
 division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
-(``silu_and_mul`` and ``rms_norm`` forward configs against Liger).
+(``silu_and_mul`` and ``rms_norm`` forward configs against Liger), ``sample`` (warps per row
+of ``rlk.sample``, temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -490,11 +491,32 @@ def _norm_shape(rows, T: int, H: int) -> None:
     )  # fmt: skip
 
 
+def sample_part(rows) -> None:
+    for B in (256, 1024):
+        _sample_shape(rows, B, 151936)
+
+
+def _sample_shape(rows, B: int, V: int) -> None:
+    logits = torch.randn(B, V, device="cuda") * 3
+    seeds = torch.arange(B, device="cuda")
+    offsets = torch.zeros(B, dtype=torch.int64, device="cuda")
+    configs = [{"num_warps": w} for w in (2, 4, 8, 16)]
+    for name, kw in (
+        ("temperature", dict(temperature=0.8)),
+        ("top_k_top_p", dict(temperature=0.8, top_k=50, top_p=0.9)),
+    ):
+        _config_sweep(
+            rows, "sample", f"{name} B={B} V={V}",
+            lambda kw=kw: rlk.sample(logits, seeds, offsets, **kw), "sample.fwd",
+            configs, B * V * 4, float("nan"),
+        )  # fmt: skip
+
+
 def print_memory_bound(rows) -> None:
     """Per part and shape: the chosen config, the fastest one, and the peer, in us."""
     groups: dict = {}
     for r in rows:
-        if r["part"] in ("logprobs", "silu", "norm"):
+        if r["part"] in ("logprobs", "silu", "norm", "sample"):
             groups.setdefault((r["part"], r["shape"]), []).append(r)
     if groups:
         print(f"\n{'part':8} {'shape':36} {'chosen':>8} {'best':>8} {'peer':>8} bits  best cfg")
@@ -529,6 +551,8 @@ def main() -> None:
             silu_part(rows)
         if "norm" in parts:
             norm_part(rows)
+        if "sample" in parts:
+            sample_part(rows)
     finally:
         with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)

@@ -113,6 +113,31 @@ def test_top_k_keeps_ties_and_greedy_takes_lowest_index():
     assert seen <= {7, 100, 250} and len(seen) > 1  # the three tied maxima all survive top-1
 
 
+def test_top_k_cut_through_ties_made_by_the_division():
+    # top-k is searched on the logits and divided once; the kept set must still be every token
+    # whose z = x / temperature (fp32, correctly rounded) reaches the k-th largest z. Logits one
+    # ulp apart near 1.9 divided by 3 collide in fp32 (z spacing 2/3 ulp), so a cut can fall
+    # inside a tie of z that the logits do not have.
+    v, t = 300, 3.0
+    x = torch.full((v,), -30.0)
+    x[10:30] = 1.9 + torch.arange(20, dtype=torch.float32) * 2.0**-23
+    z = x / t
+    zs = z.sort(descending=True).values
+    k = next(i for i in range(1, 19) if zs[i - 1] == zs[i] and zs[i - 2] != zs[i - 1])
+    kept = set(torch.nonzero(z >= zs[k - 1]).flatten().tolist())
+    assert len(kept) > k
+    n = 300
+    tok = _sample(
+        x.expand(n, v).contiguous(),
+        torch.full((n,), 5, dtype=torch.int64),
+        torch.arange(n, dtype=torch.int64),
+        temperature=torch.full((n,), t),
+        top_k=torch.full((n,), k, dtype=torch.int64),
+        top_p=torch.ones(n),
+    )
+    assert set(tok.tolist()) == kept
+
+
 def test_batch_invariance_and_determinism():
     b = 6
     logits, seeds, offsets = _rows(b, 300, torch.bfloat16, seed=5)

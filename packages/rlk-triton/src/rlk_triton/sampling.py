@@ -7,7 +7,8 @@ One program per row; a row's token depends only on its logits, seed, offset and 
 - Filters without sorting: both are thresholds on an order-preserving uint32 key of
   ``z = logit / temperature``, found by a radix search, :data:`RADIX_BITS` bits per pass over
   the row. top-k: the largest key with ``count(key >= K) >= k`` (integer counts: exact in any
-  order), i.e. the k-th largest z, ties kept. top-p: the largest key with
+  order), i.e. the k-th largest z, ties kept (searched on the logits, then divided once: the
+  division is monotone). top-p: the largest key with
   ``mass(key >= K) >= top_p * mass(all kept)``, masses ``sum exp(z - max)`` added by a fixed
   tree over blocks of :data:`BLOCK` and the blocks in ascending order. A mass can only shrink
   as K grows (terms drop to 0), so the search is consistent.
@@ -72,6 +73,13 @@ def _key(z):
 
 
 @jit
+def _unkey(key):
+    """The fp32 value of key ``key`` (the inverse of :func:`_key` on its image)."""
+    bits = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, ~key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@jit
 def _load_z(row_ptr, offs, V, temperature):
     ok = offs < V
     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -89,7 +97,11 @@ def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
 
 @jit
 def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """Key of the k-th largest z of the row (0 keeps everything when k >= V)."""
+    """Key of the k-th largest z of the row.
+
+    The search runs on the logits x, without dividing: z = x / temperature (correctly rounded,
+    temperature > 0) is non-decreasing in x, so the k-th largest z is the k-th largest x divided
+    once, and the tokens kept (z >= that z, ties included) are the same."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     cols = tl.arange(0, BLOCK)
     digits = tl.arange(0, NCAND).to(tl.uint32)
@@ -99,11 +111,13 @@ def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.co
         cand = prefix | (digits << shift)
         count = tl.zeros([NCAND], tl.int32)
         for b0 in range(0, V, BLOCK):
-            _, key, ok = _load_z(row_ptr, b0 + cols, V, temperature)
+            offs = b0 + cols
+            ok = offs < V
+            key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
             hit = (key[None, :] >= cand[:, None]) & ok[None, :]
             count += tl.sum(hit.to(tl.int32), axis=1)
         prefix = _pick_digit(count, k, prefix, shift, NCAND)
-    return prefix
+    return _key(tl.math.div_rn(_unkey(prefix), temperature))
 
 
 @jit
