@@ -13,6 +13,7 @@ from rlk_reference._sampling import keep_mask
 from rlk_reference.philox import philox_uniform
 from rlk_triton import backend, tuning
 from rlk_triton import sampling as smod
+from rlk_triton._triton import jit, tl
 
 TABLE = backend.default_table()
 
@@ -136,6 +137,31 @@ def test_top_k_cut_through_ties_made_by_the_division():
         top_p=torch.ones(n),
     )
     assert set(tok.tolist()) == kept
+
+
+def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch):
+    # The top-p passes and the pick skip blocks whose largest logit cannot reach the threshold:
+    # with the skip turned off every row must draw the very same token (rows with top-k alone,
+    # top-p alone, both, neither, and one with a NaN).
+    b = 16
+    logits, seeds, offsets = _rows(b, 300, torch.float32, seed=7)
+    logits[3, 250] = float("nan")
+    p = _params(b, seed=8)
+    p["top_k"][:4] = 0
+    p["top_p"][4:8] = 1.0
+    p["top_k"][8:10], p["top_p"][8:10] = 0, 1.0
+    p["top_k"][10:13] = torch.tensor([1, 2, 3])
+    fast = _sample(logits, seeds, offsets, **p)
+
+    @jit
+    def keep_all(row_ptr, offs, V, temperature, kept):
+        ok = offs < V
+        x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        return x, ok, tl.full([], 1, tl.int1)
+
+    monkeypatch.setattr(smod, "_may_keep", keep_all)
+    slow = _sample(logits, seeds, offsets, **p)
+    assert fast[3] == -1 and torch.equal(fast, slow)
 
 
 def test_batch_invariance_and_determinism():

@@ -14,6 +14,9 @@ One program per row; a row's token depends only on its logits, seed, offset and 
   as K grows (terms drop to 0), so the search is consistent.
 - Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
   the lowest-index argmax of the logits.
+- Blocks that cannot hold a kept token (their largest logit, divided, falls short of the
+  threshold) are skipped by the top-p passes and the pick: they would add exact zeros to the
+  masses and -inf scores to the pick, so skipping them changes no bit.
 - A row with a NaN logit draws no token: its result is -1 (as on every backend). Nothing is
   synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
   run (CPU, or ``RLK_VALIDATE``).
@@ -80,11 +83,16 @@ def _unkey(key):
 
 
 @jit
-def _load_z(row_ptr, offs, V, temperature):
+def _may_keep(row_ptr, offs, V, temperature, kept):
+    """``(x, ok, flag)``: the block's logits (0 past V), its in-range mask, and whether any of its
+    tokens can reach key ``kept``. z = x / temperature is non-decreasing in x, so none can when
+    the block's largest logit divided falls short (a NaN in the block never skips it). A block
+    skipped on this flag would add only exact zeros, or only -inf scores: the same bits."""
     ok = offs < V
     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    z = tl.math.div_rn(x, temperature)
-    return z, _key(z), ok
+    top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+    flag = (kept == 0) | (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
+    return x, ok, flag
 
 
 @jit
@@ -143,9 +151,15 @@ def _topp_key(
         cand = prefix | (digits << shift)
         mass = tl.zeros([NCAND], tl.float32)
         for b0 in range(0, V, BLOCK):
-            z, key, ok = _load_z(row_ptr, b0 + cols, V, temperature)
-            e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
-            mass += tree_sum(tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK)
+            # Blocks without a token that top-k kept add exact zeros: skipped.
+            x, ok, may = _may_keep(row_ptr, b0 + cols, V, temperature, kept)
+            if may:
+                z = tl.math.div_rn(x, temperature)
+                key = _key(z)
+                e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
+                mass += tree_sum(
+                    tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK
+                )
         if level == 0:
             # candidate 0 is key 0: everything kept by top-k, the mass top_p is a fraction of
             need = p * tl.sum(tl.where(digits == 0, mass, 0.0), axis=0)
@@ -194,25 +208,33 @@ def _sample_kernel(
         if (k > 0) & (k < V):
             kept = _topk_key(row_ptr, V, temperature, k, BLOCK, RADIX_BITS)
         if p < 1.0:
-            z_max = tl.full([], float("-inf"), tl.float32)
+            # The largest z is the largest logit divided once (the division is monotone).
+            x_max = tl.full([], float("-inf"), tl.float32)
             for b0 in range(0, V, BLOCK):
-                z, _, ok = _load_z(row_ptr, b0 + cols, V, temperature)
-                z_max = tl.maximum(z_max, tl.max(tl.where(ok, z, float("-inf")), axis=0))
+                offs = b0 + cols
+                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                x_max = tl.maximum(x_max, tl.max(x, axis=0))
+            z_max = tl.math.div_rn(x_max, temperature)
             kept = tl.maximum(
                 kept,
                 _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS),
             )
         for b0 in range(0, V, BLOCK):
             offs = b0 + cols
-            z, key, ok = _load_z(row_ptr, offs, V, temperature)
-            n_nan += tl.sum((z != z).to(tl.int32), axis=0)
-            g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
-            score = tl.where(ok & (key >= kept), z + g, float("-inf"))
-            bv = tl.max(score, axis=0)
-            bi = tl.min(tl.where(score == bv, offs, V), axis=0)
-            take = bv > best
-            best_i = tl.where(take, bi, best_i)
-            best = tl.where(take, bv, best)
+            x, ok, may = _may_keep(row_ptr, offs, V, temperature, kept)
+            n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
+            # A block without a kept token scores -inf everywhere and cannot win: skipped,
+            # with its noise.
+            if may:
+                z = tl.math.div_rn(x, temperature)
+                key = _key(z)
+                g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
+                score = tl.where(ok & (key >= kept), z + g, float("-inf"))
+                bv = tl.max(score, axis=0)
+                bi = tl.min(tl.where(score == bv, offs, V), axis=0)
+                take = bv > best
+                best_i = tl.where(take, bi, best_i)
+                best = tl.where(take, bv, best)
     tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
