@@ -90,8 +90,10 @@ def _may_keep(row_ptr, offs, V, temperature, kept):
     skipped on this flag would add only exact zeros, or only -inf scores: the same bits."""
     ok = offs < V
     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
-    flag = (kept == 0) | (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
+    flag = tl.full([], 1, tl.int1)
+    if kept != 0:  # nothing to skip without a threshold: no max to take
+        top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+        flag = (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
     return x, ok, flag
 
 
