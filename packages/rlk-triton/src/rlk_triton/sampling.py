@@ -90,11 +90,22 @@ def _may_keep(row_ptr, offs, V, temperature, kept):
     skipped on this flag would add only exact zeros, or only -inf scores: the same bits."""
     ok = offs < V
     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    flag = tl.full([], 1, tl.int1)
-    if kept != 0:  # nothing to skip without a threshold: no max to take
-        top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
-        flag = (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
+    top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+    flag = (kept == 0) | (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
     return x, ok, flag
+
+
+@jit
+def _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best, best_i):
+    """The running Gumbel-max pick ``(best, best_i)`` after one block of logits ``x``: the largest
+    ``z + g`` over its tokens with key >= ``kept``, the lowest index among ties."""
+    z = tl.math.div_rn(x, temperature)
+    g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
+    score = tl.where(ok & (_key(z) >= kept), z + g, float("-inf"))
+    bv = tl.max(score, axis=0)
+    bi = tl.min(tl.where(score == bv, offs, V), axis=0)
+    take = bv > best
+    return tl.where(take, bv, best), tl.where(take, bi, best_i)
 
 
 @jit
@@ -221,22 +232,26 @@ def _sample_kernel(
                 kept,
                 _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS),
             )
-        for b0 in range(0, V, BLOCK):
-            offs = b0 + cols
-            x, ok, may = _may_keep(row_ptr, offs, V, temperature, kept)
-            n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
-            # A block without a kept token scores -inf everywhere and cannot win: skipped,
-            # with its noise.
-            if may:
-                z = tl.math.div_rn(x, temperature)
-                key = _key(z)
-                g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
-                score = tl.where(ok & (key >= kept), z + g, float("-inf"))
-                bv = tl.max(score, axis=0)
-                bi = tl.min(tl.where(score == bv, offs, V), axis=0)
-                take = bv > best
-                best_i = tl.where(take, bi, best_i)
-                best = tl.where(take, bv, best)
+        if kept == 0:  # no filter: every block takes part
+            for b0 in range(0, V, BLOCK):
+                offs = b0 + cols
+                ok = offs < V
+                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
+                best, best_i = _pick_block(
+                    x, ok, offs, V, temperature, kept, seed, offset, best, best_i
+                )
+        else:
+            for b0 in range(0, V, BLOCK):
+                offs = b0 + cols
+                x, ok, may = _may_keep(row_ptr, offs, V, temperature, kept)
+                n_nan += tl.sum((x != x).to(tl.int32), axis=0)
+                # A block without a kept token scores -inf everywhere and cannot win: skipped,
+                # with its noise.
+                if may:
+                    best, best_i = _pick_block(
+                        x, ok, offs, V, temperature, kept, seed, offset, best, best_i
+                    )
     tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
