@@ -149,6 +149,36 @@ def test_paged_rejects_bad_setups(model):
         paged.generate_paged(model, [[1]], 1, max_batch=4, max_step_tokens=2)
 
 
+def test_paged_progress(model, capsys):
+    seen = []
+    ro = paged.generate_paged(model, [[1, 2], [3]], 2, progress=True)
+    err = capsys.readouterr().err
+    assert "rollout" in err and "tok" in err and "running" in err  # tqdm's bar on stderr
+    assert ro.new_tokens == 4
+    paged.generate_paged(model, [[1, 2], [3]], 2)  # default: a bar only on a terminal
+    paged.generate_paged(model, [[1, 2], [3]], 2, progress=False)
+    assert capsys.readouterr().err == ""
+    paged.generate_paged(model, [[1]], 20, progress=seen.append)  # a line every 16 steps
+    assert seen == ["  paged step 16: 1 running, 0 waiting"]
+    with pytest.raises(TypeError, match="progress must be a bool, a callable or None"):
+        paged.generate_paged(model, [[1]], 1, progress="yes")
+
+
+def test_paged_kv_memory_budget(model):
+    # 2 (K and V) x layers x page_size x Hk x D x 2 bytes (bf16)
+    assert paged.page_bytes(2, 16, 2, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 16 * 2
+    page = paged.page_bytes(2, 16, 2, 16, torch.bfloat16)
+    # The padding pages of the decode graphs come out of the budget too.
+    assert paged.pages_for_memory(10 * page + 5, page, 8, 16) == 10 - 1
+    assert paged.pages_for_memory(0, page, 8, 16) == 0
+    with pytest.raises(ValueError, match="kv_memory_fraction needs a CUDA model"):
+        paged.generate_paged(model, [[1]], 1, kv_memory_fraction=0.5)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\], got 1.5"):
+        paged.generate_paged(model, [[1]], 1, kv_memory_fraction=1.5)
+    with pytest.raises(ValueError, match="num_pages or kv_memory_fraction"):
+        paged.generate_paged(model, [[1]], 1, num_pages=4, kv_memory_fraction=0.5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen2-0.5b", "qwen3-0.6b"])
 def test_gpu_paged_equals_padded_and_training(name, monkeypatch):
@@ -185,6 +215,30 @@ def test_gpu_paged_equals_padded_and_training(name, monkeypatch):
         f"paged {ro.new_tokens / ro.seconds:.0f} tok/s (graphs), "
         f"{eager.new_tokens / eager.seconds:.0f} tok/s (eager)"
     )
+
+
+@pytest.mark.gpu
+def test_gpu_kv_memory_fraction_makes_requests_wait(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("RLK_VALIDATE", "0")
+    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
+    cfg = model.config
+    prompts = _prompts([30] * 8)
+    page = paged.page_bytes(cfg.num_hidden_layers, 16, cfg.num_key_value_heads, 16, torch.bfloat16)
+    need = -(-(30 + NEW - 1) // 16)  # pages of one request
+    free, _ = torch.cuda.mem_get_info()
+    # A budget of about three requests' pages (plus the decode graphs' padding pages).
+    fraction = (3 * need + paged.pad_pages(8, 16) + 0.5) * page / free
+    ro = paged.generate_paged(model, prompts, NEW, seeds=list(range(8)), max_batch=8,
+                              kv_memory_fraction=fraction)  # fmt: skip
+    assert 1 <= ro.extra["max_running"] <= 3  # the others waited for pages
+    full = paged.generate_paged(model, prompts, NEW, seeds=list(range(8)), max_batch=8)
+    assert full.extra["max_running"] == 8
+    for a, b in zip(ro.samples, full.samples):
+        _same(a, b)
+    with pytest.raises(ValueError, match="the longest request needs"):
+        paged.generate_paged(model, prompts, NEW, kv_memory_fraction=page / free / 4)
 
 
 @pytest.mark.slow

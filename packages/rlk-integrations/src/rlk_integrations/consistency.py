@@ -149,7 +149,7 @@ def run_side(
             page_size=page_size,
             max_batch=max_batch or max(1, len(prompts)),
             max_step_tokens=max(2048, max_batch or len(prompts)),
-            progress=progress,
+            progress=progress if progress is not None else False,
         )
     else:
         ro = rollout.generate(

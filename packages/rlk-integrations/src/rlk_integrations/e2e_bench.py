@@ -150,6 +150,7 @@ def _rlk_paged(model: torch.nn.Module, prompts: list[list[int]], new: int) -> in
         page_size=PAGE_SIZE,
         max_batch=b,
         max_step_tokens=max(2048, b),
+        progress=False,  # no bar drawn inside a timed run
     )
     return ro.new_tokens
 

@@ -308,6 +308,33 @@ class _DecodeGraphs:
 _EAGER_PADDED_DECODE = False
 
 
+def page_bytes(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one page of :class:`PagedKVCache`: K and V of ``page_size`` tokens, every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+
+def pages_for_memory(budget_bytes: int, page: int, max_batch: int, page_size: int) -> int:
+    """Pages of ``page`` bytes that fit ``budget_bytes``, less the pages :class:`_DecodeGraphs`
+    reserves for padding rows (so the whole cache stays within the budget); at least 0."""
+    return max(0, budget_bytes // page - pad_pages(max_batch, page_size))
+
+
+def _bar(progress, total: int):
+    """A tqdm bar on stderr for ``progress`` (None: when stderr is a terminal), or None."""
+    import sys
+
+    if callable(progress) or progress is False:
+        return None
+    if progress is None and not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="rollout", leave=False, file=sys.stderr)
+
+
 def pad_pages(max_batch: int, page_size: int) -> int:
     """Pages :class:`_DecodeGraphs` reserves for the padding rows of a decode step."""
     return _cdiv(max_batch, page_size)
@@ -369,10 +396,11 @@ def generate_paged(
     page_size: int = 16,
     max_batch: int = 64,
     num_pages: int | None = None,
+    kv_memory_fraction: float | None = None,
     max_step_tokens: int = 2048,
     prefill_chunk: int | None = None,
     cuda_graphs: bool | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: bool | Callable[[str], None] | None = None,
 ) -> RolloutResult:
     """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
 
@@ -383,15 +411,23 @@ def generate_paged(
     Scheduling: at most ``max_batch`` requests run at once; ``num_pages`` pages of
     ``page_size`` tokens are shared (default: enough for ``max_batch`` of the longest
     requests); a request joins (FIFO) once a slot and ``ceil((prompt + max_new - 1) /
-    page_size)`` pages are free. A step carries at most ``max_step_tokens`` new tokens: every
-    decode first (one token each), then prompt chunks of at most ``prefill_chunk`` tokens
-    (default ``max_step_tokens``) in arrival order.
+    page_size)`` pages are free, and waits until then: a full cache makes requests wait, the
+    cache never grows. ``kv_memory_fraction`` (CUDA, instead of ``num_pages``, like
+    vLLM's ``gpu_memory_utilization`` for the cache alone): the pages take at most this
+    fraction of the device memory free at the call (:func:`pages_for_memory`); a budget below
+    one longest request is a ``ValueError``. A step carries at most ``max_step_tokens`` new
+    tokens: every decode first (one token each), then prompt chunks of at most
+    ``prefill_chunk`` tokens (default ``max_step_tokens``) in arrival order.
 
     ``cuda_graphs`` (default: on for CUDA models, off while ``RLK_VALIDATE`` asks for value
     checks, which read the device and so cannot be captured): steps in which every running
     request decodes replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a
     power-of-two batch, the same bits as the eager step), so that the host launches one graph
     instead of every kernel of every layer. Steps with prompt chunks run eagerly.
+
+    ``progress``: ``None`` (default) draws a progress bar on stderr (tokens, tokens/s, running
+    and waiting requests) when stderr is a terminal; ``True`` always, ``False`` never; a
+    callable gets a line every 16 steps instead.
 
     Returns a :class:`~rlk_integrations.rollout.RolloutResult` (samples in prompt order);
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
@@ -412,6 +448,8 @@ def generate_paged(
             f"max_step_tokens ({max_step_tokens}) must be >= max_batch ({max_batch}) so that "
             "every running request can decode in each step"
         )
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        raise TypeError(f"progress must be a bool, a callable or None, got {progress!r}")
     prefill_chunk = max_step_tokens if prefill_chunk is None else prefill_chunk
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -435,6 +473,24 @@ def generate_paged(
 
     # The last sampled token never enters the cache: a request caches prompt + new - 1 tokens.
     need = [_cdiv(len(p) + max(max_new_tokens - 1, 0), page_size) for p in prompts]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if kv_memory_fraction is not None:
+        if num_pages is not None:
+            raise ValueError("pass num_pages or kv_memory_fraction, not both")
+        if not 0 < kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
+        if device.type != "cuda":
+            raise ValueError(f"kv_memory_fraction needs a CUDA model, this one is on {device.type}")
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * kv_memory_fraction)
+        page = page_bytes(len(base.layers), page_size, local_kv_heads(model), head_dim, dtype)
+        num_pages = pages_for_memory(budget, page, max_batch, page_size)
+        if need and max(need) > num_pages:
+            raise ValueError(
+                f"kv_memory_fraction={kv_memory_fraction} gives {num_pages} pages of "
+                f"{page_size} tokens ({budget / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free); "
+                f"the longest request needs {max(need)}"
+            )
     if num_pages is None:
         num_pages = max(1, max_batch * max(need, default=1))
     if need and max(need) > num_pages:
@@ -442,7 +498,6 @@ def generate_paged(
             f"a request needs {max(need)} pages of {page_size} tokens but the cache has {num_pages}"
         )
     allocator = PageAllocator(num_pages)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     reserved = pad_pages(max_batch, page_size) if padded_decode else 0
     cache = PagedKVCache(
         len(base.layers),
@@ -473,6 +528,8 @@ def generate_paged(
     stats = dict(steps=0, max_running=0, mixed_steps=0, prefill_chunks=0, graph_steps=0)
     logits_dtype = dtype
     pin = device.type == "cuda"
+    bar = _bar(progress, len(waiting) * max_new_tokens)
+    say = progress if callable(progress) else None
     start = time.perf_counter()
     while waiting or running:
         # Admit in arrival order while a slot and the request's pages are free.
@@ -534,8 +591,13 @@ def generate_paged(
             else:
                 still.append(r)
         running = still
-        if progress is not None and s % 16 == 15:
-            progress(f"  paged step {s + 1}: {len(running)} running, {len(waiting)} waiting")
+        if bar is not None:
+            bar.update(len(sampled))
+            bar.set_postfix(running=len(running), waiting=len(waiting), refresh=False)
+        if say is not None and s % 16 == 15:
+            say(f"  paged step {s + 1}: {len(running)} running, {len(waiting)} waiting")
+    if bar is not None:
+        bar.close()
 
     if device.type == "cuda":
         torch.cuda.synchronize()

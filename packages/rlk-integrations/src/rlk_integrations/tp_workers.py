@@ -99,7 +99,7 @@ def rollout_worker(rank, world, device, config, weights, dtype, leaves, mode, pr
 
     def go(n):
         if mode == "paged":
-            return paged.generate_paged(model, prompts, n, **kw)
+            return paged.generate_paged(model, prompts, n, progress=False, **kw)
         return rollout.generate(model, prompts, n, sampler="rlk", **kw)
 
     if warmup:

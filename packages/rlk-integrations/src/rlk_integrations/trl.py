@@ -414,7 +414,8 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
 
         super().__init__(model, reward_funcs, args, *more, **kwargs)
         self._raise_on_mismatch = check_logprobs
-        self._rlk_rollout_kwargs = rollout_kwargs
+        # TRL draws its own progress bar: no second one for each generation unless asked.
+        self._rlk_rollout_kwargs = {"progress": False, **rollout_kwargs}
         self._rlk_round = 0
         self._init_check()
 
