@@ -1,6 +1,6 @@
-"""``rlk bench``'s e2e family (rollout and training engines) run end to end on the tiny model on
-CPU: its own wall-clock timing is kept (on CPU it only has to run); every row the result file's
-readers look for comes out."""
+"""``rlk bench``'s e2e family (rollout and training engines, the GRPO step) run end to end on
+the tiny model on CPU: its own wall-clock timing is kept (on CPU it only has to run); every row
+the result file's readers look for comes out."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def test_e2e_family_runs(monkeypatch):
         QUICK_TRAIN_LEN=8,
         PROMPT_LEN=(3, 5),
         TRAIN_ITERS=1,
+        QUICK_GRPO_PROMPTS=2,
+        GRPO_GROUP=2,
+        GRPO_MICRO_BATCH=2,
     )
     for name, value in shapes.items():
         monkeypatch.setattr(e2e_bench, name, value)
@@ -35,5 +38,9 @@ def test_e2e_family_runs(monkeypatch):
         ("e2e.rollout.paged", "rlk"),
         ("e2e.train", "stock"),
         ("e2e.train", "rlk"),
+        ("e2e.grpo_step", "stock"),
+        ("e2e.grpo_step", "rlk"),
     }
     assert all(r["tok_s"] > 0 for r in rows)
+    # A GRPO step samples every completion of every group in full.
+    assert {r["new_tokens"] for r in rows if r["op"] == "e2e.grpo_step"} == {2 * 2 * 2}

@@ -40,6 +40,20 @@ sequence's first, their sum, backward:
 A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
 :data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
 of the packed row (``tokens``).
+
+GRPO step (``e2e.grpo_step``): :data:`GRPO_PROMPTS` random prompts, :data:`GRPO_GROUP`
+completions of :data:`NEW_TOKENS` tokens each, a reward computed from the tokens, group-normalised
+advantages, the clipped policy loss (token mean) against the rollout's log-probabilities over
+micro-batches of :data:`GRPO_MICRO_BATCH` completions, backward, and an AdamW step (learning
+rate 0, so that every step does the same work):
+
+- ``stock``: ``generate`` (torch sampling; the sampling log-probabilities from the logits it
+  returns), log-probabilities from stock transformers, the loss in torch;
+- ``stock+liger``: the same with Liger's fused linear cross-entropy for the log-probabilities;
+- ``rlk``: :func:`~rlk_integrations.paged.generate_paged`, then
+  :func:`~rlk_integrations.training.grpo_step`.
+
+A row is the wall time of one step after an untimed one; ``tok_s`` counts the sampled tokens.
 """
 
 from __future__ import annotations
@@ -71,6 +85,12 @@ QUICK_BATCHES = (8,)
 QUICK_NEW_TOKENS = 32
 QUICK_TRAIN_SEQS = 8
 QUICK_TRAIN_LEN = 128
+
+#: GRPO step: prompts, completions per prompt (the group), micro-batch of the update.
+GRPO_PROMPTS = 8
+GRPO_GROUP = 8
+GRPO_MICRO_BATCH = 16
+QUICK_GRPO_PROMPTS = 2
 
 #: Prompt lengths (min, max), drawn per prompt.
 PROMPT_LEN = (16, 64)
@@ -280,17 +300,126 @@ def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> Non
 
 
 # --------------------------------------------------------------------------------------------
+# GRPO step: rollout, reward, advantages, policy loss, backward, optimizer step
+# --------------------------------------------------------------------------------------------
+
+
+def _reward(samples: list[Sample]) -> torch.Tensor:
+    """A verifiable reward computed from the tokens: the share of even token ids."""
+    return torch.tensor([sum(t % 2 == 0 for t in s.response) / len(s.response) for s in samples])
+
+
+@torch.no_grad()
+def _stock_rollout(model, prompts: list[list[int]], new: int) -> list[Sample]:
+    """transformers' ``generate`` (torch sampling), with each sampled token's float32
+    log-probability from the logits it returns, as TRL records them."""
+    device = next(model.parameters()).device
+    ids, mask = rollout._left_pad(prompts, PAD_ID, device)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=new,
+        min_new_tokens=new, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=PAD_ID,
+        return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    resp = out.sequences[:, ids.shape[1] :]
+    logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
+    lps = torch.log_softmax(logits, dim=-1).gather(-1, resp[..., None])[..., 0].cpu()
+    return [Sample(list(p), r, lp) for p, r, lp in zip(prompts, resp.tolist(), lps)]
+
+
+def _stock_update(model, optimizer, samples, rewards, group: int, micro: int, flce) -> None:
+    """GRPO's clipped policy loss (token mean, eps 0.2) in torch over packed micro-batches; the
+    log-probabilities from stock transformers (``flce``: Liger's fused linear cross-entropy)."""
+    device = next(model.parameters()).device
+    r = rewards.to(device).view(-1, group)
+    adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+    total = sum(len(s.response) for s in samples)
+    optimizer.zero_grad(set_to_none=True)
+    for idx in training.micro_batches(len(samples), micro):
+        batch = [samples[i] for i in idx]
+        if flce is None:
+            new = torch.cat(training.packed_logprobs(model, batch, use_rlk=False))
+        else:
+            ids, pos, rows, targets = training._pack(batch, device)
+            hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
+            head = model.get_output_embeddings()
+            h = hidden.last_hidden_state[0].index_select(0, rows)
+            new = -flce(h, head.weight, targets, bias=head.bias, reduction="none").float()
+        old = torch.cat([s.logprobs for s in batch]).to(device)
+        a = torch.cat([adv[i].expand(len(samples[i].response)) for i in idx])
+        ratio = torch.exp(new - old)
+        loss = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a).sum() / total
+        loss.backward()
+    optimizer.step()
+
+
+def _grpo_step(impl: str, model, optimizer, prompts, new: int, flce) -> int:
+    """One GRPO step of ``impl``; returns the tokens sampled."""
+    if impl == "rlk":
+        seeds = list(range(len(prompts)))
+        ro = paged.generate_paged(
+            model, prompts, new, seeds=seeds, temperature=1.0, page_size=PAGE_SIZE,
+            max_batch=len(prompts), max_step_tokens=max(2048, len(prompts)), progress=False,
+        )  # fmt: skip
+        samples = ro.samples
+        training.grpo_step(
+            model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH,
+            logits_dtype=ro.logits_dtype,
+        )  # fmt: skip
+    else:
+        samples = _stock_rollout(model, prompts, new)
+        liger = flce if impl == "stock+liger" else None
+        _stock_update(
+            model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH, liger
+        )
+    return sum(len(s.response) for s in samples)
+
+
+def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> None:
+    base = random_prompts(prompts_n, model.config.vocab_size, *PROMPT_LEN, seed=SEED + 7)
+    prompts = [p for p in base for _ in range(GRPO_GROUP)]
+    shape = f"{name} {prompts_n}x{GRPO_GROUP} new={new}"
+    # lr = 0: the weights (and so every step's work) stay the same for every impl and step;
+    # AdamW still updates its state and runs its kernels.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    impls = ["stock"] + (["stock+liger"] if flce is not None else []) + ["rlk"]
+    for impl in impls:
+        (patch_model if impl == "rlk" else unpatch_model)(model)
+        _say(f"e2e: {shape} e2e.grpo_step {impl} (1 warm-up, 1 timed)")
+        try:
+            _grpo_step(impl, model, optimizer, prompts, new, flce)
+            tokens, seconds = _wall(
+                lambda impl=impl: _grpo_step(impl, model, optimizer, prompts, new, flce), device
+            )
+        except Exception as e:
+            if impl != "stock+liger":
+                raise
+            _say(f"e2e: stock+liger failed, row skipped ({type(e).__name__}: {e})")
+            continue
+        finally:
+            model.zero_grad(set_to_none=True)
+        emit(
+            _timing.row(
+                "e2e.grpo_step", shape, "bf16", impl, seconds * 1e3, timing="wall, 1 step",
+                tok_s=round(tokens / seconds, 1), new_tokens=tokens,
+            )
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
 # Family entry point
 # --------------------------------------------------------------------------------------------
 
 
-def _bench_model(name: str, batches, new: int, n: int, length: int, device, emit, flce) -> None:
+def _bench_model(
+    name: str, batches, new: int, n: int, length: int, grpo_prompts: int, device, emit, flce
+) -> None:
     _say(f"e2e: loading {name} (random weights, bf16, {device})")
     model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
     try:
         for b in batches:
             _rollouts(model, name, b, new, device, emit)
         _trainings(model, name, n, length, device, emit, flce)
+        _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:
         unpatch_model(model)
 
@@ -299,12 +428,13 @@ def run(quick: bool, emit: Callable[[dict], None]) -> None:
     device = torch.device(_timing.DEVICE)
     if quick:
         models, batches, new = QUICK_MODELS, QUICK_BATCHES, QUICK_NEW_TOKENS
-        n, length = QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN
+        n, length, grpo = QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN, QUICK_GRPO_PROMPTS
     else:
         models, batches, new, n, length = MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN
+        grpo = GRPO_PROMPTS
     flce = _liger()
     for name in models:
         # The model is local to _bench_model: gone on return, so its memory can be released
         # before the next one loads.
-        _bench_model(name, batches, new, n, length, device, emit, flce)
+        _bench_model(name, batches, new, n, length, grpo, device, emit, flce)
         _free(device)
