@@ -43,7 +43,7 @@ def _gpu_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20) * 1e3
 
 
-def _fwd_bwd(fn, inputs):
+def _fwd_bwd(fn):
     def run():
         out = fn()
         out = out[0] if isinstance(out, tuple) else out
@@ -56,7 +56,7 @@ def _row(name, fwd, inputs):
     for t in inputs:
         t.grad = None
     host_f = _host_us(fwd)
-    host_b = _host_us(_fwd_bwd(fwd, inputs))
+    host_b = _host_us(_fwd_bwd(fwd))
     with torch.no_grad():
         gpu = _gpu_us(fwd)
     print(f"{name:<44} {host_f:9.1f} {host_b:10.1f} {gpu:9.1f}", flush=True)

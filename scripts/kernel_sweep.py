@@ -536,23 +536,18 @@ def main() -> None:
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows: list[dict] = []
+    runs = {
+        "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
+        "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
+        "norm": norm_part, "sample": sample_part,
+    }  # fmt: skip
+    unknown = sorted(set(parts) - set(runs))
+    if unknown:
+        ap.error(f"unknown parts {unknown}; parts: {', '.join(runs)}")
     try:
-        if "decode" in parts:
-            decode_part(rows)
-        if "tma" in parts:
-            tma_part(rows)
-        if "rotary" in parts:
-            rotary_part(rows)
-        if "attention" in parts:
-            attention_part(rows)
-        if "logprobs" in parts:
-            logprobs_part(rows)
-        if "silu" in parts:
-            silu_part(rows)
-        if "norm" in parts:
-            norm_part(rows)
-        if "sample" in parts:
-            sample_part(rows)
+        for name, part in runs.items():
+            if name in parts:
+                part(rows)
     finally:
         with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)

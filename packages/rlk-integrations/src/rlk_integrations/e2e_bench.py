@@ -126,8 +126,9 @@ def _wall(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 # --------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+def _generate(model: torch.nn.Module, prompts: list[list[int]], new: int, **extra: Any):
+    """transformers' ``generate`` with torch sampling on the left-padded prompts, every row
+    making ``new`` tokens; returns the padded prompt ids and ``generate``'s output."""
     device = next(model.parameters()).device
     ids, mask = rollout._left_pad(prompts, PAD_ID, device)
     out = model.generate(
@@ -143,7 +144,14 @@ def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> 
         top_p=1.0,
         temperature=1.0,
         pad_token_id=PAD_ID,
+        **extra,
     )
+    return ids, out
+
+
+@torch.no_grad()
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    ids, out = _generate(model, prompts, new)
     made = out.shape[1] - ids.shape[1]
     if made != new:
         raise RuntimeError(f"hf generate made {made} new tokens per row, not {new}")
@@ -230,15 +238,21 @@ def _rlk_step(model, samples: list[Sample]) -> None:
     torch.cat(lps).sum().backward()
 
 
-def _liger_step(flce, model, samples: list[Sample]) -> None:
-    # The same packed row and target rows as packed_logprobs builds.
+def _liger_logprobs(flce, model, samples: list[Sample]) -> torch.Tensor:
+    """The stock decoder's hidden states, then Liger's fused linear cross-entropy per token:
+    the log-probabilities of every sample's response, concatenated (packed as
+    ``packed_logprobs`` packs them)."""
     ids, pos, rows, targets = training._pack(samples, next(model.parameters()).device)
     hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     nll = flce(
         hidden[0].index_select(0, rows), head.weight, targets, bias=head.bias, reduction="none"
     )
-    (-nll).sum().backward()
+    return -nll
+
+
+def _liger_step(flce, model, samples: list[Sample]) -> None:
+    _liger_logprobs(flce, model, samples).sum().backward()
 
 
 def _liger() -> Callable | None:
@@ -313,13 +327,7 @@ def _reward(samples: list[Sample]) -> torch.Tensor:
 def _stock_rollout(model, prompts: list[list[int]], new: int) -> list[Sample]:
     """transformers' ``generate`` (torch sampling), with each sampled token's float32
     log-probability from the logits it returns, as TRL records them."""
-    device = next(model.parameters()).device
-    ids, mask = rollout._left_pad(prompts, PAD_ID, device)
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=new,
-        min_new_tokens=new, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=PAD_ID,
-        return_dict_in_generate=True, output_logits=True,
-    )  # fmt: skip
+    ids, out = _generate(model, prompts, new, return_dict_in_generate=True, output_logits=True)
     resp = out.sequences[:, ids.shape[1] :]
     logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
     lps = torch.log_softmax(logits, dim=-1).gather(-1, resp[..., None])[..., 0].cpu()
@@ -339,11 +347,7 @@ def _stock_update(model, optimizer, samples, rewards, group: int, micro: int, fl
         if flce is None:
             new = torch.cat(training.packed_logprobs(model, batch, use_rlk=False))
         else:
-            ids, pos, rows, targets = training._pack(batch, device)
-            hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
-            head = model.get_output_embeddings()
-            h = hidden.last_hidden_state[0].index_select(0, rows)
-            new = -flce(h, head.weight, targets, bias=head.bias, reduction="none").float()
+            new = _liger_logprobs(flce, model, batch).float()
         old = torch.cat([s.logprobs for s in batch]).to(device)
         a = torch.cat([adv[i].expand(len(samples[i].response)) for i in idx])
         ratio = torch.exp(new - old)
