@@ -1,0 +1,109 @@
+"""Where a paged rollout's decode step spends its GPU time, per kernel, against the HBM roofline.
+
+    python scripts/profile_decode.py [--model llama3-8b-4layers] [--batch 64] [--new 128]
+
+Runs the e2e benchmark's paged rollout (``rlk_integrations.e2e_bench``: random prompts of
+16-64 tokens, every request admitted at once, CUDA graphs on) once to warm up, once timed, and
+once under ``torch.profiler`` (kernels inside graph replays are recorded one by one). Prints
+
+- the wall time per generated token step, the GPU kernel time per step, and their gap (time the
+  GPU waited for the host, or ran nothing);
+- the bytes a decode step must read (every weight once, plus the KV cache at the mean
+  context) over the step time, against a copy-bandwidth ceiling measured in the same process;
+- the kernels by total GPU time, with their time per step and their share.
+
+The step count is the number of new tokens (prefill runs inside the first steps; its kernels
+are in the totals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+import triton.testing
+
+from rlk_integrations import e2e_bench as e2e
+from rlk_integrations.consistency import random_prompts
+from rlk_integrations.models import load_model
+from rlk_integrations.transformers import patch_model
+
+
+def _copy_gbs(device) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def _kernels(fn) -> dict[str, list[float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            per[ev.name[:70]][0] += us
+            per[ev.name[:70]][1] += 1
+    return per
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b-4layers")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new", type=int, default=e2e.NEW_TOKENS)
+    p.add_argument("--top", type=int, default=14)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    model = load_model(a.model, dtype=e2e.DTYPE, device=device, seed=0)
+    patch_model(model)
+    prompts = random_prompts(a.batch, model.config.vocab_size, *e2e.PROMPT_LEN, seed=e2e.SEED)
+
+    def run():
+        return e2e._rlk_paged(model, prompts, a.new)
+
+    run()  # compile, capture the graphs
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    per = _kernels(run)
+    gpu_us = sum(v[0] for v in per.values())
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    mean_ctx = sum(len(q) for q in prompts) / len(prompts) + a.new / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 2 * mean_ctx * a.batch
+    emb = model.get_input_embeddings().weight
+    if emb is not model.get_output_embeddings().weight:
+        weight_bytes -= emb.numel() * emb.element_size()  # a step reads B rows of it only
+    step_s = wall / a.new
+    copy = _copy_gbs(device)
+    achieved = (weight_bytes + kv_bytes) / step_s / 1e9
+
+    print(f"model {a.model}  B={a.batch}  new={a.new}  prompts {e2e.PROMPT_LEN}")
+    print(f"{'kernel':<72} {'us/step':>9} {'calls/step':>10} {'share':>6}")
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
+        print(f"{name:<72} {us / a.new:9.1f} {n / a.new:10.1f} {us / gpu_us:6.1%}")
+    print()
+    print(f"{'what':<40} {'value':>12}")
+    print(f"{'wall per step (us)':<40} {step_s * 1e6:12.1f}")
+    print(f"{'GPU kernels per step (us)':<40} {gpu_us / a.new:12.1f}")
+    print(f"{'tokens/s':<40} {a.batch * a.new / wall:12.1f}")
+    print(f"{'bytes per step (GB): weights + KV':<40} {(weight_bytes + kv_bytes) / 1e9:12.3f}")
+    print(f"{'achieved read rate (GB/s)':<40} {achieved:12.1f}")
+    print(f"{'copy bandwidth (GB/s)':<40} {copy:12.1f}")
+    print(f"{'share of the roofline':<40} {achieved / copy:12.1%}")
+
+
+if __name__ == "__main__":
+    main()
