@@ -164,6 +164,33 @@ def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch):
     assert fast[3] == -1 and torch.equal(fast, slow)
 
 
+def test_split_pick_merges_ranges_as_one_pass():
+    # Few rows split each row's pick into ranges of whole blocks (a program each), merged by a
+    # third kernel. The merge must give the one-pass answer (a config with programs=0) where it
+    # is delicate: equal maxima in different ranges (the lowest index wins), a row all -inf
+    # (index 0), a NaN only in the last range (-1), and greedy next to sampled rows.
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    logits[0:2, [260, 140, 20]] = 9.0
+    logits[2] = float("-inf")
+    logits[3, 299] = float("nan")
+    seeds, offsets = torch.arange(6), torch.arange(6) * 11
+    p = dict(
+        temperature=torch.tensor([0.0, 0.0, 1.0, 1.0, 0.7, 1.3]),
+        top_k=torch.tensor([0, 0, 0, 0, 5, 0]),
+        top_p=torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9, 1.0]),
+    )
+    rule = TABLE["sample.fwd"]
+    one_pass = [c for c in rule.configs if c["programs"] == 0]
+    split = [c for c in rule.configs if c["programs"] >= 6 * 3]
+    assert one_pass and split  # a config of each kind, or the comparison proves nothing
+    results = []
+    for cfg in one_pass + split:
+        with tuning.force("sample", {"sample.fwd": cfg}):
+            results.append(_sample(logits, seeds, offsets, **p))
+    assert results[0][:4].tolist() == [20, 20, 0, -1]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
 def test_batch_invariance_and_determinism():
     b = 6
     logits, seeds, offsets = _rows(b, 300, torch.bfloat16, seed=5)

@@ -1,6 +1,9 @@
 """Seeded per-row sampling: temperature, top-k, top-p, Gumbel-max with Philox-4x32-10 noise.
 
-One program per row; a row's token depends only on its logits, seed, offset and parameters.
+A row's token depends only on its logits, seed, offset and parameters. The filters' threshold
+takes one program per row; the pick (the Gumbel-max over the kept tokens) takes one program per
+row too, or, when rows are too few to fill the GPU, one per range of whole blocks of a row, the
+ranges' picks merged as one pass over the row would (:data:`TUNING`): the same token either way.
 
 - Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
   seed's two 32-bit words, counter = ``(v, offset_lo, offset_hi, 0)``), ``g = -log(-log(u))``.
@@ -181,6 +184,69 @@ def _topp_key(
 
 
 @jit
+def _row_kept(row_ptr, V, temperature, k, p, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+              RADIX_BITS: tl.constexpr):  # fmt: skip
+    """The smallest key a token of the row needs to be kept by top-k and top-p (0: all kept)."""
+    cols = tl.arange(0, BLOCK)
+    kept = tl.zeros([], tl.uint32)
+    if (k > 0) & (k < V):
+        kept = _topk_key(row_ptr, V, temperature, k, BLOCK, RADIX_BITS)
+    if p < 1.0:
+        # The largest z is the largest logit divided once (the division is monotone).
+        x_max = tl.full([], float("-inf"), tl.float32)
+        for b0 in range(0, V, BLOCK):
+            offs = b0 + cols
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            x_max = tl.maximum(x_max, tl.max(x, axis=0))
+        z_max = tl.math.div_rn(x_max, temperature)
+        kept = tl.maximum(
+            kept, _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS)
+        )
+    return kept
+
+
+@jit
+def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, BLOCK: tl.constexpr):
+    """``(best, best_i, n_nan)`` over the tokens ``lo <= v < hi`` (``lo`` a multiple of BLOCK):
+    the largest ``z + g`` among the kept tokens and its lowest index (temperature 0: the largest
+    logit), and the count of NaN logits. A block only wins with a strictly larger value, so the
+    lowest index wins ties: ranges merged in ascending order give the one-pass result."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.zeros([], tl.int32)
+    n_nan = tl.zeros([], tl.int32)  # NaN logits of the row: no token can be drawn
+    if temperature == 0.0:
+        for b0 in range(lo, hi, BLOCK):
+            offs = b0 + cols
+            x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+            n_nan += tl.sum((x != x).to(tl.int32), axis=0)
+            bv = tl.max(x, axis=0)
+            bi = tl.min(tl.where(x == bv, offs, V), axis=0)
+            take = bv > best
+            best_i = tl.where(take, bi, best_i)
+            best = tl.where(take, bv, best)
+    elif kept == 0:  # no filter: every block takes part
+        for b0 in range(lo, hi, BLOCK):
+            offs = b0 + cols
+            ok = offs < hi
+            x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
+            best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
+                                       best_i)  # fmt: skip
+    else:
+        for b0 in range(lo, hi, BLOCK):
+            offs = b0 + cols
+            x, ok, may = _may_keep(row_ptr, offs, hi, temperature, kept)
+            n_nan += tl.sum((x != x).to(tl.int32), axis=0)
+            # A block without a kept token scores -inf everywhere and cannot win: skipped,
+            # with its noise.
+            if may:
+                best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
+                                           best_i)  # fmt: skip
+    return best, best_i, n_nan
+
+
+@jit
 def _sample_kernel(
     logits_ptr,
     seeds_ptr,
@@ -195,63 +261,66 @@ def _sample_kernel(
     LOG2_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
 ):
+    """One program per row: the filters' threshold, then the pick over the whole row."""
     pid = tl.program_id(0)
     row_ptr = logits_ptr + pid.to(tl.int64) * stride
     temperature = tl.load(temp_ptr + pid)
-    cols = tl.arange(0, BLOCK)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.zeros([], tl.int32)
-    n_nan = tl.zeros([], tl.int32)  # NaN logits of the row: no token can be drawn
-    if temperature == 0.0:
-        for b0 in range(0, V, BLOCK):
-            offs = b0 + cols
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            n_nan += tl.sum((x != x).to(tl.int32), axis=0)
-            bv = tl.max(x, axis=0)
-            bi = tl.min(tl.where(x == bv, offs, V), axis=0)
-            take = bv > best
-            best_i = tl.where(take, bi, best_i)
-            best = tl.where(take, bv, best)
-    else:
-        k = tl.load(topk_ptr + pid)
-        p = tl.load(topp_ptr + pid)
-        seed = tl.load(seeds_ptr + pid)
-        offset = tl.load(offsets_ptr + pid)
-        kept = tl.zeros([], tl.uint32)
-        if (k > 0) & (k < V):
-            kept = _topk_key(row_ptr, V, temperature, k, BLOCK, RADIX_BITS)
-        if p < 1.0:
-            # The largest z is the largest logit divided once (the division is monotone).
-            x_max = tl.full([], float("-inf"), tl.float32)
-            for b0 in range(0, V, BLOCK):
-                offs = b0 + cols
-                x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-                x_max = tl.maximum(x_max, tl.max(x, axis=0))
-            z_max = tl.math.div_rn(x_max, temperature)
-            kept = tl.maximum(
-                kept,
-                _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS),
-            )
-        if kept == 0:  # no filter: every block takes part
-            for b0 in range(0, V, BLOCK):
-                offs = b0 + cols
-                ok = offs < V
-                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
-                best, best_i = _pick_block(
-                    x, ok, offs, V, temperature, kept, seed, offset, best, best_i
-                )
-        else:
-            for b0 in range(0, V, BLOCK):
-                offs = b0 + cols
-                x, ok, may = _may_keep(row_ptr, offs, V, temperature, kept)
-                n_nan += tl.sum((x != x).to(tl.int32), axis=0)
-                # A block without a kept token scores -inf everywhere and cannot win: skipped,
-                # with its noise.
-                if may:
-                    best, best_i = _pick_block(
-                        x, ok, offs, V, temperature, kept, seed, offset, best, best_i
-                    )
+    kept = tl.zeros([], tl.uint32)
+    if temperature != 0.0:
+        kept = _row_kept(row_ptr, V, temperature, tl.load(topk_ptr + pid),
+                         tl.load(topp_ptr + pid), BLOCK, LOG2_BLOCK, RADIX_BITS)  # fmt: skip
+    best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept,
+                                      tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid),
+                                      BLOCK)  # fmt: skip
+    tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
+
+
+@jit
+def _kept_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, kept_ptr, V, stride,
+                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
+    """Split sampling, step 1 (one program per row): the filters' threshold of the row."""
+    pid = tl.program_id(0)
+    temperature = tl.load(temp_ptr + pid)
+    kept = tl.zeros([], tl.uint32)
+    if temperature != 0.0:
+        kept = _row_kept(logits_ptr + pid.to(tl.int64) * stride, V, temperature,
+                         tl.load(topk_ptr + pid), tl.load(topp_ptr + pid), BLOCK, LOG2_BLOCK,
+                         RADIX_BITS)  # fmt: skip
+    tl.store(kept_ptr + pid, kept.to(tl.int64))
+
+
+@jit
+def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, best_ptr, index_ptr,
+                 nan_ptr, V, stride, SPAN, BLOCK: tl.constexpr):  # fmt: skip
+    """Split sampling, step 2 (a program per row and range of SPAN tokens): the range's pick."""
+    pid = tl.program_id(0)
+    part = tl.program_id(1)
+    lo = part * SPAN
+    hi = tl.minimum(lo + SPAN, V)
+    best, best_i, n_nan = _pick_range(
+        logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, tl.load(temp_ptr + pid),
+        tl.load(kept_ptr + pid).to(tl.uint32), tl.load(seeds_ptr + pid),
+        tl.load(offsets_ptr + pid), BLOCK,
+    )  # fmt: skip
+    at = pid * tl.num_programs(1) + part
+    tl.store(best_ptr + at, best)
+    tl.store(index_ptr + at, best_i)
+    tl.store(nan_ptr + at, n_nan)
+
+
+@jit
+def _merge_kernel(best_ptr, index_ptr, nan_ptr, out_ptr, V, PARTS, BLOCK_P: tl.constexpr):
+    """Split sampling, step 3 (one program per row): the ranges' picks merged as one pass over
+    the row would: the largest value, the lowest index among ranges holding it."""
+    pid = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    ok = p < PARTS
+    best = tl.load(best_ptr + pid * PARTS + p, mask=ok, other=float("-inf"))
+    idx = tl.load(index_ptr + pid * PARTS + p, mask=ok, other=V)
+    n_nan = tl.sum(tl.load(nan_ptr + pid * PARTS + p, mask=ok, other=0), axis=0)
+    top = tl.max(best, axis=0)
+    # Where every range is at -inf the one-pass pick keeps index 0, which is range 0's index.
+    best_i = tl.min(tl.where(ok & (best == top), idx, V), axis=0)
     tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
@@ -263,8 +332,19 @@ def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid.to(tl.int64) * V + offs, u, mask=offs < V)
 
 
+#: Launch configs. ``programs``: the programs the pick should fill the GPU with. Below that
+#: many rows, each row's pick is split into ranges of whole blocks (a program each), merged by
+#: a third kernel; 0 keeps one program per row. Neither changes a bit: the filters' threshold
+#: is one program's work per row either way, and ranges merge as one pass would.
 TUNING = {
-    "sample.fwd": tuning.Rule(configs=({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 2})),
+    "sample.fwd": tuning.Rule(
+        configs=(
+            {"num_warps": 4, "programs": 528},
+            {"num_warps": 4, "programs": 0},
+            {"num_warps": 8, "programs": 264},
+            {"num_warps": 2, "programs": 2048},
+        )
+    ),
 }
 
 
@@ -303,21 +383,28 @@ def sample(
         logits = logits.contiguous()
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    if B:
-        cfg = tuning.config(table, "sample.fwd", B=B, V=V)
-        _sample_kernel[(B,)](
-            logits,
-            seeds.contiguous(),
-            offsets.contiguous(),
-            temperature.to(torch.float32).contiguous(),
-            top_k.to(torch.int64).contiguous(),
-            top_p.to(torch.float32).contiguous(),
-            out,
-            V,
-            logits.stride(0),
-            BLOCK=BLOCK,
-            LOG2_BLOCK=BLOCK.bit_length() - 1,
-            RADIX_BITS=RADIX_BITS,
-            **cfg,
-        )
+    if not B:
+        return out
+    cfg = dict(tuning.config(table, "sample.fwd", B=B, V=V))
+    blocks = triton.cdiv(V, BLOCK)
+    parts = min(blocks, triton.cdiv(cfg.pop("programs"), B))
+    temperature = temperature.to(torch.float32).contiguous()
+    params = (top_k.to(torch.int64).contiguous(), top_p.to(torch.float32).contiguous())
+    seeds, offsets = seeds.contiguous(), offsets.contiguous()
+    meta = dict(BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, RADIX_BITS=RADIX_BITS)
+    if parts <= 1:
+        _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, out, V,
+                             logits.stride(0), **meta, **cfg)  # fmt: skip
+        return out
+    span = triton.cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
+    parts = triton.cdiv(V, span)
+    kept = torch.empty(B, dtype=torch.int64, device=logits.device)
+    _kept_kernel[(B,)](logits, temperature, *params, kept, V, logits.stride(0), **meta, **cfg)
+    best = torch.empty((B, parts), dtype=torch.float32, device=logits.device)
+    index = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
+    nans = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
+    _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, best, index, nans, V,
+                             logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
+    _merge_kernel[(B,)](best, index, nans, out, V, parts,
+                        BLOCK_P=triton.next_power_of_2(parts))  # fmt: skip
     return out
