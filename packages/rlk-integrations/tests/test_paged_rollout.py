@@ -95,6 +95,27 @@ def test_padded_decode_step_equals_the_eager_step(model, padded, monkeypatch):
         _same(a, b)
 
 
+def test_padded_decode_reads_late_and_stops_at_eos(model, padded, monkeypatch):
+    """The padded decode steps (graphs, run eagerly here) launch step n + 1 before the host
+    reads step n's tokens: the inputs of n + 1 come from the device. With EOS, queued requests
+    (eager prompt steps between decode steps) and a cache that holds two requests, every
+    request still gets the padded rollout's tokens and log-probabilities, cut at its EOS; the
+    rows computed after an EOS are thrown away."""
+    monkeypatch.setattr(paged, "_EAGER_PADDED_DECODE", True)
+    prompts = _prompts(LENGTHS)
+    eos = padded.samples[0].response[2]
+    need = max(-(-(n + NEW - 1) // 4) for n in LENGTHS)
+    ro = paged.generate_paged(
+        model, prompts, NEW, seeds=SEEDS, eos_token_id=eos, page_size=4, max_batch=2,
+        num_pages=2 * need,
+    )  # fmt: skip
+    assert ro.extra["graph_steps"] > 0 and ro.extra["late_rows"] > 0
+    for a, b in zip(padded.samples, ro.samples):
+        cut = a.response.index(eos) + 1 if eos in a.response else len(a.response)
+        assert b.response == a.response[:cut]
+        assert torch.equal(b.logprobs, a.logprobs[:cut])
+
+
 def test_paged_cuda_graphs_need_cuda(model):
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):
         paged.generate_paged(model, [[1]], 1, cuda_graphs=True)

@@ -149,6 +149,8 @@ class _Request:
     pages: list[int] = field(default_factory=list)
     cached: int = 0  # tokens whose K/V are in the cache
     lp_refs: list[tuple[int, int]] = field(default_factory=list)  # (step, row) of each logprob
+    inflight: int = 0  # tokens sampled on the device, not yet read into ``tokens``
+    finished: bool = False
 
     @property
     def generated(self) -> int:
@@ -186,9 +188,13 @@ class _DecodeGraphs:
     the padding: the graph gives the eager step's tokens and log-probabilities exactly.
 
     The step's inputs live in static buffers that each step overwrites (two host-to-device
-    copies); a bucket's graph is captured the first time a step needs it, after one eager run on
-    a side stream (Triton compiles there). With ``capture=False`` the padded step runs eagerly:
-    the same arithmetic without graphs, for machines without CUDA and for tests.
+    copies). A row's input token is either given by the host or, when the host has not read
+    it yet, taken on the device from the tokens the previous step sampled (``src``, that
+    step's row; every step leaves its tokens in ``prev``): so the host can launch step n + 1
+    before it reads step n's tokens. A bucket's graph is captured the first time a step needs
+    it, after one eager run on a side stream (Triton compiles there). With ``capture=False``
+    the padded step runs eagerly: the same arithmetic without graphs, for machines without CUDA
+    and for tests.
     """
 
     def __init__(self, model, cache: PagedKVCache, *, num_pages: int, width: int, max_batch: int,
@@ -201,8 +207,9 @@ class _DecodeGraphs:
         self.capture = capture
         device = cache.k[0].device
         B = max_batch
-        # ids, positions, slots, sample offsets, seeds | cu_seqlens_q, seq_lens, block table
-        self.i64 = torch.zeros(5, B, dtype=torch.int64, device=device)
+        # ids, positions, slots, sample offsets, seeds, src | cu_seqlens_q, seq_lens, block table
+        self.i64 = torch.zeros(6, B, dtype=torch.int64, device=device)
+        self.prev = torch.zeros(B, dtype=torch.int64, device=device)  # the last step's tokens
         self.i32 = torch.zeros(2 * B + 1 + B * width, dtype=torch.int32, device=device)
         self.views: dict[int, tuple[torch.Tensor, ...]] = {}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -218,32 +225,36 @@ class _DecodeGraphs:
         run of ``cu_seqlens_q``, a host read it remembers per tensor object and version, so the
         warm-up makes that read (one query per row) and the capture right after makes none."""
         if B not in self.views:
-            ids, pos, slots, off, seeds = self.i64[:, :B]
+            ids, pos, slots, off, seeds, src = self.i64[:, :B]
             cu = self.i32[: B + 1]
             lens = self.i32[self.max_batch + 1 : self.max_batch + 1 + B]
             start = 2 * self.max_batch + 1
             table = self.i32[start : start + B * self.width].view(B, self.width)
-            self.views[B] = (ids, pos, slots, off, seeds, cu, lens, table)
+            self.views[B] = (ids, pos, slots, off, seeds, src, cu, lens, table)
         return self.views[B]
 
     def _step(self, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, slots, off, seeds, cu, lens, table = self._views(B)
+        ids, pos, slots, off, seeds, src, cu, lens, table = self._views(B)
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), ids)
         self.cache.set_step(slots, table, lens, cu)
         hidden = _forward_packed(self.base, ids, pos, self.cache)
         logits = self.model.get_output_embeddings()(hidden).contiguous()
         self.logits_dtype = logits.dtype
         tok = rlk.sample(logits, seeds, off, **self.sample_kw)
+        self.prev[:B].copy_(tok)
         return tok, rlk.logprobs(logits, tok, temperature=self.lp_temperature)
 
-    def _fill(self, rows: list[_Request], B: int) -> None:
+    def _fill(self, rows: list[_Request], B: int, prev_row: dict[int, int]) -> None:
         ps, pad_page = self.page_size, self.num_pages
-        ids, pos, slots, off, seeds, lens, table = [], [], [], [], [], [], []
+        ids, pos, slots, off, seeds, src, lens, table = [], [], [], [], [], [], [], []
         for r in rows:
             p = r.cached
-            ids.append(r.tokens[p])
+            known = p < len(r.tokens)  # else the token is still on the device: prev_row's row
+            ids.append(r.tokens[p] if known else 0)
+            src.append(-1 if known else prev_row[id(r)])
             pos.append(p)
             slots.append(r.pages[p // ps] * ps + p % ps)
-            off.append(len(r.tokens))
+            off.append(p + 1)
             seeds.append(r.seed)
             lens.append(p + 1)
             table += r.pages + [0] * (self.width - len(r.pages))
@@ -254,9 +265,10 @@ class _DecodeGraphs:
             slots.append(page * ps + j % ps)
             off.append(0)
             seeds.append(0)
+            src.append(-1)
             lens.append(1)
             table += [page] * self.width
-        i64 = torch.tensor([ids, pos, slots, off, seeds], dtype=torch.int64)
+        i64 = torch.tensor([ids, pos, slots, off, seeds, src], dtype=torch.int64)
         i32 = torch.tensor(list(range(B + 1)) + lens + table, dtype=torch.int32)
         if self.capture:
             i64, i32 = i64.pin_memory(), i32.pin_memory()
@@ -270,12 +282,14 @@ class _DecodeGraphs:
 
     def _graph(self, B: int):
         if B not in self.graphs:
-            self._fill([], B)  # all rows padding: the warm-up writes the reserved pages only
+            self._fill([], B, {})  # all rows padding: the warm-up writes the reserved pages only
+            prev = self.prev.clone()  # the warm-up overwrites the tokens the next step may read
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._step(B)
             torch.cuda.current_stream().wait_stream(side)
+            self.prev.copy_(prev)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
@@ -289,15 +303,17 @@ class _DecodeGraphs:
             self.graphs[B] = (graph, tok, lp)
         return self.graphs[B]
 
-    def run(self, rows: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and float32 log-probabilities ``[len(rows)]`` of one decode step."""
+    def run(self, rows: list[_Request], prev_row: dict[int, int]) -> tuple[torch.Tensor, ...]:
+        """Tokens and float32 log-probabilities ``[len(rows)]`` of one decode step, left on the
+        device. ``prev_row``: ``id(request) -> row`` of the previous step, for the requests whose
+        input token the host has not read."""
         B = self.bucket(len(rows))
         if not self.capture:
-            self._fill(rows, B)
+            self._fill(rows, B, prev_row)
             tok, lp = self._step(B)
         else:
             graph, tok, lp = self._graph(B)
-            self._fill(rows, B)
+            self._fill(rows, B, prev_row)
             graph.replay()
         n = len(rows)
         return tok[:n].clone(), lp[:n].clone().float()  # the next replay overwrites both
@@ -423,7 +439,8 @@ def generate_paged(
     checks, which read the device and so cannot be captured): steps in which every running
     request decodes replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a
     power-of-two batch, the same bits as the eager step), so that the host launches one graph
-    instead of every kernel of every layer. Steps with prompt chunks run eagerly.
+    instead of every kernel of every layer; the host reads a graph step's tokens only after it
+    has launched the next one. Steps with prompt chunks run eagerly.
 
     ``progress``: ``None`` (default) draws a progress bar on stderr (tokens, tokens/s, running
     and waiting requests) when stderr is a terminal; ``True`` always, ``False`` never; a
@@ -431,7 +448,8 @@ def generate_paged(
 
     Returns a :class:`~rlk_integrations.rollout.RolloutResult` (samples in prompt order);
     ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
-    decodes together), ``prefill_chunks`` and ``graph_steps``.
+    decodes together), ``prefill_chunks``, ``graph_steps`` and ``late_rows`` (rows computed for
+    a request after its EOS, while the host had not read that token yet; thrown away).
     """
     from rlk_integrations.transformers import decoder, is_patched
 
@@ -525,12 +543,45 @@ def generate_paged(
     running: list[_Request] = []
     done: list[_Request] = []
     step_lps: list[torch.Tensor] = []  # float32 logprobs per step, on the device
-    stats = dict(steps=0, max_running=0, mixed_steps=0, prefill_chunks=0, graph_steps=0)
+    stats = dict(
+        steps=0, max_running=0, mixed_steps=0, prefill_chunks=0, graph_steps=0, late_rows=0
+    )
     logits_dtype = dtype
     pin = device.type == "cuda"
     bar = _bar(progress, len(waiting) * max_new_tokens)
     say = progress if callable(progress) else None
     start = time.perf_counter()
+    # A decode step launched in a graph is read by the host only after the next step is
+    # launched (``pending``), so that the GPU does not wait while the host schedules. A
+    # request that stops at EOS is learnt one step late: the step launched meanwhile computes
+    # one row for it that is thrown away (writing its own pages only; batch invariance keeps
+    # the other rows' bits).
+    pending: tuple[list[_Request], torch.Tensor, int] | None = None  # rows, tokens, lp index
+
+    def finish(rows: list[_Request], tokens: list[int], lp_index: int) -> None:
+        """Read one step's tokens into its requests; retire those that are done."""
+        nonlocal running
+        read = 0
+        for j, r in enumerate(rows):
+            if r.finished:  # a row computed after its EOS: thrown away
+                stats["late_rows"] += 1
+                continue
+            read += 1
+            r.tokens.append(tokens[j])
+            r.lp_refs.append((lp_index, j))
+            r.inflight -= 1
+            if r.generated >= max_new_tokens or (
+                eos_token_id is not None and tokens[j] == eos_token_id
+            ):
+                r.finished = True
+                allocator.release(r.pages)
+                r.pages = []
+                done.append(r)
+        running = [r for r in running if not r.finished]
+        if bar is not None:
+            bar.update(read)
+            bar.set_postfix(running=len(running), waiting=len(waiting), refresh=False)
+
     while waiting or running:
         # Admit in arrival order while a slot and the request's pages are free.
         while waiting and len(running) < max_batch and allocator.free >= need[waiting[0].idx]:
@@ -542,9 +593,11 @@ def generate_paged(
         stats["max_running"] = max(stats["max_running"], len(running))
 
         # This step's new tokens: decodes first, then prompt chunks within the token budget.
-        budget = max_step_tokens - sum(r.cached >= r.prompt_len for r in running)
+        # A request whose last token is sampled but not yet read takes no step.
+        active = [r for r in running if r.generated + r.inflight < max_new_tokens]
+        budget = max_step_tokens - sum(r.cached >= r.prompt_len for r in active)
         batch: list[tuple[_Request, int]] = []
-        for r in running:
+        for r in active:
             if r.cached >= r.prompt_len:
                 batch.append((r, 1))
             elif budget > 0:
@@ -552,48 +605,46 @@ def generate_paged(
                 budget -= take
                 batch.append((r, take))
         n_pre = sum(r.cached < r.prompt_len for r, _ in batch)
+        graph_step = graphs is not None and n_pre == 0 and bool(batch)
+        if pending is not None and not graph_step:
+            # An eager step reads its input tokens on the host: read the pending step first,
+            # then schedule again with them.
+            rows, tok, lp_index = pending
+            pending = None
+            finish(rows, tok.tolist(), lp_index)
+            continue
+        if not batch:
+            raise RuntimeError("no running request can take a step")  # unreachable
         stats["prefill_chunks"] += n_pre
         stats["mixed_steps"] += int(0 < n_pre < len(batch))
+        s = stats["steps"]
+        stats["steps"] += 1
 
-        if graphs is not None and n_pre == 0:
-            sampled = [r for r, _ in batch]  # decodes only: every request samples
-            tok, lp = graphs.run(sampled)
+        if graph_step:
+            rows = [r for r, _ in batch]  # decodes only: every request samples
+            prev_row = {id(r): j for j, r in enumerate(pending[0])} if pending else {}
+            tok, lp = graphs.run(rows, prev_row)
             logits_dtype = graphs.logits_dtype
             step_lps.append(lp)
-            new_tok = tok.tolist()  # the scheduler's one device read per step
             stats["graph_steps"] += 1
+            for r in rows:
+                r.cached += 1
+                r.inflight += 1
+            previous, pending = pending, (rows, tok, len(step_lps) - 1)
+            if previous is not None:  # the scheduler's one device read per step
+                finish(previous[0], previous[1].tolist(), previous[2])
         else:
             sampled, new_tok, lp, dt = _eager_step(
                 model, base, cache, batch, sample_kw, lp_temperature, pin
             )
+            for r, take in batch:
+                r.cached += take
+            for r in sampled:
+                r.inflight += 1
             if lp is not None:
                 logits_dtype = dt
                 step_lps.append(lp)
-        s = stats["steps"]
-        stats["steps"] += 1
-
-        for r, take in batch:
-            r.cached += take
-        still: list[_Request] = []
-        sampled_ids = {id(r): j for j, r in enumerate(sampled)}
-        for r in running:
-            j = sampled_ids.get(id(r))
-            if j is not None:
-                r.tokens.append(new_tok[j])
-                r.lp_refs.append((len(step_lps) - 1, j))
-            finished = r.generated >= max_new_tokens or (
-                j is not None and eos_token_id is not None and new_tok[j] == eos_token_id
-            )
-            if finished:
-                allocator.release(r.pages)
-                r.pages = []
-                done.append(r)
-            else:
-                still.append(r)
-        running = still
-        if bar is not None:
-            bar.update(len(sampled))
-            bar.set_postfix(running=len(running), waiting=len(waiting), refresh=False)
+            finish(sampled, new_tok, len(step_lps) - 1)
         if say is not None and s % 16 == 15:
             say(f"  paged step {s + 1}: {len(running)} running, {len(waiting)} waiting")
     if bar is not None:
