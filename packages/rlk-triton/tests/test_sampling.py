@@ -140,9 +140,10 @@ def test_top_k_cut_through_ties_made_by_the_division():
 
 
 def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch):
-    # The top-p passes and the pick skip blocks whose largest logit cannot reach the threshold:
-    # with the skip turned off every row must draw the very same token (rows with top-k alone,
-    # top-p alone, both, neither, and one with a NaN).
+    # The top-k passes skip blocks below their bucket, the top-p passes and the pick blocks
+    # whose largest logit cannot reach the threshold: with both skips turned off every row
+    # must draw the very same token (rows with top-k alone, top-p alone, both, neither, and
+    # one with a NaN).
     b = 16
     logits, seeds, offsets = _rows(b, 300, torch.float32, seed=7)
     logits[3, 250] = float("nan")
@@ -154,12 +155,15 @@ def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch):
     fast = _sample(logits, seeds, offsets, **p)
 
     @jit
-    def keep_all(row_ptr, offs, V, temperature, kept):
-        ok = offs < V
-        x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        return x, ok, tl.full([], 1, tl.int1)
+    def keep_all(block_max, temperature, kept):
+        return tl.full([], 1, tl.int1)
+
+    @jit
+    def count_all(block_max, prefix):
+        return tl.full([], 1, tl.int1)
 
     monkeypatch.setattr(smod, "_may_keep", keep_all)
+    monkeypatch.setattr(smod, "_may_count", count_all)
     slow = _sample(logits, seeds, offsets, **p)
     assert fast[3] == -1 and torch.equal(fast, slow)
 

@@ -17,9 +17,12 @@ ranges' picks merged as one pass over the row would (:data:`TUNING`): the same t
   as K grows (terms drop to 0), so the search is consistent.
 - Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
   the lowest-index argmax of the logits.
-- Blocks that cannot hold a kept token (their largest logit, divided, falls short of the
-  threshold) are skipped by the top-p passes and the pick: they would add exact zeros to the
-  masses and -inf scores to the pick, so skipping them changes no bit.
+- Skipped blocks. With a filter on, a first pass writes each block's largest logit (as a key)
+  to a scratch row. A top-k pass skips the blocks whose largest key is below its bucket: they
+  add 0 to every count. The top-p passes and the pick skip the blocks that cannot hold a kept
+  token (their largest logit, divided, falls short of the threshold): they would add exact
+  zeros to the masses and -inf scores to the pick. Skipping changes no bit; a block with a NaN
+  is never skipped.
 - A row with a NaN logit draws no token: its result is -1 (as on every backend). Nothing is
   synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
   run (CPU, or ``RLK_VALIDATE``).
@@ -85,17 +88,48 @@ def _unkey(key):
     return bits.to(tl.float32, bitcast=True)
 
 
+#: The block-maximum key of a block holding a NaN logit: above every key, so such a block is
+#: never skipped (and its NaN is counted where it is loaded).
+NAN_BLOCK = 0xFFFFFFFF
+
+
 @jit
-def _may_keep(row_ptr, offs, V, temperature, kept):
-    """``(x, ok, flag)``: the block's logits (0 past V), its in-range mask, and whether any of its
-    tokens can reach key ``kept``. z = x / temperature is non-decreasing in x, so none can when
-    the block's largest logit divided falls short (a NaN in the block never skips it). A block
-    skipped on this flag would add only exact zeros, or only -inf scores: the same bits."""
-    ok = offs < V
-    x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    top = tl.max(tl.where(ok, x, float("-inf")), axis=0)
-    flag = (kept == 0) | (top != top) | (_key(tl.math.div_rn(top, temperature)) >= kept)
-    return x, ok, flag
+def _block_maxima(row_ptr, V, maxima_ptr, BLOCK: tl.constexpr):
+    """One pass over the row: each block's largest logit as a key (:data:`NAN_BLOCK` for a
+    block with a NaN) into ``maxima_ptr`` (int32 bits); returns the row's largest logit."""
+    cols = tl.arange(0, BLOCK)
+    x_max = tl.full([], float("-inf"), tl.float32)
+    for b0 in range(0, V, BLOCK):
+        offs = b0 + cols
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        top = tl.max(x, axis=0)
+        has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
+        key = tl.where(has_nan, NAN_BLOCK, _key(top))
+        tl.store(maxima_ptr + b0 // BLOCK, key.to(tl.int32, bitcast=True))
+        x_max = tl.maximum(x_max, top)
+    return x_max
+
+
+@jit
+def _block_max(maxima_ptr, b0, BLOCK: tl.constexpr):
+    return tl.load(maxima_ptr + b0 // BLOCK).to(tl.uint32, bitcast=True)
+
+
+@jit
+def _may_count(block_max, prefix):
+    """Whether a block can hold a key >= ``prefix`` (the lowest key of the radix bucket): one
+    whose largest key is below adds 0 to every count of the pass, so skipping it changes none."""
+    return block_max >= prefix
+
+
+@jit
+def _may_keep(block_max, temperature, kept):
+    """Whether a block whose largest logit has key ``block_max`` can hold a token with key
+    ``kept`` or more. z = x / temperature is non-decreasing in x, so none can when the largest
+    logit divided falls short (a block with a NaN is never skipped). A block skipped on this
+    flag would add only exact zeros, or only -inf scores: the same bits."""
+    top = tl.math.div_rn(_unkey(block_max), temperature)
+    return (kept == 0) | (block_max == NAN_BLOCK) | (_key(top) >= kept)
 
 
 @jit
@@ -120,12 +154,14 @@ def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
 
 
 @jit
-def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _topk_key(row_ptr, V, temperature, k, maxima_ptr, BLOCK: tl.constexpr,
+              RADIX_BITS: tl.constexpr):  # fmt: skip
     """Key of the k-th largest z of the row.
 
     The search runs on the logits x, without dividing: z = x / temperature (correctly rounded,
     temperature > 0) is non-decreasing in x, so the k-th largest z is the k-th largest x divided
-    once, and the tokens kept (z >= that z, ties included) are the same."""
+    once, and the tokens kept (z >= that z, ties included) are the same. A pass reads only the
+    blocks that can hold a key of the current bucket (:func:`_may_count`)."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     cols = tl.arange(0, BLOCK)
     digits = tl.arange(0, NCAND).to(tl.uint32)
@@ -135,11 +171,12 @@ def _topk_key(row_ptr, V, temperature, k, BLOCK: tl.constexpr, RADIX_BITS: tl.co
         cand = prefix | (digits << shift)
         count = tl.zeros([NCAND], tl.int32)
         for b0 in range(0, V, BLOCK):
-            offs = b0 + cols
-            ok = offs < V
-            key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
-            hit = (key[None, :] >= cand[:, None]) & ok[None, :]
-            count += tl.sum(hit.to(tl.int32), axis=1)
+            if _may_count(_block_max(maxima_ptr, b0, BLOCK), prefix):
+                offs = b0 + cols
+                ok = offs < V
+                key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
+                hit = (key[None, :] >= cand[:, None]) & ok[None, :]
+                count += tl.sum(hit.to(tl.int32), axis=1)
         prefix = _pick_digit(count, k, prefix, shift, NCAND)
     return _key(tl.math.div_rn(_unkey(prefix), temperature))
 
@@ -152,6 +189,7 @@ def _topp_key(
     p,
     kept,
     z_max,
+    maxima_ptr,
     BLOCK: tl.constexpr,
     LOG2_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
@@ -168,8 +206,10 @@ def _topp_key(
         mass = tl.zeros([NCAND], tl.float32)
         for b0 in range(0, V, BLOCK):
             # Blocks without a token that top-k kept add exact zeros: skipped.
-            x, ok, may = _may_keep(row_ptr, b0 + cols, V, temperature, kept)
-            if may:
+            if _may_keep(_block_max(maxima_ptr, b0, BLOCK), temperature, kept):
+                offs = b0 + cols
+                ok = offs < V
+                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                 z = tl.math.div_rn(x, temperature)
                 key = _key(z)
                 e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
@@ -184,29 +224,40 @@ def _topp_key(
 
 
 @jit
-def _row_kept(row_ptr, V, temperature, k, p, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
-              RADIX_BITS: tl.constexpr):  # fmt: skip
-    """The smallest key a token of the row needs to be kept by top-k and top-p (0: all kept)."""
-    cols = tl.arange(0, BLOCK)
+def _row_kept(row_ptr, V, temperature, k, p, maxima_ptr, BLOCK: tl.constexpr,
+              LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
+    """The smallest key a token of the row needs to be kept by top-k and top-p (0: all kept).
+    With a filter, it first writes the row's block maxima, which let later passes skip
+    blocks."""
     kept = tl.zeros([], tl.uint32)
-    if (k > 0) & (k < V):
-        kept = _topk_key(row_ptr, V, temperature, k, BLOCK, RADIX_BITS)
-    if p < 1.0:
-        # The largest z is the largest logit divided once (the division is monotone).
-        x_max = tl.full([], float("-inf"), tl.float32)
-        for b0 in range(0, V, BLOCK):
-            offs = b0 + cols
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            x_max = tl.maximum(x_max, tl.max(x, axis=0))
-        z_max = tl.math.div_rn(x_max, temperature)
-        kept = tl.maximum(
-            kept, _topp_key(row_ptr, V, temperature, p, kept, z_max, BLOCK, LOG2_BLOCK, RADIX_BITS)
-        )
+    if ((k > 0) & (k < V)) | (p < 1.0):
+        x_max = _block_maxima(row_ptr, V, maxima_ptr, BLOCK)
+        if (k > 0) & (k < V):
+            kept = _topk_key(row_ptr, V, temperature, k, maxima_ptr, BLOCK, RADIX_BITS)
+        if p < 1.0:
+            # The largest z is the largest logit divided once (the division is monotone).
+            z_max = tl.math.div_rn(x_max, temperature)
+            kept = tl.maximum(
+                kept,
+                _topp_key(
+                    row_ptr,
+                    V,
+                    temperature,
+                    p,
+                    kept,
+                    z_max,
+                    maxima_ptr,
+                    BLOCK,
+                    LOG2_BLOCK,
+                    RADIX_BITS,
+                ),  # fmt: skip
+            )
     return kept
 
 
 @jit
-def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, BLOCK: tl.constexpr):
+def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
+                BLOCK: tl.constexpr):  # fmt: skip
     """``(best, best_i, n_nan)`` over the tokens ``lo <= v < hi`` (``lo`` a multiple of BLOCK):
     the largest ``z + g`` among the kept tokens and its lowest index (temperature 0: the largest
     logit), and the count of NaN logits. A block only wins with a strictly larger value, so the
@@ -235,12 +286,13 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, BLOCK: tl.c
                                        best_i)  # fmt: skip
     else:
         for b0 in range(lo, hi, BLOCK):
-            offs = b0 + cols
-            x, ok, may = _may_keep(row_ptr, offs, hi, temperature, kept)
-            n_nan += tl.sum((x != x).to(tl.int32), axis=0)
             # A block without a kept token scores -inf everywhere and cannot win: skipped,
-            # with its noise.
-            if may:
+            # with its noise (a block with a NaN is never skipped: its NaN is counted here).
+            if _may_keep(_block_max(maxima_ptr, b0, BLOCK), temperature, kept):
+                offs = b0 + cols
+                ok = offs < hi
+                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                n_nan += tl.sum((x != x).to(tl.int32), axis=0)
                 best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
                                            best_i)  # fmt: skip
     return best, best_i, n_nan
@@ -254,6 +306,7 @@ def _sample_kernel(
     temp_ptr,
     topk_ptr,
     topp_ptr,
+    maxima_ptr,
     out_ptr,
     V,
     stride,
@@ -261,37 +314,42 @@ def _sample_kernel(
     LOG2_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
 ):
-    """One program per row: the filters' threshold, then the pick over the whole row."""
+    """One program per row: the filters' threshold, then the pick over the whole row.
+    ``maxima_ptr``: int32 ``[B, cdiv(V, BLOCK)]`` scratch for the block maxima."""
     pid = tl.program_id(0)
     row_ptr = logits_ptr + pid.to(tl.int64) * stride
+    maxima_ptr += pid.to(tl.int64) * tl.cdiv(V, BLOCK)
     temperature = tl.load(temp_ptr + pid)
     kept = tl.zeros([], tl.uint32)
     if temperature != 0.0:
         kept = _row_kept(row_ptr, V, temperature, tl.load(topk_ptr + pid),
-                         tl.load(topp_ptr + pid), BLOCK, LOG2_BLOCK, RADIX_BITS)  # fmt: skip
+                         tl.load(topp_ptr + pid), maxima_ptr, BLOCK, LOG2_BLOCK,
+                         RADIX_BITS)  # fmt: skip
     best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept,
                                       tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid),
-                                      BLOCK)  # fmt: skip
+                                      maxima_ptr, BLOCK)  # fmt: skip
     tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
 @jit
-def _kept_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, kept_ptr, V, stride,
+def _kept_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, kept_ptr, V, stride,
                  BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
-    """Split sampling, step 1 (one program per row): the filters' threshold of the row."""
+    """Split sampling, step 1 (one program per row): the filters' threshold of the row, and
+    its block maxima where a filter is on."""
     pid = tl.program_id(0)
     temperature = tl.load(temp_ptr + pid)
     kept = tl.zeros([], tl.uint32)
     if temperature != 0.0:
         kept = _row_kept(logits_ptr + pid.to(tl.int64) * stride, V, temperature,
-                         tl.load(topk_ptr + pid), tl.load(topp_ptr + pid), BLOCK, LOG2_BLOCK,
+                         tl.load(topk_ptr + pid), tl.load(topp_ptr + pid),
+                         maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK, LOG2_BLOCK,
                          RADIX_BITS)  # fmt: skip
     tl.store(kept_ptr + pid, kept.to(tl.int64))
 
 
 @jit
-def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, best_ptr, index_ptr,
-                 nan_ptr, V, stride, SPAN, BLOCK: tl.constexpr):  # fmt: skip
+def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, maxima_ptr, best_ptr,
+                 index_ptr, nan_ptr, V, stride, SPAN, BLOCK: tl.constexpr):  # fmt: skip
     """Split sampling, step 2 (a program per row and range of SPAN tokens): the range's pick."""
     pid = tl.program_id(0)
     part = tl.program_id(1)
@@ -300,7 +358,7 @@ def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, best_pt
     best, best_i, n_nan = _pick_range(
         logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, tl.load(temp_ptr + pid),
         tl.load(kept_ptr + pid).to(tl.uint32), tl.load(seeds_ptr + pid),
-        tl.load(offsets_ptr + pid), BLOCK,
+        tl.load(offsets_ptr + pid), maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK,
     )  # fmt: skip
     at = pid * tl.num_programs(1) + part
     tl.store(best_ptr + at, best)
@@ -392,19 +450,22 @@ def sample(
     params = (top_k.to(torch.int64).contiguous(), top_p.to(torch.float32).contiguous())
     seeds, offsets = seeds.contiguous(), offsets.contiguous()
     meta = dict(BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, RADIX_BITS=RADIX_BITS)
+    # Written and read only by rows with a filter on.
+    maxima = torch.empty((B, blocks), dtype=torch.int32, device=logits.device)
     if parts <= 1:
-        _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, out, V,
+        _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, out, V,
                              logits.stride(0), **meta, **cfg)  # fmt: skip
         return out
     span = triton.cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
     parts = triton.cdiv(V, span)
     kept = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _kept_kernel[(B,)](logits, temperature, *params, kept, V, logits.stride(0), **meta, **cfg)
+    _kept_kernel[(B,)](logits, temperature, *params, maxima, kept, V, logits.stride(0), **meta,
+                       **cfg)  # fmt: skip
     best = torch.empty((B, parts), dtype=torch.float32, device=logits.device)
     index = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
     nans = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
-    _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, best, index, nans, V,
-                             logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
+    _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, maxima, best, index,
+                             nans, V, logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
     _merge_kernel[(B,)](best, index, nans, out, V, parts,
                         BLOCK_P=triton.next_power_of_2(parts))  # fmt: skip
     return out
