@@ -2,7 +2,10 @@
 # `rlk bench` on an H200 machine (offline) within 10 minutes (DEADLINE), with the GPU checks
 # of the kernels changed since the last GPU run.
 #   OUT=... bash scripts/gpu_bench.sh   (env: QUICK=1 for --quick; ONLY=fam,fam to run those
-#                                        families alone; DEADLINE seconds, default 560)
+#                                        families alone; DEADLINE seconds, default 560;
+#                                        LANE0, LANE1: each lane's steps, default below;
+#                                        CHECK_OPS: the ops of `checks`; TESTS: test files of
+#                                        `gputests`)
 # Each family runs as its own `rlk bench --only <family>` process with its own time limit (the
 # report is rewritten after every row, so a family cut short keeps what it measured). With two
 # GPUs the families are split over two lanes, one per GPU, running at the same time; with one
@@ -29,14 +32,22 @@ step() {  # step NAME SECONDS CMD...: output to NAME.txt, status and wall time t
 fam() { step "bench_$1" "$2" rlk bench "${Q[@]}" --only "$1" --json "$OUT/bench_$1.json"; }
 checks() {  # real-shape conformance of the kernels changed since the last GPU run
   RLK_VALIDATE=1 step conformance 150 rlk conformance --backend cuda --full --quiet \
-    --ops linear,attention,paged_attention,apply_rotary
+    --ops "${CHECK_OPS:-linear,attention,paged_attention,apply_rotary}"
+}
+gputests() {  # the GPU tests of the files changed since the last GPU run
+  # shellcheck disable=SC2086
+  step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${TESTS:-}
+}
+decode() {  # a decode step's GPU time per kernel and its share of the HBM roofline
+  step decode_b64 150 python3 scripts/profile_decode.py --batch 64
+  step decode_b8 100 python3 scripts/profile_decode.py --batch 8 --top 6
 }
 consistency() {  # the contract at this commit on the GPU, both rollout modes
   step consistency 150 rlk consistency --model qwen2-0.5b --prompts 64 --new-tokens 128 \
     --micro-batch 8 --rollout-mode both --quiet --json "$OUT/consistency.json"
 }
-lane0() { fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks; }
-lane1() { consistency; fam e2e 330; fam logprobs 200; }
+lane0() { eval "${LANE0:-fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks}"; }
+lane1() { eval "${LANE1:-consistency; fam e2e 330; fam logprobs 200}"; }
 
 if [ -n "${ONLY:-}" ]; then
   for f in ${ONLY//,/ }; do fam "$f" 400; done
@@ -55,5 +66,6 @@ mkdir -p "$RESULTS"; tar czf "$RESULTS/logs.tgz" -C "$W" .
 for f in h200.json h200.md summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
 echo "== $(( $(date +%s) - T0 ))s; $(tr '\n' ' ' < "$OUT/gpu.txt")"
 cat "$OUT/summary.txt"
-for f in conformance consistency; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
+for f in conformance consistency gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
+for f in decode_b64 decode_b8; do [ -f "$OUT/$f.txt" ] && tail -9 "$OUT/$f.txt"; done
 [ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/h200.md"

@@ -28,9 +28,9 @@ import rlk
 from rlk.bench import _timing
 from rlk.bench._peers import compiled, measure
 
-#: ``(B, V)``, quick takes the first: a rollout step of 256 and of 1024 sequences, Qwen's
+#: ``(B, V)``, quick takes the first: a rollout step of 256, 1024, 64 and 1 sequences, Qwen's
 #: vocabulary.
-SHAPES: list[tuple[int, int]] = [(256, 151936), (1024, 151936)]
+SHAPES: list[tuple[int, int]] = [(256, 151936), (1024, 151936), (64, 151936), (1, 151936)]
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
 
 
