@@ -90,7 +90,7 @@ def _unkey(key):
 
 #: The block-maximum key of a block holding a NaN logit: above every key, so such a block is
 #: never skipped (and its NaN is counted where it is loaded).
-NAN_BLOCK = 0xFFFFFFFF
+NAN_BLOCK = tl.constexpr(0xFFFFFFFF)
 
 
 @jit
