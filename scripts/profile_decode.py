@@ -20,37 +20,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
-import triton.testing
+from profile_training import kernel_times  # scripts/ is on sys.path when run as a script
 
+from rlk.bench._timing import ceilings
 from rlk_integrations import e2e_bench as e2e
 from rlk_integrations.consistency import random_prompts
 from rlk_integrations.models import load_model
 from rlk_integrations.transformers import patch_model
-
-
-def _copy_gbs(device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
-
-
-def _kernels(fn) -> dict[str, list[float]]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            per[ev.name[:70]][0] += us
-            per[ev.name[:70]][1] += 1
-    return per
 
 
 def main() -> None:
@@ -74,8 +52,8 @@ def main() -> None:
     run()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    per = _kernels(run)
-    gpu_us = sum(v[0] for v in per.values())
+    gpu_s, per = kernel_times(run)
+    gpu_us = gpu_s * 1e6
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
@@ -87,13 +65,13 @@ def main() -> None:
     if emb is not model.get_output_embeddings().weight:
         weight_bytes -= emb.numel() * emb.element_size()  # a step reads B rows of it only
     step_s = wall / a.new
-    copy = _copy_gbs(device)
+    copy = ceilings()["copy_GBps"]
     achieved = (weight_bytes + kv_bytes) / step_s / 1e9
 
     print(f"model {a.model}  B={a.batch}  new={a.new}  prompts {e2e.PROMPT_LEN}")
-    print(f"{'kernel':<72} {'us/step':>9} {'calls/step':>10} {'share':>6}")
+    print(f"{'kernel':<60} {'us/step':>9} {'calls/step':>10} {'share':>6}")
     for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
-        print(f"{name:<72} {us / a.new:9.1f} {n / a.new:10.1f} {us / gpu_us:6.1%}")
+        print(f"{name:<60} {us / a.new:9.1f} {n / a.new:10.1f} {us / gpu_us:6.1%}")
     print()
     print(f"{'what':<40} {'value':>12}")
     print(f"{'wall per step (us)':<40} {step_s * 1e6:12.1f}")

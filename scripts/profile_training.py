@@ -46,12 +46,13 @@ def _wall(step, model, samples) -> float:
     return statistics.median(times[1:])
 
 
-def _kernels(step, model, samples) -> tuple[float, dict[str, list[float]]]:
+def kernel_times(fn) -> tuple[float, dict[str, list[float]]]:
+    """GPU kernel seconds of one call of ``fn`` (torch.profiler; kernels inside CUDA graph
+    replays are recorded one by one) and ``{kernel name: [us, calls]}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(model, samples)
+        fn()
         torch.cuda.synchronize()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     total = 0.0
@@ -62,6 +63,11 @@ def _kernels(step, model, samples) -> tuple[float, dict[str, list[float]]]:
             per[ev.name[:60]][1] += 1
             total += us
     return total / 1e6, per
+
+
+def _kernels(step, model, samples) -> tuple[float, dict[str, list[float]]]:
+    model.zero_grad(set_to_none=True)
+    return kernel_times(lambda: step(model, samples))
 
 
 def _host(step, model, samples, top: int) -> str:

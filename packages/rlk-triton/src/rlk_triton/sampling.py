@@ -237,21 +237,9 @@ def _row_kept(row_ptr, V, temperature, k, p, maxima_ptr, BLOCK: tl.constexpr,
         if p < 1.0:
             # The largest z is the largest logit divided once (the division is monotone).
             z_max = tl.math.div_rn(x_max, temperature)
-            kept = tl.maximum(
-                kept,
-                _topp_key(
-                    row_ptr,
-                    V,
-                    temperature,
-                    p,
-                    kept,
-                    z_max,
-                    maxima_ptr,
-                    BLOCK,
-                    LOG2_BLOCK,
-                    RADIX_BITS,
-                ),  # fmt: skip
-            )
+            top_p_key = _topp_key(row_ptr, V, temperature, p, kept, z_max, maxima_ptr, BLOCK,
+                                  LOG2_BLOCK, RADIX_BITS)  # fmt: skip
+            kept = tl.maximum(kept, top_p_key)
     return kept
 
 
