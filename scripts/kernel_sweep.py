@@ -7,7 +7,8 @@ Parts: ``decode`` and ``tma`` (GEMM, below), ``rotary`` (apply_rotary configs ag
 backend, and the forward with 128-key tiles, a different numerics timed only to see its worth),
 ``logprobs`` (forward configs for each chunk-group constant ``GROUP``, with and without the
 division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
-(``silu_and_mul`` and ``rms_norm`` forward configs against Liger), ``sample`` (warps per row
+(``silu_and_mul`` and ``rms_norm`` forward configs against Liger; for ``norm`` also a copy of the
+forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs), ``sample`` (warps per row
 of ``rlk.sample``, temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
@@ -480,6 +481,36 @@ def norm_part(rows) -> None:
         _norm_shape(rows, T, H)
 
 
+@jit
+def _plain_norm_kernel(X, W, Y, n_rows, H, eps, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+    # rms_norm's forward with a plain fp32 tl.sum for the sum of squares: a numerics whose bits
+    # follow the layout, timed only to see what the exact sum costs.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows < n_rows)[:, None] & (cols < H)[None, :]
+    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / H + eps)
+    w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (x * rstd[:, None] * w[None, :]).to(Y.dtype.element_ty), mask=mask)
+
+
+def _plain_norm_us(x, w, cfg) -> float:
+    from rlk_triton import norm as normmod
+
+    T, H = x.shape
+    block = normmod._block(H)
+    rows = max(1, cfg["tile"] // block)
+    y = torch.empty_like(x)
+
+    def run():
+        _plain_norm_kernel[(triton.cdiv(T, rows),)](
+            x, w, y, T, H, 1e-6, BLOCK_H=block, ROWS=rows, num_warps=cfg["num_warps"]
+        )
+
+    return products_ms(lambda a, b: run(), None, [None]) * 1e3
+
+
 def _norm_shape(rows, T: int, H: int) -> None:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
@@ -489,6 +520,13 @@ def _norm_shape(rows, T: int, H: int) -> None:
         rows, "norm", f"T={T} H={H}", lambda: rlk.rms_norm(x, w, 1e-6), "rms_norm.fwd",
         configs, 2 * T * H * 2, peer,
     )  # fmt: skip
+    from rlk_triton import norm as normmod
+
+    chosen = tuning.config(normmod.TUNING, "rms_norm.fwd", rows=T, hidden=H)
+    r = {"part": "norm_plain_sum", "shape": f"T={T} H={H}", "cfg": dict(chosen),
+         "us": round(_plain_norm_us(x, w, chosen), 2), "peer_us": round(peer * 1e3, 2)}  # fmt: skip
+    rows.append(r)
+    print(json.dumps(r), flush=True)
 
 
 def sample_part(rows) -> None:
@@ -527,6 +565,9 @@ def print_memory_bound(rows) -> None:
             f"{part:8} {shape:36} {rs[0]['chosen_us']:>8} {best['us']:>8} {best['peer_us']:>8} "
             f"{'ok' if ok else 'DIFF'}  {best['cfg']}"
         )
+    for r in rows:
+        if r["part"] == "norm_plain_sum":
+            print(f"norm, plain fp32 sum (timing only) {r['shape']:22} {r['us']:>8} us")
 
 
 def main() -> None:

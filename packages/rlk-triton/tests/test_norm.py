@@ -120,6 +120,24 @@ def test_batch_invariance(dtype):
     assert torch.equal(o2[0][0], outs[0][0]) and torch.equal(g2[0][0], grads[0][0])
 
 
+def test_non_finite_neighbours_keep_bits():
+    # A tile with a non-finite term takes the masked branch of _exact_sum (and one with an
+    # overflowing sum of squares the rescue); finite rows in it must get the bits they get alone,
+    # where the tile is all finite and takes the unmasked branch.
+    T, H = 6, 80
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, _, dy, _ = _inputs(T, H, dtype, False, seed=9)
+        x[1, 7] = float("nan")
+        x[3, 2] = float("inf")
+        if dtype == torch.float32:
+            x[4] = x[4] * 1e30  # squares overflow fp32: the rescued row
+        outs, grads = _run(x, w, None, dy, None)
+        for i in (0, 2, 4, 5):
+            o1, g1 = _run(x[i : i + 1], w, None, dy[i : i + 1], None)
+            assert torch.equal(o1[0], outs[0][i : i + 1]), (dtype, i)
+            assert torch.equal(g1[0], grads[0][i : i + 1]), (dtype, i)
+
+
 def test_reduction_order_free():
     # Permuting the columns of x and weight permutes y and the gradients bit for bit: the row
     # sums do not depend on the order of their terms (a plain fp32 tl.sum would).

@@ -61,17 +61,9 @@ def _pow2(k):
 
 
 @jit
-def _exact_sum(v, AXIS: tl.constexpr):
-    """Sum of fp32 ``v`` along ``AXIS`` whose bits do not depend on the order of the additions.
-
-    Each finite term is scaled by a power of two so that the largest becomes [2^40, 2^41),
-    truncated to int64 and the integers are added (exact, so any tree gives the same total);
-    the total is rounded to fp32 once and scaled back. Infinities and NaNs are summed apart,
-    over the non-finite terms only, which is order-free too (inf, -inf or nan).
-    """
-    finite = (v == v) & (tl.abs(v) != float("inf"))
-    special = tl.sum(tl.where(finite, 0.0, v), axis=AXIS)
-    v = tl.where(finite, v, 0.0)
+def _fixed_point_sum(v, AXIS: tl.constexpr):
+    # _exact_sum of finite terms: each scaled by a power of two so that the largest becomes
+    # [2^40, 2^41), truncated to int64; the integers are added and the total scaled back.
     m = tl.max(tl.abs(v), axis=AXIS)
     # floor(log2(m)) from the exponent bits; -127 for zero and subnormals, which still fit.
     e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -81,8 +73,31 @@ def _exact_sum(v, AXIS: tl.constexpr):
     b = shift - a
     up = tl.expand_dims(_pow2(a), AXIS) * v
     q = (up * tl.expand_dims(_pow2(b), AXIS)).to(tl.int64)
-    total = tl.sum(q, axis=AXIS).to(tl.float32) * _pow2(-a) * _pow2(-b)
-    return tl.where(special == 0.0, total, special)
+    return tl.sum(q, axis=AXIS).to(tl.float32) * _pow2(-a) * _pow2(-b)
+
+
+@jit
+def _exact_sum(v, AXIS: tl.constexpr):
+    """Sum of fp32 ``v`` along ``AXIS`` whose bits do not depend on the order of the additions.
+
+    Each finite term is scaled by a power of two so that the largest becomes [2^40, 2^41),
+    truncated to int64 and the integers are added (exact, so any tree gives the same total);
+    the total is rounded to fp32 once and scaled back. Infinities and NaNs are summed apart,
+    over the non-finite terms only, which is order-free too (inf, -inf or nan).
+
+    A plain fp32 sum first tells whether any term of the block is non-finite (the sum is then
+    inf or nan). Only such blocks pay for the masks that set those terms apart; a finite term
+    gives the same integer either way, so the branch never changes a bit.
+    """
+    plain = tl.sum(v, axis=AXIS)
+    if tl.sum(((plain != plain) | (tl.abs(plain) == float("inf"))).to(tl.int32)) == 0:
+        total = _fixed_point_sum(v, AXIS)
+    else:
+        finite = (v == v) & (tl.abs(v) != float("inf"))
+        special = tl.sum(tl.where(finite, 0.0, v), axis=AXIS)
+        total = _fixed_point_sum(tl.where(finite, v, 0.0), AXIS)
+        total = tl.where(special == 0.0, total, special)
+    return total
 
 
 @jit
@@ -134,9 +149,9 @@ def _rms_norm_fwd_kernel(
         rstd = tl.rsqrt(ss / H + eps)
         # Squares of finite inputs can overflow where the float64 reference does not: such rows
         # are summed again scaled by a power of two (exact), and only they (the bits of every
-        # other row are unchanged).
-        inv = _rescue_inv(ss, tl.max(tl.abs(x), 1))
-        if tl.max(inv, 0) > 0:
+        # other row are unchanged). Tiles without an infinite sum skip this.
+        if tl.sum((ss == float("inf")).to(tl.int32)) > 0:
+            inv = _rescue_inv(ss, tl.max(tl.abs(x), 1))
             xs = x * inv[:, None]
             rs = tl.rsqrt(_exact_sum(xs * xs, 1) / H + eps * inv * inv) * inv
             rstd = tl.where(inv > 0, rs, rstd)
