@@ -8,8 +8,8 @@ backend, and the forward with 128-key tiles, a different numerics timed only to 
 ``logprobs`` (forward configs for each chunk-group constant ``GROUP``, with and without the
 division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
 (``silu_and_mul`` and ``rms_norm`` forward configs against Liger; for ``norm`` also a copy of the
-forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs), ``sample`` (warps per row
-of ``rlk.sample``, temperature alone and with top-k / top-p).
+forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs),
+``sample`` (warps per row of ``rlk.sample``, temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
