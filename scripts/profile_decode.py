@@ -3,8 +3,9 @@
     python scripts/profile_decode.py [--model llama3-8b-4layers] [--batch 64] [--new 128]
 
 Runs the e2e benchmark's paged rollout (``rlk_integrations.e2e_bench``: random prompts of
-16-64 tokens, every request admitted at once, CUDA graphs on) once to warm up, once timed, and
-once under ``torch.profiler`` (kernels inside graph replays are recorded one by one). Prints
+16-64 tokens, every request admitted at once, CUDA graphs on, one engine kept across the runs)
+once to warm up, once timed, and once under ``torch.profiler`` (kernels inside graph replays are
+recorded one by one). Prints
 
 - the wall time per generated token step, the GPU kernel time per step, and their gap (time the
   GPU waited for the host, or ran nothing);
@@ -43,8 +44,10 @@ def main() -> None:
     patch_model(model)
     prompts = random_prompts(a.batch, model.config.vocab_size, *e2e.PROMPT_LEN, seed=e2e.SEED)
 
+    engine = e2e._paged_engine(model, prompts, a.new)
+
     def run():
-        return e2e._rlk_paged(model, prompts, a.new)
+        return engine.generate(prompts, a.new, progress=False)
 
     run()  # compile, capture the graphs
     torch.cuda.synchronize()

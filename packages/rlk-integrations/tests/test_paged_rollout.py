@@ -116,6 +116,40 @@ def test_padded_decode_reads_late_and_stops_at_eos(model, padded, monkeypatch):
         assert torch.equal(b.logprobs, a.logprobs[:cut])
 
 
+def test_engine_keeps_its_cache_across_calls(model, padded, monkeypatch):
+    """One PagedEngine serves several calls (the padded decode steps of the graphs, run
+    eagerly here): each call gets the bits of a fresh generate_paged, whatever ran before in
+    the same cache; a moved weight makes the engine build its decode graphs again."""
+    monkeypatch.setattr(paged, "_EAGER_PADDED_DECODE", True)
+    prompts = _prompts(LENGTHS)
+    engine = paged.PagedEngine(model, max_len=max(LENGTHS) + NEW, page_size=4, max_batch=2)
+    graphs = engine.graphs
+    first = engine.generate(prompts, NEW, seeds=SEEDS)
+    eos = padded.samples[0].response[2]
+    second = engine.generate(prompts[::-1], NEW - 2, seeds=SEEDS[::-1], eos_token_id=eos)
+    assert engine.graphs is graphs  # nothing moved: the same graphs
+    for a, b in zip(padded.samples, first.samples):
+        _same(a, b)
+    fresh = paged.generate_paged(
+        model, prompts[::-1], NEW - 2, seeds=SEEDS[::-1], eos_token_id=eos, page_size=4,
+        max_batch=2,
+    )  # fmt: skip
+    for a, b in zip(fresh.samples, second.samples):
+        _same(a, b)
+    with pytest.raises(ValueError, match="exceeds the engine's max_len"):
+        engine.generate(prompts, NEW + 1)
+    weight = model.get_output_embeddings().weight
+    old = weight.data
+    try:
+        weight.data = old.clone()  # the same values at another address
+        third = engine.generate(prompts, NEW, seeds=SEEDS)
+        assert engine.graphs is not graphs
+    finally:
+        weight.data = old
+    for a, b in zip(padded.samples, third.samples):
+        _same(a, b)
+
+
 def test_paged_cuda_graphs_need_cuda(model):
     with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA model"):
         paged.generate_paged(model, [[1]], 1, cuda_graphs=True)
@@ -168,6 +202,10 @@ def test_paged_rejects_bad_setups(model):
         paged.generate_paged(model, [[1] * 9], 4, page_size=4, num_pages=2)
     with pytest.raises(ValueError, match="max_step_tokens"):
         paged.generate_paged(model, [[1]], 1, max_batch=4, max_step_tokens=2)
+    with pytest.raises(ValueError, match="max_len must be an int >= 1"):
+        paged.PagedEngine(model, max_len=0)
+    with pytest.raises(ValueError, match="patched"):
+        paged.PagedEngine(torch.nn.Linear(2, 2), max_len=4)
 
 
 def test_paged_progress(model, capsys):
@@ -236,6 +274,33 @@ def test_gpu_paged_equals_padded_and_training(name, monkeypatch):
         f"paged {ro.new_tokens / ro.seconds:.0f} tok/s (graphs), "
         f"{eager.new_tokens / eager.seconds:.0f} tok/s (eager)"
     )
+
+
+@pytest.mark.gpu
+def test_gpu_engine_replays_its_graphs_and_recaptures_moved_weights(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("RLK_VALIDATE", "0")
+    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
+    prompts = _prompts(LENGTHS * 2)
+    seeds = list(range(len(prompts)))
+    engine = paged.PagedEngine(model, max_len=max(LENGTHS) + NEW, max_batch=8)
+    first = engine.generate(prompts, NEW, seeds=seeds)
+    graphs, captured = engine.graphs, dict(engine.graphs.graphs)
+    again = engine.generate(prompts, NEW, seeds=seeds)
+    assert engine.graphs is graphs and engine.graphs.graphs == captured  # replayed, not captured
+    assert first.extra["graph_steps"] == again.extra["graph_steps"] > 0
+    for a, b in zip(first.samples, again.samples):
+        _same(a, b)
+    # New values at a new address: a graph replaying the old address would miss them.
+    weight = model.get_output_embeddings().weight
+    weight.data = weight.data * 2
+    moved = engine.generate(prompts, NEW, seeds=seeds)
+    assert engine.graphs is not graphs
+    fresh = paged.generate_paged(model, prompts, NEW, seeds=seeds, max_batch=8)
+    assert [s.response for s in moved.samples] != [s.response for s in first.samples]
+    for a, b in zip(fresh.samples, moved.samples):
+        _same(a, b)
 
 
 @pytest.mark.gpu

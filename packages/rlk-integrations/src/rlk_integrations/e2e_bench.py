@@ -12,10 +12,12 @@ tokens):
 - ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
   left-padded batch; ``rlk`` is :func:`rlk_integrations.rollout.generate` (left-padded batch,
   ``DynamicCache``, ``rlk.sample`` + ``rlk.logprobs``).
-- ``e2e.rollout.paged``: ``rlk`` is :func:`rlk_integrations.paged.generate_paged` (paged KV
-  cache, continuous batching, all ``B`` requests admitted at once). transformers has no paged
-  engine, so this op's peer row is the padded ``hf-generate`` run emitted a second time, marked
-  ``same_run_as: e2e.rollout.padded``.
+- ``e2e.rollout.paged``: ``rlk`` is :meth:`rlk_integrations.paged.PagedEngine.generate` (paged
+  KV cache, continuous batching, all ``B`` requests admitted at once) on an engine built once per
+  shape, outside the timing, as a serving engine is built at start-up: it keeps its KV cache and
+  decode CUDA graphs across calls. The row's ``first_run_ms`` is the warm-up call, which
+  captures the graphs. transformers has no paged engine, so this op's peer row is the padded
+  ``hf-generate`` run emitted a second time, marked ``same_run_as: e2e.rollout.padded``.
 
 Each engine first makes the very same run untimed (same prompts, same number of new tokens), so
 that whatever is built per shape stays out of the timed run: Triton compiles rlk's kernels per
@@ -50,8 +52,8 @@ rate 0, so that every step does the same work):
 - ``stock``: ``generate`` (torch sampling; the sampling log-probabilities from the logits it
   returns), log-probabilities from stock transformers, the loss in torch;
 - ``stock+liger``: the same with Liger's fused linear cross-entropy for the log-probabilities;
-- ``rlk``: :func:`~rlk_integrations.paged.generate_paged`, then
-  :func:`~rlk_integrations.training.grpo_step`.
+- ``rlk``: :meth:`~rlk_integrations.paged.PagedEngine.generate` (one engine, built before the
+  untimed step), then :func:`~rlk_integrations.training.grpo_step`.
 
 A row is the wall time of one step after an untimed one; ``tok_s`` counts the sampled tokens.
 """
@@ -165,27 +167,26 @@ def _rlk_padded(model: torch.nn.Module, prompts: list[list[int]], new: int) -> i
     return ro.new_tokens
 
 
-def _rlk_paged(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
-    # As `rlk consistency` runs it: every request admitted at once.
+def _paged_engine(model: torch.nn.Module, prompts: list[list[int]], new: int):
+    """A :class:`~rlk_integrations.paged.PagedEngine` for these prompts, every request
+    admitted at once (as ``rlk consistency`` runs the paged rollout)."""
     b = len(prompts)
-    ro = paged.generate_paged(
+    return paged.PagedEngine(
         model,
-        prompts,
-        new,
+        max_len=max(len(p) for p in prompts) + new,
         temperature=1.0,
         top_k=0,
         top_p=1.0,
         page_size=PAGE_SIZE,
         max_batch=b,
         max_step_tokens=max(2048, b),
-        progress=False,  # no bar drawn inside a timed run
     )
-    return ro.new_tokens
 
 
 def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[str, Any]:
     _say(f"e2e: {shape} {op} {impl} (warm-up, then timed)")
-    engine(model, prompts, new)  # the warm-up: the same run, untimed
+    # The warm-up: the same run, untimed; its wall time is kept (``first_run_ms``).
+    _, first = _wall(lambda: engine(model, prompts, new), device)
     tokens, seconds = _wall(lambda: engine(model, prompts, new), device)
     if tokens != len(prompts) * new:
         raise RuntimeError(f"{impl} {op} made {tokens} tokens, not {len(prompts)} x {new}")
@@ -198,6 +199,7 @@ def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[s
         timing="wall, 1 run",
         tok_s=round(tokens / seconds, 1),
         new_tokens=tokens,
+        first_run_ms=round(first * 1e3, 1),
     )
 
 
@@ -212,7 +214,12 @@ def _rollouts(model, name: str, b: int, new: int, device, emit) -> None:
     emit(_rollout_row(padded, "rlk", _rlk_padded, model, prompts, new, shape, device))
     # transformers has no paged engine: the paged op's peer is the same hf-generate run.
     emit(dict(hf, op=paged_op, same_run_as=padded))
-    emit(_rollout_row(paged_op, "rlk", _rlk_paged, model, prompts, new, shape, device))
+    engine = _paged_engine(model, prompts, new)  # built once, like a serving engine
+
+    def run(model, prompts, new) -> int:
+        return engine.generate(prompts, new, progress=False).new_tokens
+
+    emit(_rollout_row(paged_op, "rlk", run, model, prompts, new, shape, device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,14 +363,11 @@ def _stock_update(model, optimizer, samples, rewards, group: int, micro: int, fl
     optimizer.step()
 
 
-def _grpo_step(impl: str, model, optimizer, prompts, new: int, flce) -> int:
-    """One GRPO step of ``impl``; returns the tokens sampled."""
+def _grpo_step(impl: str, model, optimizer, prompts, new: int, flce, engine=None) -> int:
+    """One GRPO step of ``impl`` (rlk samples with ``engine``); returns the tokens sampled."""
     if impl == "rlk":
         seeds = list(range(len(prompts)))
-        ro = paged.generate_paged(
-            model, prompts, new, seeds=seeds, temperature=1.0, page_size=PAGE_SIZE,
-            max_batch=len(prompts), max_step_tokens=max(2048, len(prompts)), progress=False,
-        )  # fmt: skip
+        ro = engine.generate(prompts, new, seeds=seeds, progress=False)
         samples = ro.samples
         training.grpo_step(
             model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH,
@@ -389,10 +393,15 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
     for impl in impls:
         (patch_model if impl == "rlk" else unpatch_model)(model)
         _say(f"e2e: {shape} e2e.grpo_step {impl} (1 warm-up, 1 timed)")
+        # rlk's rollout engine is built once, before the warm-up step, like a trainer's.
+        engine = _paged_engine(model, prompts, new) if impl == "rlk" else None
         try:
-            _grpo_step(impl, model, optimizer, prompts, new, flce)
+            _grpo_step(impl, model, optimizer, prompts, new, flce, engine)
             tokens, seconds = _wall(
-                lambda impl=impl: _grpo_step(impl, model, optimizer, prompts, new, flce), device
+                lambda impl=impl, engine=engine: _grpo_step(
+                    impl, model, optimizer, prompts, new, flce, engine
+                ),
+                device,
             )
         except Exception as e:
             if impl != "stock+liger":

@@ -15,7 +15,9 @@ Pieces:
   and hands it the layer's new ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]``; :meth:`attend` writes
   ``k``/``v`` into their slots and calls :func:`rlk.paged_attention`. Nothing in it reads a
   device value on the host.
-- :func:`generate_paged`: the scheduler. Requests wait in FIFO order and join the running set
+- :class:`PagedEngine`: the cache and the decode graphs, kept across its :meth:`generate
+  <PagedEngine.generate>` calls; :func:`generate_paged` builds one for a single call.
+- :func:`generate_paged` (and :meth:`PagedEngine.generate`): the scheduler. Requests wait in FIFO order and join the running set
   when a batch slot and all the pages the request can need are free (so no request is ever
   preempted); each step packs, for every running request, either its next prompt chunk
   (chunked prefill) or its last sampled token (decode) into one ``[1, T]`` row of varlen
@@ -398,145 +400,202 @@ def _eager_step(model, base, cache, batch, sample_kw: dict, lp_temperature: floa
     return sampled, tok.tolist(), lp.float(), logits.dtype  # tolist: the step's one device read
 
 
-@torch.no_grad()
-def generate_paged(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    *,
-    seeds: list[int] | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: int | None = None,
-    page_size: int = 16,
-    max_batch: int = 64,
-    num_pages: int | None = None,
-    kv_memory_fraction: float | None = None,
-    max_step_tokens: int = 2048,
-    prefill_chunk: int | None = None,
-    cuda_graphs: bool | None = None,
-    progress: bool | Callable[[str], None] | None = None,
-) -> RolloutResult:
-    """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
+def _capture_state(model: torch.nn.Module, base: torch.nn.Module, device) -> tuple[int, ...]:
+    """The addresses a captured decode graph reads besides its own buffers: every parameter
+    and buffer of ``model`` and the device copy of the rotary table. A graph replays those
+    addresses, so once any of them moves (weights replaced rather than updated in place, a
+    table grown by a longer rollout) the graphs must be captured again."""
+    table = base.rotary_emb._rlk_table.on.get(device)
+    ptrs = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
+    return tuple(ptrs + ([t.data_ptr() for t in table] if table is not None else []))
+
+
+class PagedEngine:
+    """A rollout engine on a paged KV cache that keeps its cache and CUDA graphs between calls.
+
+    :func:`generate_paged` builds one for a single call; an RL loop that samples every step
+    builds one and calls :meth:`generate` each step, so that the cache is allocated and the
+    decode graphs are captured once (as a serving engine does at start-up). The results are the
+    bits :func:`generate_paged` gives, and the padded rollout's.
 
     ``model``: a causal LM patched by :func:`rlk_integrations.transformers.patch_model`.
-    ``seeds`` as in :func:`rlk_integrations.rollout.generate` (default ``i``); the token at
-    position ``p`` uses RNG offset ``p``. A response stops after ``eos_token_id``.
+    ``max_len``: the longest request served, prompt plus new tokens; it sets the pages per
+    request (``ceil((max_len - 1) / page_size)``), the width of the graphs' block tables and
+    the rotary table. Sampling (``temperature``, ``top_k``, ``top_p``) is fixed per engine:
+    the graphs capture it. ``page_size``, ``max_batch``, ``num_pages``,
+    ``kv_memory_fraction``, ``max_step_tokens``, ``prefill_chunk`` and ``cuda_graphs`` are
+    :func:`generate_paged`'s; the default ``num_pages`` holds ``max_batch`` requests of
+    ``max_len`` tokens.
 
-    Scheduling: at most ``max_batch`` requests run at once; ``num_pages`` pages of
-    ``page_size`` tokens are shared (default: enough for ``max_batch`` of the longest
-    requests); a request joins (FIFO) once a slot and ``ceil((prompt + max_new - 1) /
-    page_size)`` pages are free, and waits until then: a full cache makes requests wait, the
-    cache never grows. ``kv_memory_fraction`` (CUDA, instead of ``num_pages``, like
-    vLLM's ``gpu_memory_utilization`` for the cache alone): the pages take at most this
-    fraction of the device memory free at the call (:func:`pages_for_memory`); a budget below
-    one longest request is a ``ValueError``. A step carries at most ``max_step_tokens`` new
-    tokens: every decode first (one token each), then prompt chunks of at most
-    ``prefill_chunk`` tokens (default ``max_step_tokens``) in arrival order.
+    The cache (``num_pages`` pages) stays allocated while the engine lives. The graphs read the
+    model's weights where they were at capture: updating them in place (an optimizer step,
+    ``load_state_dict``) is fine; when a parameter, a buffer or the rotary table has moved,
+    :meth:`generate` captures the graphs again.
 
-    ``cuda_graphs`` (default: on for CUDA models, off while ``RLK_VALIDATE`` asks for value
-    checks, which read the device and so cannot be captured): steps in which every running
-    request decodes replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a
-    power-of-two batch, the same bits as the eager step), so that the host launches one graph
-    instead of every kernel of every layer; the host reads a graph step's tokens only after it
-    has launched the next one. Steps with prompt chunks run eagerly.
+    Example::
 
-    ``progress``: ``None`` (default) draws a progress bar on stderr (tokens, tokens/s, running
-    and waiting requests) when stderr is a terminal; ``True`` always, ``False`` never; a
-    callable gets a line every 16 steps instead.
-
-    Returns a :class:`~rlk_integrations.rollout.RolloutResult` (samples in prompt order);
-    ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
-    decodes together), ``prefill_chunks``, ``graph_steps`` and ``late_rows`` (rows computed for
-    a request after its EOS, while the host had not read that token yet; thrown away).
+        engine = PagedEngine(model, max_len=576, temperature=1.0, max_batch=64)
+        for step in range(steps):
+            ro = engine.generate(prompts, 512, seeds=seeds)
     """
-    from rlk_integrations.transformers import decoder, is_patched
 
-    if not is_patched(model):
-        raise ValueError("generate_paged needs a model patched by rlk's patch_model")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if page_size < 1 or max_batch < 1:
-        raise ValueError(f"page_size and max_batch must be >= 1, got {page_size}, {max_batch}")
-    if max_step_tokens < max_batch:
-        raise ValueError(
-            f"max_step_tokens ({max_step_tokens}) must be >= max_batch ({max_batch}) so that "
-            "every running request can decode in each step"
-        )
-    if not (progress is None or isinstance(progress, bool) or callable(progress)):
-        raise TypeError(f"progress must be a bool, a callable or None, got {progress!r}")
-    prefill_chunk = max_step_tokens if prefill_chunk is None else prefill_chunk
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_len: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        page_size: int = 16,
+        max_batch: int = 64,
+        num_pages: int | None = None,
+        kv_memory_fraction: float | None = None,
+        max_step_tokens: int = 2048,
+        prefill_chunk: int | None = None,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        from rlk_integrations.transformers import decoder, is_patched
 
-    base = decoder(model)
-    cfg = model.config
-    device = next(model.parameters()).device
-    if cuda_graphs is None:  # value checks (RLK_VALIDATE) read the device: no graph capture
-        cuda_graphs = device.type == "cuda" and not validate_requested()
-    if not isinstance(cuda_graphs, bool):
-        raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
-    if cuda_graphs and device.type != "cuda":
-        raise ValueError(f"cuda_graphs=True needs a CUDA model, this one is on {device.type}")
-    padded_decode = cuda_graphs or _EAGER_PADDED_DECODE
-    dtype = next(model.parameters()).dtype
-    n = len(prompts)
-    seeds = list(range(n)) if seeds is None else list(seeds)
-    if len(seeds) != n:
-        raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
-    lp_temperature = temperature if temperature > 0 else 1.0
-
-    # The last sampled token never enters the cache: a request caches prompt + new - 1 tokens.
-    need = [_cdiv(len(p) + max(max_new_tokens - 1, 0), page_size) for p in prompts]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if kv_memory_fraction is not None:
-        if num_pages is not None:
-            raise ValueError("pass num_pages or kv_memory_fraction, not both")
-        if not 0 < kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
-        if device.type != "cuda":
-            raise ValueError(f"kv_memory_fraction needs a CUDA model, this one is on {device.type}")
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * kv_memory_fraction)
-        page = page_bytes(len(base.layers), page_size, local_kv_heads(model), head_dim, dtype)
-        num_pages = pages_for_memory(budget, page, max_batch, page_size)
-        if need and max(need) > num_pages:
+        if not is_patched(model):
+            raise ValueError("a paged rollout needs a model patched by rlk's patch_model")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be an int >= 1, got {max_len!r}")
+        if page_size < 1 or max_batch < 1:
+            raise ValueError(f"page_size and max_batch must be >= 1, got {page_size}, {max_batch}")
+        if max_step_tokens < max_batch:
             raise ValueError(
-                f"kv_memory_fraction={kv_memory_fraction} gives {num_pages} pages of "
-                f"{page_size} tokens ({budget / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free); "
-                f"the longest request needs {max(need)}"
+                f"max_step_tokens ({max_step_tokens}) must be >= max_batch ({max_batch}) so that "
+                "every running request can decode in each step"
             )
-    if num_pages is None:
-        num_pages = max(1, max_batch * max(need, default=1))
-    if need and max(need) > num_pages:
-        raise ValueError(
-            f"a request needs {max(need)} pages of {page_size} tokens but the cache has {num_pages}"
+        prefill_chunk = max_step_tokens if prefill_chunk is None else prefill_chunk
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        base = decoder(model)
+        cfg = model.config
+        device = next(model.parameters()).device
+        if cuda_graphs is None:  # value checks (RLK_VALIDATE) read the device: no graph capture
+            cuda_graphs = device.type == "cuda" and not validate_requested()
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA model, this one is on {device.type}")
+        dtype = next(model.parameters()).dtype
+        # The last sampled token never enters the cache: a request caches at most max_len - 1.
+        width = max(1, _cdiv(max_len - 1, page_size))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if kv_memory_fraction is not None:
+            if num_pages is not None:
+                raise ValueError("pass num_pages or kv_memory_fraction, not both")
+            if not 0 < kv_memory_fraction <= 1:
+                raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
+            if device.type != "cuda":
+                raise ValueError(
+                    f"kv_memory_fraction needs a CUDA model, this one is on {device.type}"
+                )
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * kv_memory_fraction)
+            page = page_bytes(len(base.layers), page_size, local_kv_heads(model), head_dim, dtype)
+            num_pages = pages_for_memory(budget, page, max_batch, page_size)
+            if width > num_pages:
+                raise ValueError(
+                    f"kv_memory_fraction={kv_memory_fraction} gives {num_pages} pages of "
+                    f"{page_size} tokens ({budget / 2**30:.2f} GiB of {free / 2**30:.2f} GiB "
+                    f"free); the longest request needs {width}"
+                )
+        if num_pages is None:
+            num_pages = max_batch * width
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.model, self.base, self.device, self.dtype = model, base, device, dtype
+        self.max_len, self.page_size, self.max_batch = max_len, page_size, max_batch
+        self.num_pages, self.width = num_pages, width
+        self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
+        self.cuda_graphs = cuda_graphs
+        self.sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.lp_temperature = temperature if temperature > 0 else 1.0
+        padded_decode = cuda_graphs or _EAGER_PADDED_DECODE
+        reserved = pad_pages(max_batch, page_size) if padded_decode else 0
+        self.cache = PagedKVCache(
+            len(base.layers),
+            num_pages + reserved,
+            page_size,
+            local_kv_heads(model),
+            head_dim,
+            dtype=dtype,
+            device=device,
         )
-    allocator = PageAllocator(num_pages)
-    reserved = pad_pages(max_batch, page_size) if padded_decode else 0
-    cache = PagedKVCache(
-        len(base.layers),
-        num_pages + reserved,
-        page_size,
-        local_kv_heads(model),
-        head_dim,
-        dtype=dtype,
-        device=device,
-    )
-    # Build the rotary table once up to the largest position (one host read, here).
-    longest = max((len(p) for p in prompts), default=1) + max_new_tokens
-    base.rotary_emb._rlk_table.gather(torch.tensor([longest], device=device))
+        # Build the rotary table once up to the largest position (one host read, here).
+        base.rotary_emb._rlk_table.gather(torch.tensor([max_len], device=device))
+        self.graphs: _DecodeGraphs | None = None
+        if padded_decode:
+            self.graphs = self._new_graphs()
+        self._state = _capture_state(model, base, device)
 
-    graphs = None
-    sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    if padded_decode:
-        graphs = _DecodeGraphs(
-            model, cache, num_pages=num_pages, width=max(need, default=1), max_batch=max_batch,
-            sample_kw=sample_kw, lp_temperature=lp_temperature, capture=cuda_graphs,
+    def _new_graphs(self) -> _DecodeGraphs:
+        return _DecodeGraphs(
+            self.model, self.cache, num_pages=self.num_pages, width=self.width,
+            max_batch=self.max_batch, sample_kw=self.sample_kw,
+            lp_temperature=self.lp_temperature, capture=self.cuda_graphs,
         )  # fmt: skip
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        seeds: list[int] | None = None,
+        eos_token_id: int | None = None,
+        progress: bool | Callable[[str], None] | None = None,
+    ) -> RolloutResult:
+        """Sample up to ``max_new_tokens`` per prompt; arguments and result as
+        :func:`generate_paged`. Every prompt plus ``max_new_tokens`` must fit ``max_len``."""
+        from rlk_integrations.transformers import is_patched
+
+        if not is_patched(self.model):
+            raise ValueError("the engine's model is no longer patched by rlk's patch_model")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not (progress is None or isinstance(progress, bool) or callable(progress)):
+            raise TypeError(f"progress must be a bool, a callable or None, got {progress!r}")
+        n = len(prompts)
+        seeds = list(range(n)) if seeds is None else list(seeds)
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} prompts")
+        longest = max((len(p) for p in prompts), default=0)
+        if max_new_tokens and longest + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's max_len={self.max_len}"
+            )
+        state = _capture_state(self.model, self.base, self.device)
+        if state != self._state:  # the graphs would read where the weights used to be
+            self.base.rotary_emb._rlk_table.gather(torch.tensor([self.max_len], device=self.device))
+            if self.graphs is not None:
+                self.graphs = self._new_graphs()
+            self._state = _capture_state(self.model, self.base, self.device)
+        return _schedule(self, prompts, max_new_tokens, seeds, eos_token_id, progress)
+
+
+def _schedule(engine: PagedEngine, prompts, max_new_tokens, seeds, eos_token_id, progress):
+    """:meth:`PagedEngine.generate`'s scheduler loop over validated arguments."""
+    model, base, cache, graphs = engine.model, engine.base, engine.cache, engine.graphs
+    device, page_size, max_batch = engine.device, engine.page_size, engine.max_batch
+    max_step_tokens, prefill_chunk = engine.max_step_tokens, engine.prefill_chunk
+    sample_kw, lp_temperature = engine.sample_kw, engine.lp_temperature
+    # The last sampled token never enters the cache: a request caches prompt + new - 1 tokens.
+    need = (
+        [_cdiv(len(p) + max_new_tokens - 1, page_size) for p in prompts] if max_new_tokens else []
+    )
+    if need and max(need) > engine.num_pages:
+        raise ValueError(
+            f"a request needs {max(need)} pages of {page_size} tokens but the cache has "
+            f"{engine.num_pages}"
+        )
+    allocator = PageAllocator(engine.num_pages)  # every page is free at the start of a call
     waiting = deque(
         _Request(i, list(p), len(p), seeds[i]) for i, p in enumerate(prompts) if max_new_tokens
     )
@@ -546,7 +605,7 @@ def generate_paged(
     stats = dict(
         steps=0, max_running=0, mixed_steps=0, prefill_chunks=0, graph_steps=0, late_rows=0
     )
-    logits_dtype = dtype
+    logits_dtype = engine.dtype
     pin = device.type == "cuda"
     bar = _bar(progress, len(waiting) * max_new_tokens)
     say = progress if callable(progress) else None
@@ -672,4 +731,74 @@ def generate_paged(
         sum(len(s.response) for s in samples),
         logits_dtype=logits_dtype,
         extra=stats,
+    )
+
+
+@torch.no_grad()
+def generate_paged(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    seeds: list[int] | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | None = None,
+    page_size: int = 16,
+    max_batch: int = 64,
+    num_pages: int | None = None,
+    kv_memory_fraction: float | None = None,
+    max_step_tokens: int = 2048,
+    prefill_chunk: int | None = None,
+    cuda_graphs: bool | None = None,
+    progress: bool | Callable[[str], None] | None = None,
+) -> RolloutResult:
+    """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
+
+    ``model``: a causal LM patched by :func:`rlk_integrations.transformers.patch_model`.
+    ``seeds`` as in :func:`rlk_integrations.rollout.generate` (default ``i``); the token at
+    position ``p`` uses RNG offset ``p``. A response stops after ``eos_token_id``.
+
+    Scheduling: at most ``max_batch`` requests run at once; ``num_pages`` pages of
+    ``page_size`` tokens are shared (default: enough for ``max_batch`` of the longest
+    requests); a request joins (FIFO) once a slot and ``ceil((prompt + max_new - 1) /
+    page_size)`` pages are free, and waits until then: a full cache makes requests wait, the
+    cache never grows. ``kv_memory_fraction`` (CUDA, instead of ``num_pages``, like
+    vLLM's ``gpu_memory_utilization`` for the cache alone): the pages take at most this
+    fraction of the device memory free at the call (:func:`pages_for_memory`); a budget below
+    one longest request is a ``ValueError``. A step carries at most ``max_step_tokens`` new
+    tokens: every decode first (one token each), then prompt chunks of at most
+    ``prefill_chunk`` tokens (default ``max_step_tokens``) in arrival order.
+
+    ``cuda_graphs`` (default: on for CUDA models, off while ``RLK_VALIDATE`` asks for value
+    checks, which read the device and so cannot be captured): steps in which every running
+    request decodes replay a CUDA graph of the step (:class:`_DecodeGraphs`: padded to a
+    power-of-two batch, the same bits as the eager step), so that the host launches one graph
+    instead of every kernel of every layer; the host reads a graph step's tokens only after it
+    has launched the next one. Steps with prompt chunks run eagerly.
+
+    ``progress``: ``None`` (default) draws a progress bar on stderr (tokens, tokens/s, running
+    and waiting requests) when stderr is a terminal; ``True`` always, ``False`` never; a
+    callable gets a line every 16 steps instead.
+
+    Each call builds a :class:`PagedEngine` (the cache, and the graphs on first use); a loop
+    that samples again and again keeps one engine instead.
+
+    Returns a :class:`~rlk_integrations.rollout.RolloutResult` (samples in prompt order);
+    ``extra`` holds ``steps``, ``max_running``, ``mixed_steps`` (steps with prompt chunks and
+    decodes together), ``prefill_chunks``, ``graph_steps`` and ``late_rows`` (rows computed for
+    a request after its EOS, while the host had not read that token yet; thrown away).
+    """
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max((len(p) for p in prompts), default=1)
+    engine = PagedEngine(
+        model, max_len=longest + max(max_new_tokens, 0), temperature=temperature, top_k=top_k,
+        top_p=top_p, page_size=page_size, max_batch=max_batch, num_pages=num_pages,
+        kv_memory_fraction=kv_memory_fraction, max_step_tokens=max_step_tokens,
+        prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    return engine.generate(
+        prompts, max_new_tokens, seeds=seeds, eos_token_id=eos_token_id, progress=progress
     )
