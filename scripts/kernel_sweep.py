@@ -171,8 +171,10 @@ def tma_linear(x, w, cfg, out, persistent):
     return out
 
 
-TMA_SHAPES = [("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096)]
-TMA_MS = [256, 1024, 4096, 16384]
+TMA_SHAPES = [
+    ("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096), ("q05_up", 896, 4864)
+]  # fmt: skip
+TMA_MS = [1, 64, 256, 1024, 4096]
 
 
 def tma_part(rows) -> None:
@@ -180,13 +182,20 @@ def tma_part(rows) -> None:
     the same bits are required, and the time against cuBLAS."""
     dev, dt = "cuda", torch.bfloat16
     table = rlk._plugins.backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
-    cands = [
+    big = [
         {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": wp, "num_stages": st}
         for bm, bn, wp in ((128, 256, 8), (128, 128, 8), (64, 128, 4), (64, 256, 8))
         for st in (3, 4)
     ]
+    # Decode sizes: narrow N tiles (more programs) with deep pipelines.
+    small = [
+        {"BLOCK_M": 64, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": st}
+        for bn in (32, 64, 128)
+        for st in (4, 6, 8)
+    ]
     for name, K, N in TMA_SHAPES:
         for M in TMA_MS:
+            cands = small if M <= 64 else big + small[3:6]
             n = max(1, min(8, math.ceil(STREAM_BYTES / (N * K * 2)))) if M <= 256 else 1
             ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(n)]
             x = torch.randn(M, K, device=dev, dtype=dt)
