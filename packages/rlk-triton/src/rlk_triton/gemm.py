@@ -157,20 +157,25 @@ def store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stri
 
 @jit
 def _matmul_tma_kernel(
-    a_desc, b_desc, c_desc, bias_ptr, M, N, K, STEP,
+    a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
 ):  # fmt: skip
     # ``k_loop``'s reduction (ascending BLOCK_K tiles, tl.dot into one fp32 tile from zero) on
     # tiles brought by descriptors. A is stored [M, K] (or [K, M] when A_T), B [K, N] (or
-    # [N, K] when B_T). Programs take tiles first, first + STEP, ... (STEP = the grid: one
-    # tile each, or persistent over all of them); tile ids map to tiles as in ``tile_origin``.
+    # [N, K] when B_T). Program p takes tiles p, p + step, ...: one tile each (step = the tile
+    # count, the grid), or persistent over all of them (step = NUM_SMS, the grid); tile ids
+    # map to tiles as in ``tile_origin``. A compile-time step lets the flattened persistent
+    # loop pipeline across tiles (about 9% at 4096 x 4096 x 14336 on an H200 against a step
+    # passed at run time).
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
     num_in_group = GROUP_M * num_pid_n
     rn = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, STEP, flatten=PERSISTENT):
+    step = NUM_SMS if PERSISTENT else num_tiles
+    for tile in tl.range(tl.program_id(0), num_tiles, step, flatten=PERSISTENT):
         first_m = (tile // num_in_group) * GROUP_M
         group_size = min(num_pid_m - first_m, GROUP_M)
         row0 = (first_m + (tile % num_in_group) % group_size) * BLOCK_M
@@ -256,6 +261,10 @@ _CONFIGS = (
     _cfg(64, 128, 4, 4, tma=True),  # 12: M 64-256 at N ~4k, descriptors
     _cfg(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
     _cfg(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
+    _cfg(64, 64, 4, 8, tma=True),  # 15: decode M 17-64, N up to ~8k, descriptors
+    _cfg(64, 128, 4, 6, tma=True),  # 16: decode M 17-64, wider N, descriptors
+    _cfg(64, 64, 4, 6, tma=True),  # 17: M 65-256, N up to ~8k, descriptors
+    _cfg(64, 256, 8, 4, tma=True, persistent=True),  # 18: M ~1k with a short K, persistent
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -268,23 +277,30 @@ def _tiles(M, N, cfg):
 def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     """Config for an [M, N] output reduced over K.
 
-    Up to M = 64 the product streams W from memory (64-row tiles, the fewest wgmma pads):
-    the widest N tile that still gives every SM a program, with the deepest pipeline that fits
-    shared memory. Above, tiles come through descriptors: 64x128 or 128x256 up to M = 256,
-    then 128x256, persistent once there are four tiles per SM. Chosen from
-    ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against cuBLAS
-    at the Llama-3-8B and Qwen2-0.5B projections).
+    Up to M = 64 the product streams W from memory (64-row tiles, the fewest wgmma pads). Up
+    to M = 16 the pointer kernel: the widest N tile that still gives every SM a program, with
+    the deepest pipeline that fits shared memory (a descriptor's 64-row box of A, mostly out of
+    range there, made it slower). From M = 17 descriptors: 64x64 tiles, 64x128 where N gives
+    every SM a program at that width. Up to M = 256: 128x256 for N >= 8192 or where it fills
+    the GPU, else 64x64. Above: 128x256 persistent, or 64x256 persistent for a short K
+    (<= 1024) until there are four 128x256 tiles per SM. Chosen from ``scripts/kernel_sweep.py``
+    on an H200 (CUDA-graph GPU time of every candidate against cuBLAS at the Llama-3-8B and
+    Qwen2-0.5B projections).
     """
     if dtype_bytes == 4:
         return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
-    if M <= 64:
+    if M <= 16:
         for i in (2, 1):
             if _tiles(M, N, _CONFIGS[i]) >= _NUM_SMS:
                 return i
         return 0
+    if M <= 64:
+        return 16 if _tiles(M, N, _CONFIGS[16]) >= _NUM_SMS else 15
     if M <= 256:
-        return 13 if _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS else 12
-    return 14 if _tiles(M, N, _CONFIGS[14]) >= 4 * _NUM_SMS else 13
+        return 13 if N >= 8192 or _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS else 17
+    if K <= 1024 and _tiles(M, N, _CONFIGS[14]) < 4 * _NUM_SMS:
+        return 18
+    return 14
 
 
 def _choose_dw(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
@@ -336,11 +352,12 @@ def _launch_tma(a, b, bias, c, cfg, a_lay, b_lay):
     b_desc = TensorDescriptor(b, b_lay[1], b_lay[2], [bn, bk] if b_t else [bk, bn])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = min(tiles, _sm_count(a.device)) if cfg["PERSISTENT"] else tiles
+    sms = _sm_count(a.device)
+    grid = min(tiles, sms) if cfg["PERSISTENT"] else tiles
     return _matmul_tma_kernel[(grid,)](
-        a_desc, b_desc, c_desc, bias if bias is not None else c, M, N, R, grid,
+        a_desc, b_desc, c_desc, bias if bias is not None else c, M, N, R,
         HAS_BIAS=bias is not None, A_T=a_t, B_T=b_t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg["GROUP_M"], PERSISTENT=cfg["PERSISTENT"],
+        GROUP_M=cfg["GROUP_M"], PERSISTENT=cfg["PERSISTENT"], NUM_SMS=sms,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 

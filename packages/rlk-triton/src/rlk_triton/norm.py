@@ -61,12 +61,11 @@ def _pow2(k):
 
 
 @jit
-def _fixed_point_sum(v, AXIS: tl.constexpr):
-    # _exact_sum of finite terms: each scaled by a power of two so that the largest becomes
-    # [2^40, 2^41), truncated to int64; the integers are added and the total scaled back.
-    m = tl.max(tl.abs(v), axis=AXIS)
+def _fixed_point_sum(v, m_bits, AXIS: tl.constexpr):
+    # The int64 sum of _exact_sum over finite ``v`` whose largest magnitude has the fp32 bits
+    # ``m_bits`` (per row along AXIS).
     # floor(log2(m)) from the exponent bits; -127 for zero and subnormals, which still fit.
-    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = ((m_bits >> 23) & 0xFF) - 127
     # The shift can exceed fp32's exponent range, so apply it as two exact factors.
     shift = _FRAC_BITS - e
     a = shift >> 1
@@ -84,19 +83,29 @@ def _exact_sum(v, AXIS: tl.constexpr):
     truncated to int64 and the integers are added (exact, so any tree gives the same total);
     the total is rounded to fp32 once and scaled back. Infinities and NaNs are summed apart,
     over the non-finite terms only, which is order-free too (inf, -inf or nan).
-
-    A plain fp32 sum first tells whether any term of the block is non-finite (the sum is then
-    inf or nan). Only such blocks pay for the masks that set those terms apart; a finite term
-    gives the same integer either way, so the branch never changes a bit.
     """
-    plain = tl.sum(v, axis=AXIS)
-    if tl.sum(((plain != plain) | (tl.abs(plain) == float("inf"))).to(tl.int32)) == 0:
-        total = _fixed_point_sum(v, AXIS)
+    finite = (v == v) & (tl.abs(v) != float("inf"))
+    special = tl.sum(tl.where(finite, 0.0, v), axis=AXIS)
+    v = tl.where(finite, v, 0.0)
+    m = tl.max(tl.abs(v), axis=AXIS)
+    total = _fixed_point_sum(v, m.to(tl.int32, bitcast=True), AXIS)
+    return tl.where(special == 0.0, total, special)
+
+
+@jit
+def _exact_sum_or_masked(v, AXIS: tl.constexpr):
+    """:func:`_exact_sum`, cheaper where every term is finite (the forward's case).
+
+    The largest magnitude is taken on the fp32 bits as integers (positive floats order as
+    their bits do; +inf is 0x7F800000 and NaNs lie above), so one max tells whether a term is
+    non-finite. Only blocks that hold one pay for the masks; the finite path gives the very
+    integers the masked one does, so the branch never changes a bit.
+    """
+    m_bits = tl.max(tl.abs(v).to(tl.int32, bitcast=True), axis=AXIS)
+    if tl.max(m_bits) < 0x7F800000:
+        total = _fixed_point_sum(v, m_bits, AXIS)
     else:
-        finite = (v == v) & (tl.abs(v) != float("inf"))
-        special = tl.sum(tl.where(finite, 0.0, v), axis=AXIS)
-        total = _fixed_point_sum(tl.where(finite, v, 0.0), AXIS)
-        total = tl.where(special == 0.0, total, special)
+        total = _exact_sum(v, AXIS)
     return total
 
 
@@ -145,7 +154,7 @@ def _rms_norm_fwd_kernel(
         mask = row_ok[:, None] & (cols < H)[None, :]
         offs = base + cols[None, :]
         x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, True)
-        ss = _exact_sum(x * x, 1)
+        ss = _exact_sum_or_masked(x * x, 1)
         rstd = tl.rsqrt(ss / H + eps)
         # Squares of finite inputs can overflow where the float64 reference does not: such rows
         # are summed again scaled by a power of two (exact), and only they (the bits of every
