@@ -17,13 +17,13 @@ Pieces:
   device value on the host.
 - :class:`PagedEngine`: the cache and the decode graphs, kept across its :meth:`generate
   <PagedEngine.generate>` calls; :func:`generate_paged` builds one for a single call.
-- :func:`generate_paged` (and :meth:`PagedEngine.generate`): the scheduler. Requests wait in FIFO order and join the running set
-  when a batch slot and all the pages the request can need are free (so no request is ever
-  preempted); each step packs, for every running request, either its next prompt chunk
-  (chunked prefill) or its last sampled token (decode) into one ``[1, T]`` row of varlen
-  queries, runs the decoder layers on it, samples one token for every request whose known
-  tokens are now all cached, and retires requests that reached ``max_new_tokens`` or EOS,
-  freeing their pages for the queue.
+- :func:`generate_paged` (and :meth:`PagedEngine.generate`): the scheduler. Requests wait in
+  FIFO order and join the running set when a batch slot and all the pages the request can need
+  are free (so no request is ever preempted); each step packs, for every running request,
+  either its next prompt chunk (chunked prefill) or its last sampled token (decode) into one
+  ``[1, T]`` row of varlen queries, runs the decoder layers on it, samples one token for every
+  request whose known tokens are now all cached, and retires requests that reached
+  ``max_new_tokens`` or EOS, freeing their pages for the queue.
 
 Why the bits match the padded mode: every op but attention is row-wise and batch-invariant;
 :func:`rlk.paged_attention` gives :func:`rlk.attention`'s bits whatever the page size, the page
