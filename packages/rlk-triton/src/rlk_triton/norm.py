@@ -286,13 +286,12 @@ def _sum_groups_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.conste
 
 
 def _choose_fwd(*, rows: int, hidden: int) -> int:
-    # H200, scripts/kernel_sweep.py --parts norm: 2048 elements and 4 warps per program up to
-    # H = 2048 (93 us against 113 us for 4096 at T = 65536, H = 896; 183 against 202 at H = 2048).
+    # H200, scripts/kernel_sweep.py --parts norm: 2048 elements (at least one row) and 4 warps
+    # per program up to H = 4096 (78 us at T = 65536, H = 896; 150 us at H = 2048; 91 us
+    # against 102 us for 4096 elements and 8 warps at T = 16384, H = 4096).
     block = _block(hidden)
-    if block <= 2048:
-        return 0  # 2048 elements per program, 4 warps
     if block <= 4096:
-        return 2  # 4096, 8 warps
+        return 0  # 2048 elements per program, 4 warps
     return 4  # 8192, 16 warps
 
 
