@@ -145,6 +145,24 @@ def test_default_configs_keep_one_mma_kind():
                     assert 0 <= i < len(rule.configs)
 
 
+def test_eager_small_products_launch_pointers(monkeypatch):
+    # A chosen descriptor config runs the pointer kernel (same tiles, same bits) for an eager
+    # product under _HOST_BOUND_FLOPS; a larger product, or a forced config, gets descriptors.
+    seen = []
+    monkeypatch.setattr(gemm, "_launch_tma", lambda *args: seen.append("tma"))
+    x, w, _ = _inputs(300, 64, 48, torch.bfloat16)
+    cfg = tuning.config(gemm.TUNING, "linear.fwd", M=300, N=48, K=64, dtype_bytes=2)
+    assert cfg["TMA"]
+    ref = gemm.linear(x, w, None, table=SMALL_TABLE)
+    assert torch.equal(gemm.linear(x, w, None, table=gemm.TUNING), ref) and seen == []
+    with tuning.force("linear", {"linear.fwd": cfg}):
+        gemm.linear(x, w, None, table=gemm.TUNING)
+    assert seen == ["tma"]
+    monkeypatch.setattr(gemm, "_HOST_BOUND_FLOPS", 0)
+    gemm.linear(x, w, None, table=gemm.TUNING)
+    assert seen == ["tma", "tma"]
+
+
 def test_edge_shapes():
     x, w, b = _inputs(0, 40, 8, torch.bfloat16)
     assert gemm.linear(x, w, b, table=SMALL_TABLE).shape == (0, 8)

@@ -270,6 +270,15 @@ _CONFIGS = (
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
 
+#: Called eagerly (not under CUDA graph capture), a product of fewer FLOPs than this runs the
+#: pointer kernel on the tiles its config names, even where the config asks for descriptors.
+#: Such a product takes under about 100 us on an H200, and an eager step of them (training, an
+#: eager rollout) waits on the host, for whom a descriptor launch costs 25-55 us more than a
+#: pointer launch (three tensor maps encoded per call; scripts/host_overhead.py). A captured
+#: graph pays that cost once, so there the config's choice stands. A forced config (the
+#: conformance kit, the tests) is always launched as it is. Either kernel gives the same bits.
+_HOST_BOUND_FLOPS = 2**36
+
 
 def _tiles(M, N, cfg):
     return triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
@@ -283,10 +292,11 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     the deepest pipeline that fits shared memory (a descriptor's 64-row box of A, mostly out of
     range there, made it slower). From M = 17 descriptors: 64x64 tiles, 64x128 where N gives
     every SM a program at that width. Up to M = 256: 128x256 for N >= 8192 or where it fills
-    the GPU, else 64x64 (a 4-stage pipeline for a short K, <= 1024). Above: 128x256 persistent, or 64x256 persistent for a short K
-    (<= 1024) until there are four 128x256 tiles per SM. Chosen from ``scripts/kernel_sweep.py``
-    on an H200 (CUDA-graph GPU time of every candidate against cuBLAS at the Llama-3-8B and
-    Qwen2-0.5B projections).
+    the GPU, else 64x64 (a 4-stage pipeline for a short K, <= 1024). Above: 128x256
+    persistent, or 64x256 persistent for a short K (<= 1024) until there are four 128x256 tiles
+    per SM. Chosen from
+    ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
+    cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
     """
     if dtype_bytes == 4:
         return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
@@ -377,19 +387,21 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch(a, b, bias, c, cfg):
+def _launch(a, b, bias, c, cfg, descriptors: bool = True):
     """Run a kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
     handle of the compiled kernel (the GPU tests read its PTX).
 
     A config asking for descriptors (``TMA``) gets them for bf16/fp16 operands whose layouts a
-    descriptor can express and an output of their width; others run the pointer kernel with the
-    same tiles, which gives the same bits (the same ``tl.dot`` chain over the same K tiles)."""
+    descriptor can express and an output of their width, unless ``descriptors`` is False;
+    others run the pointer kernel with the same tiles, which gives the same bits (the same
+    ``tl.dot`` chain over the same K tiles)."""
     M, R = a.shape
     N = b.shape[1]
     # The descriptor kernel stages C's tile in shared memory for its bulk store: at the input
     # width the configs fit, an fp32 C (fused_logprobs' partials) would not.
     wide_c = c.element_size() != a.element_size()
-    if cfg.get("TMA") and a.dtype != torch.float32 and not wide_c and c.is_contiguous():
+    tma = descriptors and cfg.get("TMA")
+    if tma and a.dtype != torch.float32 and not wide_c and c.is_contiguous():
         a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
             return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
@@ -428,7 +440,12 @@ def _matmul(a, b, bias, out_dtype, table, key):
     if R == 0:
         return c.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(c))
     cfg = tuning.config(table, key, M=M, N=N, K=R, dtype_bytes=a.element_size())
-    _launch(a, b, bias, c, cfg)
+    descriptors = (
+        2 * M * N * R >= _HOST_BOUND_FLOPS
+        or tuning.is_forced(key)
+        or (c.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
+    _launch(a, b, bias, c, cfg, descriptors)
     return c
 
 

@@ -63,6 +63,11 @@ def config(table: TuningTable, key: str, **shape: int) -> Config:
     return rule.configs[rule.choose(**shape)]
 
 
+def is_forced(key: str) -> bool:
+    """Whether kernel ``key`` runs a config forced by :func:`force` in this context."""
+    return (_forced.get() or {}).get(key) is not None
+
+
 #: Ops built from other ops' kernels: their tuning is the tuning of those kernels.
 COMPOSED = {"linear_logprobs": ("linear", "logprobs")}
 
