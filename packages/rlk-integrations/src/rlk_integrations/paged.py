@@ -162,21 +162,38 @@ class _Request:
 def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache):
     """The decoder layers on one packed row: ``ids``/``positions`` int64 ``[T]`` -> ``[T, H]``
     final hidden states (after the last norm). The rotary rows are taken from the patched rotary
-    table (already built up to the largest position, so no lookup reads the device)."""
+    table (already built up to the largest position, so no lookup reads the device).
+
+    The layers are the patched pre-norm layers (:func:`rlk_integrations.transformers.
+    _decoder_layer_forward`) step by step, with the residual add that ends a layer fused into
+    the next RMSNorm (the final norm for the last layer): ``rms_norm(h, residual=r)`` rounds
+    ``h + r`` once and normalises it, the bits of the add then the norm, one kernel fewer per
+    layer."""
     cos, sin = base.rotary_emb._rlk_table.lookup(positions)
-    cos, sin = cos[None], sin[None]
+    pos_emb = (cos[None], sin[None])
     h = base.embed_tokens(ids[None])
-    pos = positions[None]
+    residual = None
     for layer in base.layers:
-        h = layer(
-            h,
+        norm = layer.input_layernorm
+        if residual is None:
+            x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon), h
+        else:
+            x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)
+        a, _ = layer.self_attn(
+            hidden_states=x,
             attention_mask=None,
-            position_ids=pos,
+            position_ids=positions[None],
             past_key_values=cache,
             use_cache=True,
-            position_embeddings=(cos, sin),
+            position_embeddings=pos_emb,
         )
-    return base.norm(h)[0]
+        norm = layer.post_attention_layernorm
+        x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
+        h = layer.mlp(x)
+    norm = base.norm
+    if residual is None:  # no layers
+        return rlk.rms_norm(h, norm.weight, norm.variance_epsilon)[0]
+    return rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)[0][0]
 
 
 class _DecodeGraphs:

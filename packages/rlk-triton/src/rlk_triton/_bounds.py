@@ -14,16 +14,29 @@ every kernel that reads an index bounds it itself:
   at the next synchronisation; on CPU it reads the flag at once and raises ``ValueError``.
 
 So a bad index can corrupt nothing, and it cannot pass unnoticed either.
+
+On a GPU the flag is one tensor per device, made once, not one per call: it never needs setting
+back to 1, since a failed check ends the CUDA context; so a decode step spends no kernel filling
+flags. On CPU every call gets a fresh flag (a test may run a kernel on bad input without
+:func:`report`, which must not leave a cleared flag to the next call).
 """
 
 from __future__ import annotations
 
 import torch
 
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
 
 def flag(device: torch.device) -> torch.Tensor:
-    """A fresh ``ok`` flag, int32 ``[1]`` = 1; a kernel that meets a bad index stores 0."""
-    return torch.ones(1, dtype=torch.int32, device=device)
+    """The ``ok`` flag of ``device``, int32 ``[1]`` = 1; a kernel that meets a bad index stores
+    0."""
+    if device.type == "cpu":
+        return torch.ones(1, dtype=torch.int32)
+    ok = _FLAGS.get(device)
+    if ok is None:
+        ok = _FLAGS[device] = torch.ones(1, dtype=torch.int32, device=device)
+    return ok
 
 
 def report(ok: torch.Tensor, message: str) -> None:
