@@ -196,6 +196,22 @@ def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.T
     return rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)[0][0]
 
 
+@dataclass
+class _Launched:
+    """A launched decode step: its tokens ``[rows]`` (pinned host memory, valid once ``ready``
+    has completed; on the device when ``ready`` is None) and float32 log-probabilities on the
+    device."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tokens.tolist()
+
+
 class _DecodeGraphs:
     """The decode-only step (every running request adds its last token) as CUDA graphs.
 
@@ -210,10 +226,11 @@ class _DecodeGraphs:
     copies). A row's input token is either given by the host or, when the host has not read
     it yet, taken on the device from the tokens the previous step sampled (``src``, that
     step's row; every step leaves its tokens in ``prev``): so the host can launch step n + 1
-    before it reads step n's tokens. A bucket's graph is captured the first time a step needs
-    it, after one eager run on a side stream (Triton compiles there). With ``capture=False``
-    the padded step runs eagerly: the same arithmetic without graphs, for machines without CUDA
-    and for tests.
+    before it reads step n's tokens, which arrive in pinned host memory behind step n (an event
+    marks them), so reading them waits for step n alone. A bucket's graph is captured the
+    first time a step needs it, after one eager run on a side stream (Triton compiles there).
+    With ``capture=False`` the padded step runs eagerly: the same arithmetic without graphs, for
+    machines without CUDA and for tests.
     """
 
     def __init__(self, model, cache: PagedKVCache, *, num_pages: int, width: int, max_batch: int,
@@ -322,20 +339,27 @@ class _DecodeGraphs:
             self.graphs[B] = (graph, tok, lp)
         return self.graphs[B]
 
-    def run(self, rows: list[_Request], prev_row: dict[int, int]) -> tuple[torch.Tensor, ...]:
-        """Tokens and float32 log-probabilities ``[len(rows)]`` of one decode step, left on the
-        device. ``prev_row``: ``id(request) -> row`` of the previous step, for the requests whose
-        input token the host has not read."""
+    def run(self, rows: list[_Request], prev_row: dict[int, int]) -> _Launched:
+        """Launch one decode step of ``rows``. ``prev_row``: ``id(request) -> row`` of the
+        previous step, for the requests whose input token the host has not read."""
         B = self.bucket(len(rows))
+        n = len(rows)
         if not self.capture:
             self._fill(rows, B, prev_row)
             tok, lp = self._step(B)
-        else:
-            graph, tok, lp = self._graph(B)
-            self._fill(rows, B, prev_row)
-            graph.replay()
-        n = len(rows)
-        return tok[:n].clone(), lp[:n].clone().float()  # the next replay overwrites both
+            return _Launched(tok[:n].clone(), lp[:n].float(), None)
+        graph, tok, lp = self._graph(B)
+        self._fill(rows, B, prev_row)
+        graph.replay()
+        lp = lp[:n].float()  # a copy: the next replay overwrites lp
+        # The tokens go to pinned host memory right behind the step, and the event marks their
+        # arrival: reading them waits for this step only, not for a step launched after it (a
+        # plain .tolist() would sync the stream, the next step included).
+        host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        host.copy_(tok[:n], non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(host, lp, ready)
 
 
 #: Run the padded decode step of :class:`_DecodeGraphs` eagerly where graphs are off (tests
@@ -632,7 +656,7 @@ def _schedule(engine: PagedEngine, prompts, max_new_tokens, seeds, eos_token_id,
     # request that stops at EOS is learnt one step late: the step launched meanwhile computes
     # one row for it that is thrown away (writing its own pages only; batch invariance keeps
     # the other rows' bits).
-    pending: tuple[list[_Request], torch.Tensor, int] | None = None  # rows, tokens, lp index
+    pending: tuple[list[_Request], _Launched, int] | None = None  # rows, step, lp index
 
     def finish(rows: list[_Request], tokens: list[int], lp_index: int) -> None:
         """Read one step's tokens into its requests; retire those that are done."""
@@ -685,9 +709,9 @@ def _schedule(engine: PagedEngine, prompts, max_new_tokens, seeds, eos_token_id,
         if pending is not None and not graph_step:
             # An eager step reads its input tokens on the host: read the pending step first,
             # then schedule again with them.
-            rows, tok, lp_index = pending
+            rows, launched, lp_index = pending
             pending = None
-            finish(rows, tok.tolist(), lp_index)
+            finish(rows, launched.read(), lp_index)
             continue
         if not batch:
             raise RuntimeError("no running request can take a step")  # unreachable
@@ -699,16 +723,16 @@ def _schedule(engine: PagedEngine, prompts, max_new_tokens, seeds, eos_token_id,
         if graph_step:
             rows = [r for r, _ in batch]  # decodes only: every request samples
             prev_row = {id(r): j for j, r in enumerate(pending[0])} if pending else {}
-            tok, lp = graphs.run(rows, prev_row)
+            launched = graphs.run(rows, prev_row)
             logits_dtype = graphs.logits_dtype
-            step_lps.append(lp)
+            step_lps.append(launched.logprobs)
             stats["graph_steps"] += 1
             for r in rows:
                 r.cached += 1
                 r.inflight += 1
-            previous, pending = pending, (rows, tok, len(step_lps) - 1)
+            previous, pending = pending, (rows, launched, len(step_lps) - 1)
             if previous is not None:  # the scheduler's one device read per step
-                finish(previous[0], previous[1].tolist(), previous[2])
+                finish(previous[0], previous[1].read(), previous[2])
         else:
             sampled, new_tok, lp, dt = _eager_step(
                 model, base, cache, batch, sample_kw, lp_temperature, pin
