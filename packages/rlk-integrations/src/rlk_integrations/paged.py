@@ -251,6 +251,7 @@ class _DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.logits_dtype: torch.dtype | None = None
+        self.eager_out: tuple[torch.Tensor, torch.Tensor] | None = None  # capture=False only
 
     def bucket(self, b: int) -> int:
         return min(1 << (b - 1).bit_length(), self.max_batch)
@@ -344,14 +345,23 @@ class _DecodeGraphs:
         previous step, for the requests whose input token the host has not read."""
         B = self.bucket(len(rows))
         n = len(rows)
-        if not self.capture:
+        if self.capture:
+            graph, tok, lp = self._graph(B)
             self._fill(rows, B, prev_row)
-            tok, lp = self._step(B)
-            return _Launched(tok[:n].clone(), lp[:n].float(), None)
-        graph, tok, lp = self._graph(B)
-        self._fill(rows, B, prev_row)
-        graph.replay()
-        lp = lp[:n].float()  # a copy: the next replay overwrites lp
+            graph.replay()
+        else:
+            # Through static outputs like the graph's, so that the CPU tests see what the next
+            # step overwrites.
+            self._fill(rows, B, prev_row)
+            step_tok, step_lp = self._step(B)
+            if self.eager_out is None or self.eager_out[0].shape[0] < B:
+                self.eager_out = (torch.empty_like(step_tok), torch.empty_like(step_lp))
+            tok, lp = self.eager_out[0][:B], self.eager_out[1][:B]
+            tok.copy_(step_tok)
+            lp.copy_(step_lp)
+        lp = lp[:n].to(torch.float32, copy=True)  # the next step overwrites lp
+        if not self.capture:
+            return _Launched(tok[:n].clone(), lp, None)
         # The tokens go to pinned host memory right behind the step, and the event marks their
         # arrival: reading them waits for this step only, not for a step launched after it (a
         # plain .tolist() would sync the stream, the next step included).
