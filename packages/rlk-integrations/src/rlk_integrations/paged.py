@@ -162,37 +162,27 @@ class _Request:
 def _forward_packed(base: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache):
     """The decoder layers on one packed row: ``ids``/``positions`` int64 ``[T]`` -> ``[T, H]``
     final hidden states (after the last norm). The rotary rows are taken from the patched rotary
-    table (already built up to the largest position, so no lookup reads the device).
+    table (already built up to the largest position, so no lookup reads the device). Each
+    layer's closing residual add is fused into the next RMSNorm, the final norm for the last
+    layer (:func:`rlk_integrations.transformers.layer_step`: the same bits)."""
+    from rlk_integrations.transformers import layer_step
 
-    The layers are the patched pre-norm layers (:func:`rlk_integrations.transformers.
-    _decoder_layer_forward`) step by step, with the residual add that ends a layer fused into
-    the next RMSNorm (the final norm for the last layer): ``rms_norm(h, residual=r)`` rounds
-    ``h + r`` once and normalises it, the bits of the add then the norm, one kernel fewer per
-    layer."""
     cos, sin = base.rotary_emb._rlk_table.lookup(positions)
-    pos_emb = (cos[None], sin[None])
-    h = base.embed_tokens(ids[None])
-    residual = None
+    h, residual = base.embed_tokens(ids[None]), None
     for layer in base.layers:
-        norm = layer.input_layernorm
-        if residual is None:
-            x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon), h
-        else:
-            x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)
-        a, _ = layer.self_attn(
-            hidden_states=x,
+        h, residual = layer_step(
+            layer,
+            h,
+            residual,
             attention_mask=None,
             position_ids=positions[None],
             past_key_values=cache,
             use_cache=True,
-            position_embeddings=pos_emb,
+            position_embeddings=(cos[None], sin[None]),
         )
-        norm = layer.post_attention_layernorm
-        x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
-        h = layer.mlp(x)
     norm = base.norm
     if residual is None:  # no layers
-        return rlk.rms_norm(h, norm.weight, norm.variance_epsilon)[0]
+        return norm(h)[0]
     return rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)[0][0]
 
 
@@ -251,7 +241,9 @@ class _DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.logits_dtype: torch.dtype | None = None
-        self.eager_out: tuple[torch.Tensor, torch.Tensor] | None = None  # capture=False only
+        # capture=False: the eager step's outputs are copied here, as the graph's stay in place.
+        self.eager_tok = torch.zeros(B, dtype=torch.int64, device=device)
+        self.eager_lp = torch.zeros(B, dtype=torch.float32, device=device)
 
     def bucket(self, b: int) -> int:
         return min(1 << (b - 1).bit_length(), self.max_batch)
@@ -354,11 +346,7 @@ class _DecodeGraphs:
             # step overwrites.
             self._fill(rows, B, prev_row)
             step_tok, step_lp = self._step(B)
-            if self.eager_out is None or self.eager_out[0].shape[0] < B:
-                self.eager_out = (torch.empty_like(step_tok), torch.empty_like(step_lp))
-            tok, lp = self.eager_out[0][:B], self.eager_out[1][:B]
-            tok.copy_(step_tok)
-            lp.copy_(step_lp)
+            tok, lp = self.eager_tok[:B].copy_(step_tok), self.eager_lp[:B].copy_(step_lp)
         lp = lp[:n].to(torch.float32, copy=True)  # the next step overwrites lp
         if not self.capture:
             return _Launched(tok[:n].clone(), lp, None)

@@ -333,9 +333,10 @@ def _decoder_layer_forward(
 ) -> torch.Tensor:
     """The HF pre-norm decoder layer with the post-attention RMSNorm fused with its residual add."""
     past_key_values = _take_cache(past_key_values, kwargs)
-    h = self.input_layernorm(hidden_states)
-    h, _ = self.self_attn(
-        hidden_states=h,
+    out, residual = layer_step(
+        self,
+        hidden_states,
+        None,
         attention_mask=attention_mask,
         position_ids=position_ids,
         past_key_values=past_key_values,
@@ -343,9 +344,28 @@ def _decoder_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    norm = self.post_attention_layernorm
-    h, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=hidden_states)
-    return residual + self.mlp(h)
+    return residual + out
+
+
+def layer_step(
+    layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One patched pre-norm decoder layer, its closing residual add left to the caller: returns
+    ``(mlp_out, residual)``, the layer's output being ``residual + mlp_out``.
+
+    ``residual`` None: ``h`` is the layer's input. Otherwise ``h`` is the previous layer's
+    ``mlp_out`` and its add to ``residual`` is fused into this layer's input RMSNorm
+    (``rms_norm(h, residual=r)`` rounds ``h + r`` once and normalises it: the bits of the add
+    then the norm, one kernel fewer). ``attn_kwargs`` go to the attention module."""
+    norm = layer.input_layernorm
+    if residual is None:
+        x, residual = norm(h), h
+    else:
+        x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)
+    a, _ = layer.self_attn(hidden_states=x, **attn_kwargs)
+    norm = layer.post_attention_layernorm
+    x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
+    return layer.mlp(x), residual
 
 
 # --------------------------------------------------------------------------------------------

@@ -440,7 +440,7 @@ def _matmul(a, b, bias, out_dtype, table, key):
     if R == 0:
         return c.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(c))
     cfg = tuning.config(table, key, M=M, N=N, K=R, dtype_bytes=a.element_size())
-    descriptors = (
+    descriptors = bool(cfg.get("TMA")) and (
         2 * M * N * R >= _HOST_BOUND_FLOPS
         or tuning.is_forced(key)
         or (c.is_cuda and torch.cuda.is_current_stream_capturing())
