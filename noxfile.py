@@ -8,10 +8,17 @@ docs/development.md, "Working on a GPU machine", and scripts/gpu_install.sh).
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+
+# torch and Triton are downloads of hundreds of MB: pip resumes an interrupted one this many
+# times before it fails the session (pip < 25.1 ignores the setting).
+os.environ.setdefault("PIP_RESUME_RETRIES", "20")
+os.environ.setdefault("PIP_RETRIES", "10")
 
 PACKAGES = [
     "packages/rlk-reference",
@@ -63,7 +70,9 @@ def tests(session: nox.Session) -> None:
 
     Stage 1 runs the tests not marked ``slow`` under each OpenBLAS kernel family of
     :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
-    runs) once. Arguments after ``--`` go to every pytest run.
+    runs) once; stage 3 the transformers integration on each end of the supported range
+    (:func:`_transformers_range`). Arguments after ``--`` go to the pytest runs of stages 1
+    and 2, and a selection given there skips stage 3.
     """
     _install(session, "transformers", "megatron-core", "trl", "pytest", "pytest-xdist")
     session.run("rlk", "info")
@@ -79,39 +88,55 @@ def tests(session: nox.Session) -> None:
     env = dict(base, OPENBLAS_CORETYPE=cores[0]) if cores[0] else base
     session.log("stage 2: slow tests (multi-process, long interpreter runs)")
     session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
+    if args:
+        session.log("stage 3 skipped: a test selection was given after --")
+        return
+    _transformers_range(session, env)
 
 
 #: The oldest and newest transformers rlk[transformers] admits (rlk_integrations.transformers.
-#: TESTED_TRANSFORMERS); constraints.txt pins the oldest for every other session.
+#: TESTED_TRANSFORMERS); constraints.txt pins the oldest for every session.
 TRANSFORMERS_RANGE = ["5.17.0", "5.24.0"]
 
 
-@nox.session
-@nox.parametrize("transformers", TRANSFORMERS_RANGE)
-def transformers_range(session: nox.Session, transformers: str) -> None:
-    """The transformers integration on each end of the supported range: its tests, then
-    ``rlk consistency`` (both rollout modes must give exactly 0) on the Qwen2, Llama and Qwen3
-    tiny models."""
+def _transformers_range(session: nox.Session, env: dict[str, str]) -> None:
+    """Stage 3 of ``tests``: ``rlk consistency`` (both rollout modes must give exactly 0) on the
+    Qwen2, Llama and Qwen3 tiny models at each end of :data:`TRANSFORMERS_RANGE`, and the
+    integration's tests at the ends that constraints.txt does not pin (stage 1 ran them on the
+    pinned one).
+
+    It swaps transformers inside the tests' own environment and puts the pinned release back
+    at the end: a second environment would hold a second torch and Triton (over 2 GB).
+    """
     pins = session.create_tmp() + "/constraints.txt"
     with open("constraints.txt") as src, open(pins, "w") as dst:
         dst.writelines(line for line in src if not line.startswith("transformers"))
-    args = ["-c", pins]
-    for p in PACKAGES:
-        args += ["-e", p]
-    session.install(*args, f"transformers=={transformers}", "pytest", "pytest-xdist")
-    env = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"}
-    session.run(
-        "pytest",
-        "-n",
-        "2",
-        "-q",
+    pinned = _pinned("transformers")
+    tests = [
         "packages/rlk-integrations/tests/test_integration_transformers.py",
         "packages/rlk-integrations/tests/test_paged_rollout.py",
         "packages/rlk-integrations/tests/test_consistency.py",
-        env=env,
-    )
-    for model in ("tiny", "tiny-llama", "tiny-qwen3"):
-        session.run("rlk", "consistency", "--model", model, "--quiet", env=env)
+    ]
+    try:
+        for version in TRANSFORMERS_RANGE:
+            session.log(f"stage 3: the transformers integration on transformers {version}")
+            session.install("-c", pins, f"transformers=={version}")
+            if version != pinned:
+                session.run("pytest", "-n", "2", "-q", *tests, env=env)
+            for model in ("tiny", "tiny-llama", "tiny-qwen3"):
+                session.run("rlk", "consistency", "--model", model, "--quiet", env=env)
+    finally:
+        session.install("-c", "constraints.txt", "transformers")
+
+
+def _pinned(package: str) -> str:
+    """The version constraints.txt pins ``package`` to."""
+    with open("constraints.txt") as f:
+        for line in f:
+            name, sep, version = line.split("#")[0].strip().partition("==")
+            if sep and name == package:
+                return version.split(";")[0].strip()
+    raise ValueError(f"constraints.txt pins no {package}")
 
 
 @nox.session

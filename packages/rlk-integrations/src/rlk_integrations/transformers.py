@@ -62,7 +62,7 @@ ATTN_NAME = "rlk"
 # patch_model(leaves=...) runs on rlk.parallel.tree_linear.
 ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
 #: The oldest and newest transformers releases (major.minor) this integration is tested with:
-#: ``nox -s transformers_range`` runs the integration tests and ``rlk consistency`` on both.
+#: ``nox -s tests`` (its stage 3) runs the integration tests and ``rlk consistency`` on both.
 #: ``rlk[transformers]`` declares the same range.
 TESTED_TRANSFORMERS = ((5, 17), (5, 24))
 
