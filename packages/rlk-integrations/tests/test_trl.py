@@ -206,6 +206,58 @@ def test_rollout_kwargs_checked(tmp_path):
         _trainer(RLKGRPOTrainer, _config(tmp_path), rollout_kwargs={"page_sise": 8})
 
 
+class _Engines(RLKGRPOTrainer):
+    """Records the rollout engine of each generation round and the completions' mask and
+    sampling log-probabilities of each optimizer step."""
+
+    def _init_check(self) -> None:
+        super()._init_check()
+        self.engines: list[object] = []
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def _compute_loss(self, model, inputs):
+        mask, sampling = inputs["completion_mask"].bool(), inputs["sampling_per_token_logps"]
+        self.seen.append(dict(mask=mask, sampling=sampling.clone()))
+        return super()._compute_loss(model, inputs)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        out = super()._generate_single_turn(*args, **kwargs)
+        self.engines.append(self._rlk_engine)
+        return out
+
+
+@pytest.mark.slow
+def test_kept_rollout_engine_gives_a_fresh_engines_bits(tmp_path):
+    """Two generation rounds with an optimizer step between them: the kept engine is built
+    once, and its completions and sampling log-probabilities are the bits of a fresh engine per
+    round (so the kept one samples from the updated weights)."""
+    runs = {}
+    for keep in (True, False):
+        t = _trainer(_Engines, _config(tmp_path, num_iterations=1), keep_rollout_engine=keep)
+        t.train()
+        runs[keep] = t
+    kept, fresh = runs[True], runs[False]
+    assert len(kept.engines) == 2 and kept.engines[0] is kept.engines[1] is not None
+    assert fresh.engines == [None, None]
+    assert len(kept.seen) == len(fresh.seen) == 2
+    for a, b in zip(kept.seen, fresh.seen):
+        assert torch.equal(a["mask"], b["mask"])
+        assert torch.equal(a["sampling"], b["sampling"])
+    assert not torch.equal(kept.seen[0]["sampling"], kept.seen[1]["sampling"])
+
+
+def test_kept_rollout_engine_grows_for_longer_prompts(tmp_path):
+    trainer = _trainer(RLKGRPOTrainer, _config(tmp_path))
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0)
+    first = trainer._rollout_engine(trainer.model, [[1] * 10, [2] * 64], sampling, {})
+    assert first.max_len == 64 + 8  # room for prompts: a power of two, at least 64
+    assert trainer._rollout_engine(trainer.model, [[3] * 5], sampling, {}) is first
+    grown = trainer._rollout_engine(trainer.model, [[1] * 65], sampling, {"page_size": 8})
+    assert grown is not first and grown.max_len == 128 + 8 and grown.page_size == 8
+    with pytest.raises(TypeError, match="keep_rollout_engine"):
+        _trainer(RLKGRPOTrainer, _config(tmp_path), keep_rollout_engine=1)
+
+
 def test_rollout_seeds():
     a = rollout_seeds(0, 0, 0, 8)
     assert a == rollout_seeds(0, 0, 0, 8)  # deterministic

@@ -4,8 +4,9 @@
 :data:`TESTED_TRL`). It patches the policy (and the reference model, with ``beta != 0``) with
 :func:`rlk_integrations.transformers.patch_model`, then:
 
-- generates the completions with :func:`rlk_integrations.paged.generate_paged` (continuous
-  batching on a paged KV cache, CUDA graphs of the decode steps on a GPU, :func:`rlk.sample` with
+- generates the completions with a :class:`rlk_integrations.paged.PagedEngine` that it keeps
+  between generation rounds (continuous batching on a paged KV cache, CUDA graphs of the decode
+  steps on a GPU, captured once, :func:`rlk.sample` with
   ``GRPOConfig``'s ``temperature``, ``top_k`` and ``top_p``; each completion's seed is
   :func:`rollout_seeds` of ``args.seed``, the generation round, the process and the row) and
   hands TRL the completion ids and their sampling log-probabilities;
@@ -83,7 +84,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(f'rlk_integrations.trl needs TRL ({e}): pip install "rlk[trl]"') from e
 
-from rlk_integrations.paged import generate_paged
+from rlk_integrations.paged import PagedEngine, generate_paged
 from rlk_integrations.rollout import Sample
 from rlk_integrations.training import packed_logprobs, pad_rows
 from rlk_integrations.transformers import is_patched, patch_model
@@ -356,8 +357,18 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
     Takes ``GRPOTrainer``'s arguments, plus:
 
     - ``rollout_kwargs``: more arguments of :func:`rlk_integrations.paged.generate_paged`
-      (``page_size``, ``max_batch``, ``num_pages``, ``max_step_tokens``, ``prefill_chunk``,
-      ``cuda_graphs``); the seeds, sampling settings, EOS and length come from the config.
+      (``page_size``, ``max_batch``, ``num_pages``, ``kv_memory_fraction``,
+      ``max_step_tokens``, ``prefill_chunk``, ``cuda_graphs``, ``progress``); the seeds,
+      sampling settings, EOS and length come from the config.
+    - ``keep_rollout_engine`` (default True): keep one
+      :class:`~rlk_integrations.paged.PagedEngine` from one generation round to the next, so
+      that its KV cache is allocated and its decode graphs are captured once, not every round.
+      Its cache then stays allocated through the training steps, as a colocated serving
+      engine's does (``num_pages`` or ``kv_memory_fraction`` in ``rollout_kwargs`` bound it).
+      The engine's ``max_len`` is ``max_completion_length`` plus room for the prompts: a power
+      of two, at least 64, doubled (and the engine built again) when a longer prompt comes.
+      False: a fresh engine per round, freed after it. The completions are the same bits
+      either way.
     - ``check_logprobs`` (default True): raise ``RuntimeError`` when a log-probability computed
       under the weights that sampled differs from the sampling one (False: log it only).
 
@@ -386,11 +397,16 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         *more: Any,
         rollout_kwargs: dict[str, Any] | None = None,
         check_logprobs: bool = True,
+        keep_rollout_engine: bool = True,
         **kwargs: Any,
     ) -> None:
         _check_trl_version()
-        if not isinstance(check_logprobs, bool):
-            raise TypeError(f"check_logprobs must be a bool, got {type(check_logprobs).__name__}")
+        for name, flag in (
+            ("check_logprobs", check_logprobs),
+            ("keep_rollout_engine", keep_rollout_engine),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         rollout_kwargs = dict(rollout_kwargs or {})
         own = sorted(set(rollout_kwargs) & set(_ROLLOUT_OWN))
         if own:
@@ -417,6 +433,8 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         # TRL draws its own progress bar: no second one for each generation unless asked.
         self._rlk_rollout_kwargs = {"progress": False, **rollout_kwargs}
         self._rlk_round = 0
+        self._rlk_keep_engine = keep_rollout_engine
+        self._rlk_engine: PagedEngine | None = None
         self._init_check()
 
         bad = _unsupported_model(self.model, self.processing_class)
@@ -461,20 +479,24 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
             ) as model,
             torch.no_grad(),
         ):
-            ro = generate_paged(
-                model,
-                [list(p) for p in prompt_ids],
-                self.max_completion_length,
-                seeds=seeds,
-                temperature=self.temperature,
-                top_k=self.top_k or 0,
-                top_p=self.top_p,
-                # The rollout stops at the first EOS id; any other ends the completion below
-                # (the tokens before it are the same: a request's tokens never depend on when
-                # it stops).
-                eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                **self._rlk_rollout_kwargs,
-            )
+            prompts = [list(p) for p in prompt_ids]
+            # The rollout stops at the first EOS id; any other ends the completion below (the
+            # tokens before it are the same: a request's tokens never depend on when it stops).
+            eos = self.eos_token_ids[0] if self.eos_token_ids else None
+            kw = dict(self._rlk_rollout_kwargs)
+            progress = kw.pop("progress")
+            sampling = dict(temperature=self.temperature, top_k=self.top_k or 0, top_p=self.top_p)
+            if self._rlk_keep_engine:
+                engine = self._rollout_engine(model, prompts, sampling, kw)
+                ro = engine.generate(
+                    prompts, self.max_completion_length, seeds=seeds, eos_token_id=eos,
+                    progress=progress,
+                )  # fmt: skip
+            else:
+                ro = generate_paged(
+                    model, prompts, self.max_completion_length, seeds=seeds, eos_token_id=eos,
+                    progress=progress, **sampling, **kw,
+                )  # fmt: skip
         if ro.logits_dtype != self.logits_dtype:
             raise RuntimeError(
                 f"the rollout's logits are {ro.logits_dtype}, the lm_head's weights "
@@ -486,6 +508,22 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
             completion_ids.append(s.response[:n])
             logprobs.append(s.logprobs[:n].tolist())  # float32 -> float -> float32: exact
         return completion_ids, logprobs
+
+    def _rollout_engine(self, model, prompts, sampling, kw) -> PagedEngine:
+        """The kept engine, built (again) when there is none, when ``model`` is another object,
+        or when the longest prompt of ``prompts`` does not fit its ``max_len``."""
+        longest = max((len(p) for p in prompts), default=1)
+        engine = self._rlk_engine
+        if (
+            engine is None
+            or engine.model is not model
+            or longest + self.max_completion_length > engine.max_len
+        ):
+            self._rlk_engine = engine = None  # the old cache is freed before the new one
+            room = 1 << max(6, (longest - 1).bit_length())
+            engine = PagedEngine(model, max_len=room + self.max_completion_length, **sampling, **kw)
+            self._rlk_engine = engine
+        return engine
 
     # -- log-probabilities -----------------------------------------------------------------
 
