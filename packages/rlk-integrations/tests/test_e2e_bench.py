@@ -21,6 +21,8 @@ def test_e2e_family_runs(monkeypatch):
         QUICK_TRAIN_SEQS=2,
         QUICK_TRAIN_LEN=8,
         PROMPT_LEN=(3, 5),
+        QUICK_LONG_PROMPT_LEN=(6, 8),
+        QUICK_LONG_NEW_TOKENS=3,
         TRAIN_ITERS=1,
         QUICK_GRPO_PROMPTS=2,
         GRPO_GROUP=2,
@@ -42,5 +44,8 @@ def test_e2e_family_runs(monkeypatch):
         ("e2e.grpo_step", "rlk"),
     }
     assert all(r["tok_s"] > 0 for r in rows)
+    # The long setting: the paged engine and its hf-generate peer only.
+    long = {(r["op"], r["impl"]) for r in rows if "prompt=6-8 new=3" in r["shape"]}
+    assert long == {("e2e.rollout.paged", "hf-generate"), ("e2e.rollout.paged", "rlk")}
     # A GRPO step samples every completion of every group in full.
     assert {r["new_tokens"] for r in rows if r["op"] == "e2e.grpo_step"} == {2 * 2 * 2}

@@ -5,9 +5,10 @@ bf16, on :data:`rlk.bench._timing.DEVICE`. Each model is loaded once; its stock 
 unpatched (transformers as shipped, SDPA attention) and its rlk rows run the same weights under
 :func:`~rlk_integrations.transformers.patch_model`.
 
-Rollout (``B`` random prompts of 16-64 tokens, seeded; :data:`NEW_TOKENS` sampled per prompt at
-temperature 1, no top-k / top-p, nothing stops early, so every engine makes ``B * NEW_TOKENS``
-tokens):
+Rollout (``B`` random prompts of :data:`PROMPT_LEN` tokens, seeded; :data:`NEW_TOKENS` sampled
+per prompt at temperature 1, no top-k / top-p, nothing stops early, so every engine makes
+``B * NEW_TOKENS`` tokens; then the long setting, :data:`LONG_PROMPT_LEN` and
+:data:`LONG_NEW_TOKENS`, for ``e2e.rollout.paged`` alone):
 
 - ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
   left-padded batch; ``rlk`` is :func:`rlk_integrations.rollout.generate` (left-padded batch,
@@ -96,6 +97,12 @@ QUICK_GRPO_PROMPTS = 2
 
 #: Prompt lengths (min, max), drawn per prompt.
 PROMPT_LEN = (16, 64)
+#: The long rollout setting (the paged engine against hf-generate; the eager padded rollout is
+#: not timed there): prompt lengths and new tokens, and the quick run's.
+LONG_PROMPT_LEN = (256, 512)
+LONG_NEW_TOKENS = 512
+QUICK_LONG_PROMPT_LEN = (64, 128)
+QUICK_LONG_NEW_TOKENS = 64
 TRAIN_WARMUP = 1
 TRAIN_ITERS = 3
 PAGE_SIZE = 16
@@ -203,17 +210,21 @@ def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[s
     )
 
 
-def _rollouts(model, name: str, b: int, new: int, device, emit) -> None:
-    prompts = random_prompts(b, model.config.vocab_size, *PROMPT_LEN, seed=SEED + b)
-    shape = f"{name} B={b} new={new}"
-    padded, paged_op = "e2e.rollout.padded", "e2e.rollout.paged"
+def _rollouts(model, name: str, b: int, new: int, prompt_len, device, emit, padded: bool) -> None:
+    """The rollout rows of one shape; ``padded``: also rlk's eager padded rollout (the
+    ``e2e.rollout.padded`` rows), else hf-generate is emitted as the paged op's peer alone."""
+    prompts = random_prompts(b, model.config.vocab_size, *prompt_len, seed=SEED + b)
+    shape = f"{name} B={b} prompt={prompt_len[0]}-{prompt_len[1]} new={new}"
+    padded_op, paged_op = "e2e.rollout.padded", "e2e.rollout.paged"
     unpatch_model(model)
-    hf = _rollout_row(padded, "hf-generate", _hf_generate, model, prompts, new, shape, device)
+    op = padded_op if padded else paged_op
+    hf = _rollout_row(op, "hf-generate", _hf_generate, model, prompts, new, shape, device)
     emit(hf)
     patch_model(model)
-    emit(_rollout_row(padded, "rlk", _rlk_padded, model, prompts, new, shape, device))
-    # transformers has no paged engine: the paged op's peer is the same hf-generate run.
-    emit(dict(hf, op=paged_op, same_run_as=padded))
+    if padded:
+        emit(_rollout_row(padded_op, "rlk", _rlk_padded, model, prompts, new, shape, device))
+        # transformers has no paged engine: the paged op's peer is the same hf-generate run.
+        emit(dict(hf, op=paged_op, same_run_as=padded_op))
     engine = _paged_engine(model, prompts, new)  # built once, like a serving engine
 
     def run(model, prompts, new) -> int:
@@ -424,13 +435,16 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
 
 
 def _bench_model(
-    name: str, batches, new: int, n: int, length: int, grpo_prompts: int, device, emit, flce
+    name: str, batches, new: int, long, n: int, length: int, grpo_prompts: int, device, emit, flce
 ) -> None:
     _say(f"e2e: loading {name} (random weights, bf16, {device})")
     model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
     try:
         for b in batches:
-            _rollouts(model, name, b, new, device, emit)
+            _rollouts(model, name, b, new, PROMPT_LEN, device, emit, padded=True)
+        long_prompt_len, long_new = long
+        for b in batches:
+            _rollouts(model, name, b, long_new, long_prompt_len, device, emit, padded=False)
         _trainings(model, name, n, length, device, emit, flce)
         _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:
@@ -442,12 +456,13 @@ def run(quick: bool, emit: Callable[[dict], None]) -> None:
     if quick:
         models, batches, new = QUICK_MODELS, QUICK_BATCHES, QUICK_NEW_TOKENS
         n, length, grpo = QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN, QUICK_GRPO_PROMPTS
+        long = (QUICK_LONG_PROMPT_LEN, QUICK_LONG_NEW_TOKENS)
     else:
         models, batches, new, n, length = MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN
-        grpo = GRPO_PROMPTS
+        grpo, long = GRPO_PROMPTS, (LONG_PROMPT_LEN, LONG_NEW_TOKENS)
     flce = _liger()
     for name in models:
         # The model is local to _bench_model: gone on return, so its memory can be released
         # before the next one loads.
-        _bench_model(name, batches, new, n, length, grpo, device, emit, flce)
+        _bench_model(name, batches, new, long, n, length, grpo, device, emit, flce)
         _free(device)
