@@ -166,6 +166,31 @@ CASES = {
         ValueError,
         "head dim",
     ),
+    "rotary k 2-D": (
+        lambda: rlk.apply_rotary(r(4, 2, 8), r(4, 8), r(4, 8), r(4, 8)),
+        ValueError,
+        "k",
+    ),
+    "rotary k tokens": (
+        lambda: rlk.apply_rotary(r(4, 2, 8), r(4, 8), r(4, 8), r(3, 1, 8)),
+        ValueError,
+        "k",
+    ),
+    "rotary k head dim": (
+        lambda: rlk.apply_rotary(r(4, 2, 8), r(4, 8), r(4, 8), r(4, 1, 6)),
+        ValueError,
+        "k",
+    ),
+    "rotary k dtype": (
+        lambda: rlk.apply_rotary(r(4, 2, 8), r(4, 8), r(4, 8), r(4, 1, 8, dtype=bf16)),
+        TypeError,
+        "k",
+    ),
+    "rotary k not a tensor": (
+        lambda: rlk.apply_rotary(r(4, 2, 8), r(4, 8), r(4, 8), [1.0]),
+        TypeError,
+        "k",
+    ),
     # attention
     "attn q 2-D": (_attn(q=r(5, 64)), ValueError, "q"),
     "attn v shape": (_attn(v=r(7, 2, 8)), ValueError, "v"),

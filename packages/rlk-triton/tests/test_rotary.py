@@ -102,6 +102,71 @@ def test_no_cos_sin_grad():
     assert dx is not None and dcos is None and dsin is None
 
 
+def _pair_vs_alone(T, NH, NK, D, dtype, device=DEVICE, cs_grad=True):
+    """The pair call against two calls: outputs and every gradient, bit for bit."""
+    q, cos, sin, dq = _inputs(T, NH, D, dtype, torch.float32, seed=NH, device=device)
+    k, _, _, dk = _inputs(T, NK, D, dtype, torch.float32, seed=NK + 100, device=device)
+
+    def leaves():
+        return [t.detach().clone().requires_grad_(g) for t, g in
+                ((q, True), (k, True), (cos, cs_grad), (sin, cs_grad))]  # fmt: skip
+
+    a = leaves()
+    yq, yk = rotary.apply_rotary(a[0], a[2], a[3], a[1], table=TABLE)
+    torch.autograd.backward([yq, yk], [dq, dk])
+    b = leaves()
+    zq = rotary.apply_rotary(b[0], b[2], b[3], table=TABLE)
+    zk = rotary.apply_rotary(b[1], b[2], b[3], table=TABLE)
+    torch.autograd.backward([zq, zk], [dq, dk])
+    assert torch.equal(yq, zq) and torch.equal(yk, zk)
+    for name, x, y in zip(("dq", "dk", "dcos", "dsin"), a, b):
+        assert (x.grad is None) == (y.grad is None), name
+        assert x.grad is None or torch.equal(x.grad, y.grad), name
+    return yq, yk, a
+
+
+@pytest.mark.parametrize("NH,NK,D", [(6, 2, 64), (3, 3, 80), (2, 5, 32), (14, 2, 64)])
+def test_pair_equals_two_calls(NH, NK, D):
+    """q and k rotated in one launch are bitwise what two calls give, forward and backward,
+    at every tuning config (the pair's head blocks are the longer tensor's)."""
+    yq, yk, _ = _pair_vs_alone(9, NH, NK, D, torch.bfloat16)
+    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
+        with tuning.force("apply_rotary", cfg):
+            got_q, got_k, _ = _pair_vs_alone(9, NH, NK, D, torch.bfloat16)
+        assert torch.equal(got_q, yq) and torch.equal(got_k, yk), cfg
+    _pair_vs_alone(5, NH, NK, D, torch.float32, cs_grad=False)
+
+
+class _Launches:
+    """Stands in for a kernel and records the grid of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_pair_is_one_launch(monkeypatch):
+    launches = _Launches(rotary._rotary_kernel)
+    monkeypatch.setattr(rotary, "_rotary_kernel", launches)
+    q, cos, sin, _ = _inputs(4, 6, 64, torch.bfloat16, torch.float32)
+    rotary.apply_rotary(q, cos, sin, q[:, :2].contiguous(), table=TABLE)
+    assert len(launches.grids) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("NH,NK,D", [(32, 8, 128), (14, 2, 64), (16, 16, 128)])
+def test_gpu_pair_equals_two_calls(NH, NK, D):
+    yq, yk, _ = _pair_vs_alone(4096, NH, NK, D, torch.bfloat16, device="cuda")
+    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
+        with tuning.force("apply_rotary", cfg):
+            got_q, got_k, _ = _pair_vs_alone(4096, NH, NK, D, torch.bfloat16, device="cuda")
+        assert torch.equal(got_q, yq) and torch.equal(got_k, yk), cfg
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("NH,D", [(14, 64), (16, 128), (32, 128), (40, 128)])

@@ -177,21 +177,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rotary position embedding, NeoX / HF "rotate half" convention.
 
     Shapes: ``x [T, H, D]``, ``cos``/``sin [T, D]`` (one row per token, already gathered by
     position; fp32 or the dtype of ``x``). Returns ``x * cos + rotate_half(x) * sin`` with
     ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, computed in fp32 and rounded once.
 
+    With ``k [T, Hk, D]`` (the keys, in ``x``'s dtype; any number of heads) returns the pair
+    ``(x', k')``, both rotated by one kernel that reads cos and sin once for both: each is
+    bitwise what its own call returns.
+
+    Contract: elementwise; each element depends only on its own input, cos and sin.
+
     Example::
 
-        q = rlk.apply_rotary(q, cos[position_ids], sin[position_ids])
+        q, k = rlk.apply_rotary(q, cos[position_ids], sin[position_ids], k=k)
     """
     chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=3)
     chk.tensor("cos", cos, dtypes=chk.FLOAT_DTYPES, ndim=2)
     chk.tensor("sin", sin, dtypes=chk.FLOAT_DTYPES, ndim=2)
-    device = chk.same_device(x=x, cos=cos, sin=sin)
+    if k is not None:
+        chk.tensor("k", k, dtypes=chk.FLOAT_DTYPES, ndim=3)
+        chk.same_dtype(x=x, k=k)
+    device = chk.same_device(x=x, cos=cos, sin=sin, k=k)
     chk.same_dtype(cos=cos, sin=sin)
     if cos.dtype not in (torch.float32, x.dtype):
         raise TypeError(f"cos/sin must be float32 or x's dtype {x.dtype}, got {cos.dtype}")
@@ -200,7 +211,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         raise ValueError(f"x's head dim must be even, got {D}")
     chk.shape("cos", cos, (T, D), "[T, D] of x")
     chk.shape("sin", sin, (T, D), "[T, D] of x")
-    return _call("apply_rotary", device, x, cos, sin)
+    if k is not None and (k.shape[0] != T or k.shape[2] != D):
+        raise ValueError(f"k must be [T, Hk, D] with T={T} and D={D} of x, got {tuple(k.shape)}")
+    return _call("apply_rotary", device, x, cos, sin, k)
 
 
 # --------------------------------------------------------------------------------------------

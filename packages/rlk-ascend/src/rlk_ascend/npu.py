@@ -77,7 +77,9 @@ def _silu_and_mul(npu: Any) -> Callable:
 
 
 def _apply_rotary(npu: Any) -> Callable:
-    def apply_rotary(x, cos, sin, *, table=None):
+    def apply_rotary(x, cos, sin, k=None, *, table=None):
+        if k is not None:
+            return apply_rotary(x, cos, sin), apply_rotary(k, cos, sin)
         if cos.dtype != x.dtype:
             raise TypeError(
                 f"npu_rotary_mul needs cos/sin in x's dtype ({x.dtype}), got {cos.dtype}; "

@@ -246,8 +246,11 @@ def silu_and_mul(x, *, table=None) -> torch.Tensor:
     return (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
 
 
-def apply_rotary(x, cos, sin, *, table=None) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [T, H, D]``, ``cos``/``sin [T, D]`` (elementwise, fp32)."""
+def apply_rotary(x, cos, sin, k=None, *, table=None):
+    """Rotate-half RoPE: ``x [T, H, D]``, ``cos``/``sin [T, D]`` (elementwise, fp32); with
+    ``k [T, Hk, D]`` returns ``(x', k')``."""
+    if k is not None:
+        return apply_rotary(x, cos, sin, table=table), apply_rotary(k, cos, sin, table=table)
     xf = x.float()
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]

@@ -294,8 +294,10 @@ def _attention_forward(
     sin = sin.expand(b, s, -1).reshape(b * s, -1).contiguous()
     if cos.dtype != torch.float32:
         raise RuntimeError("rotary tables are not rlk's: patch the whole model with patch_model")
-    q = rlk.apply_rotary(q.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
-    k = rlk.apply_rotary(k.reshape(b * s, -1, self.head_dim), cos, sin).view(hidden_shape)
+    q, k = rlk.apply_rotary(
+        q.reshape(b * s, -1, self.head_dim), cos, sin, k=k.reshape(b * s, -1, self.head_dim)
+    )
+    q, k = q.view(hidden_shape), k.view(hidden_shape)
     if getattr(past_key_values, "rlk_paged", False):
         # rlk_integrations.paged: one packed row, K/V into pages, rlk.paged_attention.
         if b != 1:

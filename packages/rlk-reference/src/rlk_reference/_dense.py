@@ -48,9 +48,17 @@ def silu_and_mul(x: torch.Tensor, *, table=None) -> torch.Tensor:
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, table=None
-) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [T, H, D]``, ``cos``/``sin [T, D]`` (broadcast over heads)."""
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k: torch.Tensor | None = None,
+    *,
+    table=None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE: ``x [T, H, D]``, ``cos``/``sin [T, D]`` (broadcast over heads); with
+    ``k [T, Hk, D]`` returns ``(x', k')``."""
+    if k is not None:
+        return apply_rotary(x, cos, sin), apply_rotary(k, cos, sin)
     xd = x.double()
     half = x.shape[-1] // 2
     rotated = torch.cat((-xd[..., half:], xd[..., :half]), dim=-1)

@@ -15,32 +15,13 @@ from rlk_triton.tuning import Rule
 
 
 @jit
-def _rotary_kernel(
-    X,
-    COS,
-    SIN,
-    Y,
-    n_tokens,
-    n_heads,
-    HALF,
-    BACKWARD: tl.constexpr,
-    BLOCK_TOKENS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+def _rotate_tile(
+    X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, BACKWARD: tl.constexpr
 ):
-    # Program (block of tokens, block of heads); tiles [tokens, heads, half]. Elementwise, so
-    # the block sizes change no bit. Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
+    # Rotates the tile [tokens, heads, half] of X [T, n_heads, 2 * HALF] into Y.
+    # Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
     # Backward applies the transpose: dx1 = d1 c1 + d2 s2, dx2 = d2 c2 - d1 s1.
-    t = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-    cols = tl.arange(0, BLOCK_HALF)
-    tc_ok = (t < n_tokens)[:, None] & (cols < HALF)[None, :]  # [tokens, half]
     mask = tc_ok[:, None, :] & (heads < n_heads)[None, :, None]
-    cs = t[:, None] * (2 * HALF) + cols[None, :]
-    c1 = tl.load(COS + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
-    c2 = tl.load(COS + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
-    s1 = tl.load(SIN + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
-    s2 = tl.load(SIN + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
     rows = t[:, None] * n_heads + heads[None, :]  # [tokens, heads]
     offs = rows[:, :, None] * (2 * HALF) + cols[None, None, :]
     a1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
@@ -53,6 +34,44 @@ def _rotary_kernel(
         o2 = a2 * c2 + a1 * s2
     tl.store(Y + offs, o1.to(Y.dtype.element_ty), mask=mask)
     tl.store(Y + offs + HALF, o2.to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _rotary_kernel(
+    X,
+    Y,
+    K,
+    KY,
+    COS,
+    SIN,
+    n_tokens,
+    n_heads,
+    k_heads,
+    HALF,
+    BACKWARD: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HEADS_K: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # Program (block of tokens, head block j): X's head block j and, when it has one, K's head
+    # block j (k_heads = 0: no K), with cos and sin loaded once for both. Elementwise, so the
+    # block sizes change no bit, and a tensor rotated with another is rotated as alone.
+    t = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    j = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)
+    tc_ok = (t < n_tokens)[:, None] & (cols < HALF)[None, :]  # [tokens, half]
+    cs = t[:, None] * (2 * HALF) + cols[None, :]
+    c1 = tl.load(COS + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(COS + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(SIN + cs, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(SIN + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
+    if j * BLOCK_HEADS < n_heads:
+        heads = j * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+        _rotate_tile(X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, BACKWARD)
+    if j * BLOCK_HEADS_K < k_heads:
+        heads_k = j * BLOCK_HEADS_K + tl.arange(0, BLOCK_HEADS_K)
+        _rotate_tile(K, KY, t, tc_ok, c1, c2, s1, s2, heads_k, k_heads, cols, HALF, BACKWARD)
 
 
 @jit
@@ -113,68 +132,105 @@ CPU_TUNING = {
 }
 
 
-def _rotate(x, cos, sin, backward, table):
+def _rotate(x, k, cos, sin, backward, table):
+    """``(rotate(x), rotate(k) or None)`` in one launch (the transpose when ``backward``)."""
     T, NH, D = x.shape
+    NK = k.shape[1] if k is not None else 0
     y = torch.empty_like(x)
+    ky = torch.empty_like(k) if k is not None else None
     key = "apply_rotary.bwd" if backward else "apply_rotary.fwd"
     cfg = tuning.config(table, key, tokens=T, heads=NH, head_dim=D)
-    block_heads = min(triton.next_power_of_2(NH), cfg["heads"])
+    block_heads = min(triton.next_power_of_2(max(NH, 1)), cfg["heads"])
+    block_heads_k = min(triton.next_power_of_2(max(NK, 1)), cfg["heads"])
     block_tokens = cfg.get("tokens", 1)
-    if T > 0 and NH > 0:
-        _rotary_kernel[(triton.cdiv(T, block_tokens), triton.cdiv(NH, block_heads))](
+    head_blocks = max(triton.cdiv(NH, block_heads), triton.cdiv(NK, block_heads_k))
+    if T > 0 and head_blocks > 0:
+        _rotary_kernel[(triton.cdiv(T, block_tokens), head_blocks)](
             x,
+            y,
+            k if k is not None else x,
+            ky if ky is not None else y,
             cos,
             sin,
-            y,
             T,
             NH,
+            NK,
             D // 2,
             BACKWARD=backward,
             BLOCK_TOKENS=block_tokens,
             BLOCK_HEADS=block_heads,
+            BLOCK_HEADS_K=block_heads_k,
             BLOCK_HALF=triton.next_power_of_2(D // 2),
             num_warps=cfg["num_warps"],
         )
-    return y
+    return y, ky
+
+
+def _dcos_dsin(x, dy, cos, sin, table):
+    """``(dcos, dsin)`` of one rotated tensor: sums over its heads in ascending order."""
+    T, NH, D = x.shape
+    dcos, dsin = torch.empty_like(cos), torch.empty_like(sin)
+    cfg = tuning.config(table, "apply_rotary.dcos", tokens=T, heads=NH, head_dim=D)
+    if T > 0:
+        _rotary_dcos_dsin_kernel[(T,)](
+            x,
+            dy,
+            dcos,
+            dsin,
+            NH,
+            D // 2,
+            BLOCK_HALF=triton.next_power_of_2(D // 2),
+            num_warps=cfg["num_warps"],
+        )
+    return dcos, dsin
 
 
 class ApplyRotaryFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, table):
+    def forward(ctx, x, cos, sin, k, table):
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(x, cos, sin)
+        k = k.contiguous() if k is not None else None
+        ctx.save_for_backward(x, cos, sin, k)
         ctx.table = table
-        return _rotate(x, cos, sin, False, table)
+        y, ky = _rotate(x, k, cos, sin, False, table)
+        return y if k is None else (y, ky)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, cos, sin = ctx.saved_tensors
+    def backward(ctx, dy, dky=None):
+        x, cos, sin, k = ctx.saved_tensors
+        need_x, need_cs, need_k = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
+            k is not None and ctx.needs_input_grad[3],
+        )
         dy = dy.contiguous()
-        dx = _rotate(dy, cos, sin, True, ctx.table) if ctx.needs_input_grad[0] else None
+        dky = dky.contiguous() if need_k or (need_cs and k is not None) else None
+        dx = dk = None
+        if need_x or need_k:
+            dx, dk = _rotate(dy, dky if need_k else None, cos, sin, True, ctx.table)
         dcos = dsin = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            T, NH, D = x.shape
-            dcos, dsin = torch.empty_like(cos), torch.empty_like(sin)
-            cfg = tuning.config(ctx.table, "apply_rotary.dcos", tokens=T, heads=NH, head_dim=D)
-            if T > 0:
-                _rotary_dcos_dsin_kernel[(T,)](
-                    x,
-                    dy,
-                    dcos,
-                    dsin,
-                    NH,
-                    D // 2,
-                    BLOCK_HALF=triton.next_power_of_2(D // 2),
-                    num_warps=cfg["num_warps"],
-                )
-        return dx, dcos, dsin, None
+        if need_cs:
+            # As two separate calls: each tensor's sum over its heads, then their sum (autograd
+            # would add the two uses' gradients; two fp32 terms add alike in either order).
+            dcos, dsin = _dcos_dsin(x, dy, cos, sin, ctx.table)
+            if k is not None:
+                dcos_k, dsin_k = _dcos_dsin(k, dky, cos, sin, ctx.table)
+                dcos, dsin = dcos + dcos_k, dsin + dsin_k
+        return (dx if need_x else None), dcos, dsin, dk, None
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, table: tuning.TuningTable
-) -> torch.Tensor:
-    """Rotary embedding of ``x [T, H, D]`` with ``cos``/``sin [T, D]``; see :func:`rlk.apply_rotary`.
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k: torch.Tensor | None = None,
+    *,
+    table: tuning.TuningTable,
+):
+    """Rotary embedding of ``x [T, H, D]`` (and ``k [T, Hk, D]``) with ``cos``/``sin [T, D]``;
+    see :func:`rlk.apply_rotary`.
 
-    Returns ``[T, H, D]`` in ``x.dtype``. Differentiable in ``x``, ``cos`` and ``sin``.
+    Returns ``[T, H, D]`` in ``x.dtype``, or ``(x', k')`` with ``k``: one launch, each bitwise
+    the result of its own call. Differentiable in ``x``, ``k``, ``cos`` and ``sin``.
     """
-    return ApplyRotaryFunction.apply(x, cos, sin, table)
+    return ApplyRotaryFunction.apply(x, cos, sin, k, table)

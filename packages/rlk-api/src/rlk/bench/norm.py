@@ -165,8 +165,8 @@ def _apply_rotary(emit, T: int, Hq: int, Hk: int, D: int) -> None:
     q, k = _randn(T, Hq, D), _randn(T, Hk, D)
     cos, sin = _rope_cos_sin(T, D)
     cases: list[Case] = [
-        # rlk rotates one tensor per call: a model calls it for q and for k.
-        ("rlk", lambda: (rlk.apply_rotary(q, cos, sin), rlk.apply_rotary(k, cos, sin)), (q, k)),
+        # rlk rotates q and k in one call, as a model does.
+        ("rlk", lambda: rlk.apply_rotary(q, cos, sin, k=k), (q, k)),
         ("compile", functools.partial(compiled(_rotary_ref), q, k, cos, sin), (q, k)),
     ]
     F = liger("LigerRopeFunction")

@@ -332,7 +332,10 @@ def silu_and_mul(gen: Gen, quick: bool) -> OpCases:
     return OpCases(acc, inv)
 
 
-def _rotary(gen: Gen, dt, t: int, h: int, d: int, cos_dt, batch: int = 0) -> Case:
+def _rotary(
+    gen: Gen, dt, t: int, h: int, d: int, cos_dt, batch: int = 0, hk: int | None = None
+) -> Case:
+    """A rotary case; ``hk``: with keys of ``hk`` heads (the pair form)."""
     pos = gen.randint(0, 4096, t).to(FP32)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=gen.device, dtype=FP32) / d))
     ang = pos[:, None] * inv_freq[None, :]
@@ -341,32 +344,38 @@ def _rotary(gen: Gen, dt, t: int, h: int, d: int, cos_dt, batch: int = 0) -> Cas
         "x": gen.randn(t, h, d, dtype=dt),
         "cos": ang.cos().to(cos_dt),
         "sin": ang.sin().to(cos_dt),
+        "k": gen.randn(t, hk, d, dtype=dt) if hk is not None else None,
     }
     label = f"{dtype_name(dt)} T={t} H={h} D={d} cos {dtype_name(cos_dt)}"
-    return Case(
-        "apply_rotary",
-        label,
-        dt,
-        args,
-        (gen.randn(t, h, d, dtype=dt),),
-        ("x", "cos", "sin"),
-        1,
-        batch,
-    )
+    cot = (gen.randn(t, h, d, dtype=dt),)
+    rows: tuple[str, ...] = ("x", "cos", "sin")
+    if hk is not None:
+        label += f" k Hk={hk}"
+        cot += (gen.randn(t, hk, d, dtype=dt),)
+        rows += ("k",)
+    return Case("apply_rotary", label, dt, args, cot, rows, 1, batch)
 
 
 def apply_rotary(gen: Gen, quick: bool) -> OpCases:
     if quick:
         acc = [_rotary(gen, dt, 10, 3, 32, FP32) for dt in (BF16, FP16, FP32)]
-        acc += [_rotary(gen, BF16, 7, 2, 64, BF16)]
-        inv = [_rotary(gen, BF16, 18, 3, 32, FP32, batch=12)]
+        acc += [_rotary(gen, BF16, 7, 2, 64, BF16), _rotary(gen, BF16, 7, 6, 32, FP32, hk=2)]
+        inv = [
+            _rotary(gen, BF16, 18, 3, 32, FP32, batch=12),
+            _rotary(gen, BF16, 18, 4, 32, FP32, batch=12, hk=1),
+        ]
     else:
         acc = [
             _rotary(gen, BF16, 4096, 32, 128, FP32),
             _rotary(gen, FP16, 1000, 14, 64, FP16),
             _rotary(gen, FP32, 512, 8, 128, FP32),
+            _rotary(gen, BF16, 4096, 32, 128, FP32, hk=8),
+            _rotary(gen, BF16, 1000, 14, 64, FP32, hk=2),
         ]
-        inv = [_rotary(gen, BF16, 16384 + 256, 16, 128, FP32, batch=16384)]
+        inv = [
+            _rotary(gen, BF16, 16384 + 256, 16, 128, FP32, batch=16384),
+            _rotary(gen, BF16, 4096 + 256, 14, 64, FP32, batch=4096, hk=2),
+        ]
     return OpCases(acc, inv)
 
 

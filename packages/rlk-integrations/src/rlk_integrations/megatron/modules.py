@@ -222,8 +222,12 @@ def _make_self_attention():
                 _positions(packed_seq_params, s, b, hidden_states.device)
             )
             shape_q, shape_k = q.shape, k.shape
-            q = rlk.apply_rotary(q.reshape(-1, shape_q[-2], d).contiguous(), cos, sin)
-            k = rlk.apply_rotary(k.reshape(-1, shape_k[-2], d).contiguous(), cos, sin)
+            q, k = rlk.apply_rotary(
+                q.reshape(-1, shape_q[-2], d).contiguous(),
+                cos,
+                sin,
+                k=k.reshape(-1, shape_k[-2], d).contiguous(),
+            )
             out = self.core_attention(
                 q.reshape(shape_q),
                 k.reshape(shape_k),
