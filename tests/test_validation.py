@@ -151,6 +151,9 @@ CASES = {
     "rms_norm empty hidden": (lambda: rlk.rms_norm(r(2, 0), r(0)), ValueError, "x"),
     # silu_and_mul
     "silu odd": (lambda: rlk.silu_and_mul(r(2, 7)), ValueError, "x"),
+    "silu up shape": (lambda: rlk.silu_and_mul(r(2, 7), r(2, 6)), ValueError, "up"),
+    "silu up dtype": (lambda: rlk.silu_and_mul(r(2, 4), r(2, 4, dtype=bf16)), TypeError, "up"),
+    "silu up not a tensor": (lambda: rlk.silu_and_mul(r(2, 4), 1.0), TypeError, "up"),
     # rotary
     "rotary 2-D x": (lambda: rlk.apply_rotary(r(4, 8), r(4, 8), r(4, 8)), ValueError, "x"),
     "rotary cos shape": (lambda: rlk.apply_rotary(r(4, 2, 8), r(3, 8), r(3, 8)), ValueError, "cos"),

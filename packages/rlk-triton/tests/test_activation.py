@@ -80,6 +80,44 @@ def test_many_column_blocks():
     torch.testing.assert_close(y.double(), ry, atol=1e-5, rtol=1e-5)
 
 
+def _pair_vs_joined(x, dy):
+    """silu_and_mul(gate, up) against silu_and_mul(cat(gate, up)): output and gradients, bit
+    for bit; returns the pair's results."""
+    y, dx = _run(x, dy)
+    i = x.shape[1] // 2
+    gate = x[:, :i].contiguous().requires_grad_()
+    up = x[:, i:].contiguous().requires_grad_()
+    y2 = activation.silu_and_mul(gate, up, table=TABLE)
+    y2.backward(dy)
+    assert torch.equal(y2, y)
+    assert torch.equal(gate.grad, dx[:, :i]) and torch.equal(up.grad, dx[:, i:])
+    return y2.detach(), gate.grad, up.grad
+
+
+def _pair_at_every_config(x, dy):
+    want = _pair_vs_joined(x, dy)
+    for cfg in tuning.op_configs(TABLE, "silu_and_mul"):
+        with tuning.force("silu_and_mul", cfg):
+            got = _pair_vs_joined(x, dy)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
+    return want
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gate_and_up_equal_one_tensor(dtype):
+    """The two-tensor form is the one-tensor form's bits, forward and backward, at every
+    config; its gradients come back as two tensors of the inputs' shape."""
+    want = _pair_at_every_config(*_inputs(9, 80, dtype, seed=5))
+    assert want[1].shape == want[2].shape == (9, 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("I", [896, 4864, 14336])
+def test_gpu_gate_and_up_equal_one_tensor(I):
+    _pair_at_every_config(*_inputs(2048, I, torch.bfloat16, seed=I, device="cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("I", [896, 4864, 18944])

@@ -70,7 +70,7 @@ _TREE_LINEAR = dict(
 CATALOG: tuple[OpSpec, ...] = (
     OpSpec("linear", "gemm", grad_args=("x", "weight", "bias"), unit_grads=("x",)),
     OpSpec("rms_norm", "norm", grad_args=("x", "weight", "residual"), unit_grads=("x", "residual")),
-    OpSpec("silu_and_mul", "activation", grad_args=("x",), unit_grads=("x",)),
+    OpSpec("silu_and_mul", "activation", grad_args=("x", "up"), unit_grads=("x", "up")),
     OpSpec("apply_rotary", "rotary", grad_args=("x", "k"), unit_grads=("x", "k")),
     OpSpec("attention", "attention", grad_args=("q", "k", "v"), unit_grads=("q", "k", "v")),
     OpSpec("paged_attention", "attention"),

@@ -160,17 +160,28 @@ def rms_norm(
     return y.reshape(x.shape), s.reshape(x.shape)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation: ``silu(x[..., :I]) * x[..., I:]``.
+def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU activation: ``silu(x[..., :I]) * x[..., I:]``, or ``silu(x) * up``.
 
     Shapes: ``x [..., 2I]`` -> ``[..., I]`` (gate first, up second, as in a fused gate_up
-    projection). Computed in fp32, rounded once to ``x.dtype``.
+    projection); or ``x`` (the gate) and ``up`` both ``[..., I]`` -> ``[..., I]``, which spares
+    the copy that concatenating two projections would make. Computed in fp32, rounded once to
+    ``x.dtype``; both forms give the same bits for the same gate and up values.
+
+    Contract: elementwise; each output depends only on its own gate and up values.
 
     Example::
 
         h = rlk.silu_and_mul(rlk.linear(x, w_gate_up))
+        h = rlk.silu_and_mul(rlk.linear(x, w_gate), rlk.linear(x, w_up))
     """
     chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True)
+    if up is not None:
+        chk.tensor("up", up, dtypes=chk.FLOAT_DTYPES)
+        chk.same_dtype(x=x, up=up)
+        chk.same_device(x=x, up=up)
+        chk.shape("up", up, x.shape, "the shape of x")
+        return _call("silu_and_mul", x.device, _rows(x), _rows(up)).reshape(x.shape)
     if x.shape[-1] % 2:
         raise ValueError(f"x.shape[-1] must be even (gate and up halves), got {x.shape[-1]}")
     y = _call("silu_and_mul", x.device, _rows(x))
@@ -213,6 +224,8 @@ def apply_rotary(
     chk.shape("sin", sin, (T, D), "[T, D] of x")
     if k is not None and (k.shape[0] != T or k.shape[2] != D):
         raise ValueError(f"k must be [T, Hk, D] with T={T} and D={D} of x, got {tuple(k.shape)}")
+    if k is None:
+        return _call("apply_rotary", device, x, cos, sin)
     return _call("apply_rotary", device, x, cos, sin, k)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 #: op -> the torch_npu operator that may serve it (opt-in, unverified).
 FUSED = {
     "rms_norm": "npu_rms_norm",
@@ -69,8 +71,11 @@ def _rms_norm(npu: Any) -> Callable:
 
 
 def _silu_and_mul(npu: Any) -> Callable:
-    def silu_and_mul(x, *, table=None):
-        # npu_swiglu: swish(first half) * second half along dim, as rlk's gate/up order.
+    def silu_and_mul(x, up=None, *, table=None):
+        # npu_swiglu: swish(first half) * second half along dim, as rlk's gate/up order; it
+        # takes the two halves in one tensor.
+        if up is not None:
+            x = torch.cat([x, up], dim=-1)
         return npu.npu_swiglu(x.contiguous(), dim=-1)
 
     return silu_and_mul

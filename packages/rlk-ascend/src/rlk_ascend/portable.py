@@ -240,9 +240,10 @@ def rms_norm(x, weight, eps=1e-6, residual=None, *, table=None):
     return _RMSNorm.apply(x, weight, eps, residual)
 
 
-def silu_and_mul(x, *, table=None) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]``: ``[T, 2I]`` -> ``[T, I]`` (elementwise, fp32)."""
-    gate, up = x.float().chunk(2, dim=-1)
+def silu_and_mul(x, up=None, *, table=None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]``: ``[T, 2I]`` -> ``[T, I]``; with ``up``: ``silu(x) * up``
+    (elementwise, fp32)."""
+    gate, up = x.float().chunk(2, dim=-1) if up is None else (x.float(), up.float())
     return (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
 
 

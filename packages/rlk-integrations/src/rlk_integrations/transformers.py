@@ -9,7 +9,7 @@ classes, no weight copies, the state dict is unchanged), so that:
 - every ``*RMSNorm`` (input, post-attention, final, Qwen3's per-head q/k norm) calls
   :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it
   (``*DecoderLayer``);
-- the ``*MLP`` is ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
+- the ``*MLP`` is ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
 - ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.rotary.RotaryTable`, built in
   fixed chunks of positions (so a position's values never depend on how many positions were
   asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
@@ -257,8 +257,7 @@ def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # cat(gate(x), up(x)) == linear(x, cat(Wg, Wu)) bit for bit: each output column is its own
     # K-reduction, so concatenating activations is the same math as a fused gate_up weight.
-    gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-    return self.down_proj(rlk.silu_and_mul(gate_up))
+    return self.down_proj(rlk.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
@@ -591,7 +590,7 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
 
     - ``nn.Linear`` (every projection and ``lm_head``): :func:`rlk.linear`;
     - ``*RMSNorm``: :func:`rlk.rms_norm`;
-    - ``*MLP``: ``down(silu_and_mul(cat(gate(x), up(x))))`` with :func:`rlk.silu_and_mul`;
+    - ``*MLP``: ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
     - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.rotary.RotaryTable`;
     - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
       function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;

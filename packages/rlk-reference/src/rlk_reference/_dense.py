@@ -41,9 +41,9 @@ def rms_norm(
     return _rms(s, weight, eps).to(x.dtype), s
 
 
-def silu_and_mul(x: torch.Tensor, *, table=None) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]``: ``[T, 2I]`` -> ``[T, I]``."""
-    gate, up = x.double().chunk(2, dim=-1)
+def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None, *, table=None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]``: ``[T, 2I]`` -> ``[T, I]``; with ``up``: ``silu(x) * up``."""
+    gate, up = x.double().chunk(2, dim=-1) if up is None else (x.double(), up.double())
     return (F.silu(gate) * up).to(x.dtype)
 
 

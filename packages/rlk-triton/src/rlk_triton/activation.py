@@ -14,35 +14,50 @@ from rlk_triton.tuning import Rule
 
 
 @jit(do_not_specialize=["n_rows"])
-def _silu_and_mul_fwd_kernel(X, Y, n_rows, I, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _silu_and_mul_fwd_kernel(
+    G, U, Y, n_rows, I, stride_g, stride_u, BLOCK_I: tl.constexpr, ROWS: tl.constexpr
+):
+    # Gate and up rows at their own strides: the halves of one [T, 2I] tensor, or two tensors.
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
-    x_offs = rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-    g = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + x_offs + I, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=mask, other=0.0)
+    g, u = g.to(tl.float32), u.to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    y_offs = rows.to(tl.int64)[:, None] * I + cols[None, :]
-    tl.store(Y + y_offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * I + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @jit(do_not_specialize=["n_rows"])
-def _silu_and_mul_bwd_kernel(X, DY, DX, n_rows, I, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _silu_and_mul_bwd_kernel(
+    G,
+    U,
+    DY,
+    DG,
+    DU,
+    n_rows,
+    I,
+    stride_g,
+    stride_u,
+    BLOCK_I: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # dG and dU are written at the strides of G and U.
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
-    x_offs = rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-    y_offs = rows.to(tl.int64)[:, None] * I + cols[None, :]
-    g = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + x_offs + I, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + y_offs, mask=mask, other=0.0).to(tl.float32)
+    g_offs = rows[:, None] * stride_g + cols[None, :]
+    u_offs = rows[:, None] * stride_u + cols[None, :]
+    g = tl.load(G + g_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + u_offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
     # d silu / dg = sig * (1 + g * (1 - sig))
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     du = dy * silu
-    tl.store(DX + x_offs, dg.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DX + x_offs + I, du.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DG + g_offs, dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + u_offs, du.to(DU.dtype.element_ty), mask=mask)
 
 
 def _choose(*, rows: int, inter: int) -> int:
@@ -80,37 +95,57 @@ TUNING = {
 }
 
 
-def _launch(kernel, key, table, x, *tensors):
-    T, I = x.shape[0], x.shape[1] // 2
+def _launch(kernel, key, table, g, u, *tensors):
+    """``kernel`` over gate ``g`` and up ``u`` (``[T, I]`` rows at any stride, unit columns)."""
+    T, I = g.shape
     cfg = tuning.config(table, key, rows=T, inter=I)
     block_i = min(triton.next_power_of_2(I), cfg["block"])
     rows = max(1, cfg["block"] // block_i)
     if T > 0:
         grid = (triton.cdiv(T, rows), triton.cdiv(I, block_i))
-        kernel[grid](x, *tensors, T, I, BLOCK_I=block_i, ROWS=rows, num_warps=cfg["num_warps"])
+        kernel[grid](
+            g, u, *tensors, T, I, g.stride(0), u.stride(0),
+            BLOCK_I=block_i, ROWS=rows, num_warps=cfg["num_warps"],
+        )  # fmt: skip
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of ``x [T, 2I]`` (views)."""
+    i = x.shape[1] // 2
+    return x[:, :i], x[:, i:]
 
 
 class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, table):
+    def forward(ctx, x, up, table):
         x = x.contiguous()
-        y = x.new_empty(x.shape[0], x.shape[1] // 2)
-        _launch(_silu_and_mul_fwd_kernel, "silu_and_mul.fwd", table, x, y)
-        ctx.save_for_backward(x)
+        up = up.contiguous() if up is not None else None
+        g, u = (x, up) if up is not None else _halves(x)
+        y = x.new_empty(g.shape)
+        _launch(_silu_and_mul_fwd_kernel, "silu_and_mul.fwd", table, g, u, y)
+        ctx.save_for_backward(x, up)
         ctx.table = table
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
+        x, up = ctx.saved_tensors
         dx = torch.empty_like(x)
-        _launch(_silu_and_mul_bwd_kernel, "silu_and_mul.bwd", ctx.table, x, dy.contiguous(), dx)
-        return dx, None
+        dup = torch.empty_like(up) if up is not None else None
+        g, u = (x, up) if up is not None else _halves(x)
+        dg, du = (dx, dup) if up is not None else _halves(dx)
+        key = "silu_and_mul.bwd"
+        _launch(_silu_and_mul_bwd_kernel, key, ctx.table, g, u, dy.contiguous(), dg, du)
+        return dx, dup, None
 
 
-def silu_and_mul(x: torch.Tensor, *, table: tuning.TuningTable) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` -> ``[T, I]`` in ``x.dtype``.
+def silu_and_mul(
+    x: torch.Tensor, up: torch.Tensor | None = None, *, table: tuning.TuningTable
+) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``, or ``silu(x) * up`` for ``x`` and ``up``
+    ``[T, I]``: ``[T, I]`` in ``x.dtype``.
 
-    See :func:`rlk.silu_and_mul`. Computed in fp32, rounded once; differentiable in ``x``.
+    See :func:`rlk.silu_and_mul`. Computed in fp32, rounded once, by the same kernel for both
+    forms; differentiable in ``x`` and ``up``.
     """
-    return SiluAndMulFunction.apply(x, table)
+    return SiluAndMulFunction.apply(x, up, table)

@@ -24,7 +24,8 @@ per element:
 - rms_norm ``[T, H]``: fwd reads x, writes y: 2THe; bwd reads x and dy, writes dx: 3THe.
 - rms_norm_residual: fwd reads x and r, writes y and s: 4THe; bwd reads s, dy and ds, writes dx
   (which is also dr): 4THe.
-- silu_and_mul ``[T, 2I] -> [T, I]``: fwd 3TIe; bwd reads x and dy, writes dx: 5TIe.
+- silu_and_mul, gate and up ``[T, I]`` each -> ``[T, I]``: fwd 3TIe; bwd reads gate, up and dy,
+  writes their two gradients: 5TIe.
 - apply_rotary, q ``[T, Hq, D]`` and k ``[T, Hk, D]`` as a model rotates them, cos and sin
   ``[T, D]``: each pass reads and writes q and k (or their gradients) and reads cos and sin:
   2T(Hq + Hk)De + 2TDe.
@@ -46,7 +47,7 @@ from rlk.bench._peers import Case, compiled, liger, time_op
 
 #: Shapes per op (``quick`` takes the first of each): real model sizes, each call >= 50 us on an
 #: H200. rms_norm (and rms_norm_residual): Llama-3-8B, Llama-3.2-1B and Qwen2.5-0.5B hidden
-#: sizes. silu_and_mul ``(T, I)``, the input being ``[T, 2I]``: Llama-3-8B, Qwen2.5-0.5B.
+#: sizes. silu_and_mul ``(T, I)``, gate and up being ``[T, I]``: Llama-3-8B, Qwen2.5-0.5B.
 #: apply_rotary ``(T, Hq, Hk, D)``: Llama-3-8B, Qwen2.5-0.5B.
 SHAPES: dict[str, list[tuple[int, ...]]] = {
     "rms_norm": [(16384, 4096), (65536, 2048), (65536, 896)],
@@ -72,9 +73,8 @@ def _rms_norm_residual_ref(x, r, w):
     return _rms_norm_ref(s, w), s
 
 
-def _silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+def _silu_and_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,19 +130,17 @@ def _rms_norm_residual(emit, T: int, H: int) -> None:
 
 
 def _silu_and_mul(emit, T: int, I: int) -> None:
-    x = _randn(T, 2 * I)
+    # Gate and up as two tensors, as a model's gate_proj and up_proj make them; every impl
+    # takes them so.
+    gate, up = _randn(T, I), _randn(T, I)
     cases: list[Case] = [
-        ("rlk", lambda: rlk.silu_and_mul(x), (x,)),
-        ("compile", functools.partial(compiled(_silu_and_mul_ref), x), (x,)),
+        ("rlk", lambda: rlk.silu_and_mul(gate, up), (gate, up)),
+        ("compile", functools.partial(compiled(_silu_and_mul_ref), gate, up), (gate, up)),
     ]
     F = liger("LigerSiLUMulFunction")
     if F is not None:
-        # Liger takes gate and up as two tensors (HF's gate_proj and up_proj outputs): give it the
-        # two halves of x as contiguous tensors, made once here, so that it copies nothing per
-        # call.
-        gate, up = (h.contiguous() for h in x.chunk(2, dim=-1))
         cases.append(("liger", lambda: F.apply(gate, up), (gate, up)))
-    e = x.element_size()
+    e = gate.element_size()
     fwd, fwd_bwd = {"nbytes": 3 * T * I * e}, {"nbytes": 8 * T * I * e}
     time_op(emit, "silu_and_mul", f"T={T} I={I}", DTYPE, cases, fwd, fwd_bwd)
 

@@ -13,7 +13,8 @@ For each op it runs five checks, one per guarantee of ``rlk.GUARANTEES``:
    ``impl.use_config``, gives the bits of the default choice.
 5. ``path_invariance``: attention training == prefill == chunked prefill == decode ==
    paged_attention (page sizes 16..128, shuffled pages); ``linear_logprobs`` == ``logprobs`` of
-   ``linear``; ``rms_norm`` with a residual == the unfused add and norm.
+   ``linear``; ``rms_norm`` with a residual == the unfused add and norm; ``silu_and_mul`` of
+   gate and up == of their concatenation; ``apply_rotary`` of q and k == two calls.
 
 A check of a guarantee the backend does not claim (``impl.claims``) is a skip, never a pass. An op
 the backend does not implement is a FAIL row, and so is an exception inside a check (the run goes
@@ -176,6 +177,10 @@ def _path(impl, op, oc, device, rnd) -> _checks.Outcome:
         )
     if op == "rms_norm":
         return _checks.rms_norm_paths(impl.ops[op], oc.path)
+    if op == "silu_and_mul":
+        return _checks.silu_and_mul_paths(impl.ops[op], oc.path)
+    if op == "apply_rotary":
+        return _checks.rotary_paths(impl.ops[op], oc.path)
     return _checks.Outcome("skip", NO_SECOND_PATH)
 
 

@@ -305,31 +305,34 @@ def rms_norm(gen: Gen, quick: bool) -> OpCases:
     return OpCases(acc, inv, path)
 
 
-def _silu(gen: Gen, dt, t: int, i: int, batch: int = 0) -> Case:
-    args = {"x": gen.randn(t, 2 * i, dtype=dt, scale=2.0)}
-    return Case(
-        "silu_and_mul",
-        f"{dtype_name(dt)} T={t} I={i}",
-        dt,
-        args,
-        (gen.randn(t, i, dtype=dt),),
-        ("x",),
-        1,
-        batch,
-    )
+def _silu(gen: Gen, dt, t: int, i: int, batch: int = 0, pair: bool = False) -> Case:
+    """A silu_and_mul case: ``x [t, 2i]``, or (``pair``) the gate ``x`` and ``up``, ``[t, i]``."""
+    if pair:
+        args = {"x": gen.randn(t, i, dtype=dt, scale=2.0), "up": gen.randn(t, i, dtype=dt)}
+        rows: tuple[str, ...] = ("x", "up")
+    else:
+        args = {"x": gen.randn(t, 2 * i, dtype=dt, scale=2.0)}  # no up, as rlk._ops calls it
+        rows = ("x",)
+    label = f"{dtype_name(dt)} T={t} I={i}" + (" gate, up" if pair else "")
+    return Case("silu_and_mul", label, dt, args, (gen.randn(t, i, dtype=dt),), rows, 1, batch)
 
 
 def silu_and_mul(gen: Gen, quick: bool) -> OpCases:
     if quick:
         acc = [_silu(gen, dt, 9, 48) for dt in (BF16, FP16, FP32)] + [_silu(gen, BF16, 4, 20)]
-        inv = [_silu(gen, BF16, 18, 48, batch=12)]
+        acc += [_silu(gen, FP16, 5, 24, pair=True)]
+        inv = [_silu(gen, BF16, 18, 48, batch=12), _silu(gen, BF16, 18, 20, batch=12, pair=True)]
+        path = [_silu(gen, dt, 7, 40, pair=True) for dt in (BF16, FP32)]
     else:
         acc = [_silu(gen, BF16, 257, 4864), _silu(gen, FP16, 100, 11008), _silu(gen, FP32, 64, 896)]
+        acc += [_silu(gen, BF16, 257, 4864, pair=True)]
         inv = [
             _silu(gen, BF16, 16384 + 256, 4864, batch=16384),
             _silu(gen, FP32, 1024 + 64, 2048, batch=1024),
+            _silu(gen, BF16, 4096 + 256, 14336, batch=4096, pair=True),
         ]
-    return OpCases(acc, inv)
+        path = [_silu(gen, dt, 4096, 4864, pair=True) for dt in (BF16, FP16, FP32)]
+    return OpCases(acc, inv, path)
 
 
 def _rotary(
@@ -344,8 +347,9 @@ def _rotary(
         "x": gen.randn(t, h, d, dtype=dt),
         "cos": ang.cos().to(cos_dt),
         "sin": ang.sin().to(cos_dt),
-        "k": gen.randn(t, hk, d, dtype=dt) if hk is not None else None,
     }
+    if hk is not None:  # the pair form; a one-tensor call passes no k, as rlk._ops does
+        args["k"] = gen.randn(t, hk, d, dtype=dt)
     label = f"{dtype_name(dt)} T={t} H={h} D={d} cos {dtype_name(cos_dt)}"
     cot = (gen.randn(t, h, d, dtype=dt),)
     rows: tuple[str, ...] = ("x", "cos", "sin")
@@ -364,6 +368,7 @@ def apply_rotary(gen: Gen, quick: bool) -> OpCases:
             _rotary(gen, BF16, 18, 3, 32, FP32, batch=12),
             _rotary(gen, BF16, 18, 4, 32, FP32, batch=12, hk=1),
         ]
+        path = [_rotary(gen, dt, 9, 6, 32, FP32, hk=2) for dt in (BF16, FP32)]
     else:
         acc = [
             _rotary(gen, BF16, 4096, 32, 128, FP32),
@@ -376,7 +381,11 @@ def apply_rotary(gen: Gen, quick: bool) -> OpCases:
             _rotary(gen, BF16, 16384 + 256, 16, 128, FP32, batch=16384),
             _rotary(gen, BF16, 4096 + 256, 14, 64, FP32, batch=4096, hk=2),
         ]
-    return OpCases(acc, inv)
+        path = [
+            _rotary(gen, BF16, 4096, 32, 128, FP32, hk=8),
+            _rotary(gen, FP16, 4096, 14, 64, FP16, hk=2),
+        ]
+    return OpCases(acc, inv, path)
 
 
 def _logits(gen: Gen, t: int, v: int, dt) -> torch.Tensor:

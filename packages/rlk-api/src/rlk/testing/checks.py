@@ -501,6 +501,43 @@ def rms_norm_paths(fn: Callable, cases: list[Case]) -> Outcome:
     return diffs.outcome(f"{diffs.compared} fused-residual results bitwise equal to unfused")
 
 
+def silu_and_mul_paths(fn: Callable, cases: list[Case]) -> Outcome:
+    """silu_and_mul(gate, up) == silu_and_mul(cat(gate, up)): the output and both gradients."""
+    diffs = _Diffs()
+    for case in cases:
+        gate, up = case.args["x"], case.args["up"]
+        pair = run_case(fn, case)
+        joined = Case(case.op, case.label, case.dtype,
+                      {"x": torch.cat([gate, up], dim=-1)}, case.cot)  # fmt: skip
+        one = run_case(fn, joined)
+        i = gate.shape[-1]
+        diffs.compare(f"{case.label}: out", pair["out"], one["out"])
+        diffs.compare(f"{case.label}: grad gate", pair["grad.x"], one["grad.x"][..., :i])
+        diffs.compare(f"{case.label}: grad up", pair["grad.up"], one["grad.x"][..., i:])
+    return diffs.outcome(f"{diffs.compared} two-tensor results bitwise equal to one tensor's")
+
+
+def _without_k(args: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
+    return {**{k: v for k, v in args.items() if k != "k"}, "x": x}
+
+
+def rotary_paths(fn: Callable, cases: list[Case]) -> Outcome:
+    """apply_rotary(x, cos, sin, k) == (apply_rotary(x, cos, sin), apply_rotary(k, cos, sin)):
+    the outputs and the gradients of x and k."""
+    diffs = _Diffs()
+    for case in cases:
+        a = case.args
+        pair = run_case(fn, case)
+        alone = [
+            run_case(fn, Case(case.op, case.label, case.dtype, _without_k(a, t), (c,)))
+            for t, c in ((a["x"], case.cot[0]), (a["k"], case.cot[1]))
+        ]
+        for name, i in (("x", 0), ("k", 1)):
+            diffs.compare(f"{case.label}: {name}", pair[f"out{i}"], alone[i]["out"])
+            diffs.compare(f"{case.label}: grad {name}", pair[f"grad.{name}"], alone[i]["grad.x"])
+    return diffs.outcome(f"{diffs.compared} pair results bitwise equal to separate calls")
+
+
 __all__ = [
     "SAMPLE_AGREEMENT",
     "TOLERANCES",
@@ -514,6 +551,8 @@ __all__ = [
     "logprobs_paths",
     "paged_paths",
     "rms_norm_paths",
+    "rotary_paths",
     "run_case",
+    "silu_and_mul_paths",
     "tuning_invariance",
 ]
