@@ -20,7 +20,10 @@ TABLE = backend.default_table()
 
 @pytest.fixture(autouse=True)
 def small_block(monkeypatch):
+    # Small blocks and parts of 2 blocks: several parts per row at test sizes, so that the
+    # split threshold combines parts.
     monkeypatch.setattr(smod, "BLOCK", 128)
+    monkeypatch.setattr(smod, "PART_BLOCKS", 2)
 
 
 def _params(b, seed, temp=None, top_k=None, top_p=None):
@@ -193,6 +196,154 @@ def test_split_pick_merges_ranges_as_one_pass():
             results.append(_sample(logits, seeds, offsets, **p))
     assert results[0][:4].tolist() == [20, 20, 0, -1]
     assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_split_threshold_equals_one_program():
+    """The threshold as a launch per pass over (row, part) programs gives every row the token
+    of the one-program threshold: the parts' counts add exactly and their top-p masses add in
+    the one-program order (12 parts a row here; rows with top-k, top-p, both, neither, greedy,
+    ties, and a NaN)."""
+    b = 8
+    logits, seeds, offsets = _rows(b, 3000, torch.float32, seed=11)
+    logits[1, [5, 1500, 2999]] = 30.0  # ties for the top
+    logits[6, 2100] = float("nan")
+    p = _params(b, seed=12)
+    p["top_k"][0], p["top_p"][2], p["temperature"][3] = 0, 1.0, 0.0
+    p["top_k"][4], p["top_p"][4] = 0, 1.0
+    rule = TABLE["sample.fwd"]
+    results = {}
+    for cfg in rule.configs:
+        with tuning.force("sample", {"sample.fwd": cfg}):
+            results[cfg["programs"]] = _sample(logits, seeds, offsets, **p)
+    assert 0 in results and len(results) >= 2
+    assert results[0][6] == -1
+    assert all(torch.equal(results[0], r) for r in results.values())
+
+
+@jit
+def _one_program_threshold(logits, temp, topk, topp, maxima, kept_out, V, stride, n_blocks,
+                           BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+                           RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+                           MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    # The one-program threshold of _sample_kernel, its key written out.
+    row = tl.program_id(0)
+    t, k, p, on_k, on_p = smod._filters(temp, topk, topp, row, V, True, True)
+    kept = smod._row_kept(logits + row * stride, V, t, k, p, on_k, on_p, n_blocks,
+                          maxima + row * n_blocks, BLOCK, LOG2_BLOCK, RADIX_BITS, PART_BLOCKS,
+                          MAX_BLOCKS)  # fmt: skip
+    tl.store(kept_out + row, kept.to(tl.int64))
+
+
+def test_split_threshold_keys_equal_one_program_keys():
+    """The thresholds themselves, bit for bit: the split threshold's key of every row is the
+    one-program key (top-k alone, top-p alone, both; 12 parts a row), and top-k alone keeps
+    exactly the reference's tokens."""
+    b, v = 6, 3000
+    logits, _, _ = _rows(b, v, torch.float32, seed=15)
+    p = _params(b, seed=16)
+    p["top_k"][:2] = 0
+    p["top_p"][2:4] = 1.0
+    temp, k, q = p["temperature"], p["top_k"], p["top_p"]
+    blocks = -(-v // smod.BLOCK)
+    meta = dict(BLOCK=smod.BLOCK, LOG2_BLOCK=smod.BLOCK.bit_length() - 1,
+                RADIX_BITS=smod.RADIX_BITS)  # fmt: skip
+    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    one = torch.empty(b, dtype=torch.int64)
+    _one_program_threshold[(b,)](logits, temp, k, q, torch.empty(b, blocks, dtype=torch.int32),
+                                 one, v, v, blocks, **meta, **sizes)  # fmt: skip
+    has = dict(HAS_TOPK=True, HAS_TOPP=True)
+    split = smod._split_threshold(logits, temp, (k, q), has,
+                                  torch.empty(b, blocks, dtype=torch.int32), meta, sizes,
+                                  dict(num_warps=4))  # fmt: skip
+    assert torch.equal(split, one)
+    z = logits.double() / temp.double()[:, None]
+    for row in (2, 3):  # top-k alone: z >= the k-th largest z
+        kept = int(one[row])
+        keys = torch.tensor([smod_key(float(x)) for x in (logits[row] / temp[row]).tolist()])
+        assert torch.equal(keys >= kept, keep_mask(z[row], int(k[row]), 1.0))
+
+
+@jit
+def _one_program_masses(logits, maxima, temp, out, V, n_blocks, SHIFT: tl.constexpr,
+                        BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
+                        PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    # The first top-p pass's masses of row 0 as the one-program threshold adds them.
+    t = tl.load(temp)
+    z_max = smod._row_z_max(maxima, n_blocks, t, MAX_BLOCKS)
+    mass = smod._row_masses(logits, V, tl.zeros([], tl.uint32), SHIFT, t, tl.zeros([], tl.uint32),
+                            z_max, n_blocks, maxima, BLOCK, LOG2_BLOCK, NCAND,
+                            PART_BLOCKS)  # fmt: skip
+    tl.store(out + tl.arange(0, NCAND), mass)
+
+
+@jit
+def _sum_parts_kernel(ptr, out, n_parts, NCAND: tl.constexpr):
+    tl.store(out + tl.arange(0, NCAND), smod._sum_parts(ptr, n_parts, NCAND))
+
+
+def test_top_p_masses_add_parts_in_one_order():
+    """The split threshold's part masses, added in ascending part order, are the one-program
+    masses bit for bit, and _sum_parts adds in that order (values where the order shows)."""
+    v, ncand = 3000, 1 << smod.RADIX_BITS
+    logits, _, _ = _rows(1, v, torch.float32, seed=17)
+    temp = torch.tensor([0.7])
+    blocks = -(-v // smod.BLOCK)
+    n_parts = -(-blocks // smod.PART_BLOCKS)
+    meta = dict(BLOCK=smod.BLOCK, LOG2_BLOCK=smod.BLOCK.bit_length() - 1,
+                RADIX_BITS=smod.RADIX_BITS)  # fmt: skip
+    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    k, q = torch.zeros(1, dtype=torch.int64), torch.tensor([0.9])
+    has = dict(HAS_TOPK=False, HAS_TOPP=True)
+    maxima = torch.empty(1, blocks, dtype=torch.int32)
+    prefix = torch.empty(1, 2 * smod.LEVELS, dtype=torch.int64)
+    counts = torch.empty(2, 1, n_parts, ncand, dtype=torch.int32)
+    masses = torch.empty(2, 1, n_parts, ncand, dtype=torch.float32)
+    smod._maxima_kernel[(1, n_parts)](logits, temp, k, q, maxima, v, v, blocks, **has,
+                                      BLOCK=smod.BLOCK, PART_BLOCKS=smod.PART_BLOCKS)  # fmt: skip
+    smod._level_kernel[(1, n_parts)](logits, temp, k, q, maxima, prefix, counts, masses,
+                                     torch.empty(1, dtype=torch.int64), torch.empty(1), v, v,
+                                     blocks, n_parts, TOPP=True, LEVEL=0, **has, **meta,
+                                     **sizes)  # fmt: skip
+    split = masses[0, 0, 0].clone()
+    for part in range(1, n_parts):
+        split += masses[0, 0, part]
+    one = torch.empty(ncand)
+    _one_program_masses[(1,)](logits, maxima, temp, one, v, blocks, SHIFT=32 - smod.RADIX_BITS,
+                              BLOCK=smod.BLOCK, LOG2_BLOCK=meta["LOG2_BLOCK"], NCAND=ncand,
+                              **sizes)  # fmt: skip
+    assert split[0] > 0 and torch.equal(split, one)
+    # In fp32, (1 + 1e8) - 1e8 is 0 and (-1e8 + 1e8) + 1 is 1: only the ascending order gives 0.
+    parts = torch.zeros(3, ncand)
+    parts[:, 1] = torch.tensor([1.0, 1e8, -1e8])
+    got = torch.empty(ncand)
+    _sum_parts_kernel[(1,)](parts, got, 3, NCAND=ncand)
+    assert got[1] == 0.0
+
+
+def smod_key(x: float) -> int:
+    """The kernel's order-preserving uint32 key of fp32 ``x`` (see sampling._key)."""
+    bits = int(torch.tensor(0.0 if x == 0.0 else x, dtype=torch.float32).view(torch.int32))
+    bits &= 0xFFFFFFFF
+    return (~bits) & 0xFFFFFFFF if bits >> 31 else bits | 0x80000000
+
+
+@pytest.mark.parametrize("programs", [0, 2048])
+def test_filters_passed_as_none_are_off(programs):
+    """None for top_k / top_p (what rlk.sample passes for 0 and 1.0) is the filter off in every
+    row, with one program per row and with the split threshold."""
+    b = 5
+    logits, seeds, offsets = _rows(b, 700, torch.bfloat16, seed=13)
+    g = torch.Generator().manual_seed(14)
+    t = torch.rand(b, generator=g) + 0.3
+    k, q = torch.randint(1, 30, (b,), generator=g), torch.rand(b, generator=g) * 0.8 + 0.1
+    cfg = next(c for c in TABLE["sample.fwd"].configs if c["programs"] == programs)
+    with tuning.force("sample", {"sample.fwd": cfg}):
+        for top_k, top_p, off in ((k, None, dict(top_k=k, top_p=torch.ones(b))),
+                                  (None, q, dict(top_k=torch.zeros(b, dtype=torch.int64), top_p=q)),
+                                  (None, None, dict(top_k=torch.zeros(b, dtype=torch.int64),
+                                                    top_p=torch.ones(b)))):  # fmt: skip
+            got = _sample(logits, seeds, offsets, temperature=t, top_k=top_k, top_p=top_p)
+            assert torch.equal(got, _sample(logits, seeds, offsets, temperature=t, **off))
 
 
 def test_batch_invariance_and_determinism():

@@ -966,8 +966,12 @@ def sample(
     seeds = _per_row("seeds", seeds, b, torch.int64, device)
     offsets = _per_row("offsets", offsets, b, torch.int64, device)
     temperature = _per_row("temperature", temperature, b, torch.float32, device)
-    top_k = _per_row("top_k", top_k, b, torch.int64, device)
-    top_p = _per_row("top_p", top_p, b, torch.float32, device)
+    # A filter given as the number that turns it off reaches the backend as None (off for
+    # every row), so that a backend can skip it without reading the device.
+    off_k = isinstance(top_k, int) and not isinstance(top_k, bool) and top_k == 0
+    off_p = isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p == 1.0
+    top_k = None if off_k else _per_row("top_k", top_k, b, torch.int64, device)
+    top_p = None if off_p else _per_row("top_p", top_p, b, torch.float32, device)
     return _call(
         "sample",
         device,

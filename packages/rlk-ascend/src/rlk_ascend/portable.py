@@ -753,6 +753,11 @@ def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> 
 
     with torch.no_grad():
         b, vocab = logits.shape
+        # None: that filter is off for every row.
+        if top_k is None:
+            top_k = torch.zeros(b, dtype=torch.int64, device=logits.device)
+        if top_p is None:
+            top_p = torch.ones(b, dtype=torch.float32, device=logits.device)
         x = logits.float()
         greedy = temperature == 0
         z = x / torch.where(greedy, 1.0, temperature.float())[:, None]

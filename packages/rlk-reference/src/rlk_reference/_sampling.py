@@ -36,12 +36,13 @@ def sample(
     offsets: torch.Tensor,
     *,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
     table=None,
 ) -> torch.Tensor:
     """``logits [B, V]``, int64 ``seeds``/``offsets [B]``, per-row ``temperature`` (float32,
-    0 = greedy), ``top_k`` (int64, 0 = off), ``top_p`` (float32, 1 = off) -> int64 ``[B]``.
+    0 = greedy), ``top_k`` (int64, 0 = off), ``top_p`` (float32, 1 = off) -> int64 ``[B]``;
+    ``top_k`` / ``top_p`` None: off for every row.
 
     Row ``b``: ``z = logits / temperature``; filter by top-k, then top-p; pick
     ``argmax(z + g)`` over the kept tokens with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
@@ -63,7 +64,8 @@ def sample(
                 out[row] = _first_argmax(x)
                 continue
             z = x / temp
-            keep = keep_mask(z, int(top_k[row]), float(top_p[row]))
+            k = int(top_k[row]) if top_k is not None else 0
+            keep = keep_mask(z, k, float(top_p[row]) if top_p is not None else 1.0)
             score = (z + gumbel[row]).masked_fill(~keep, float("-inf"))
             out[row] = _first_argmax(score)
         return out.to(logits.device)

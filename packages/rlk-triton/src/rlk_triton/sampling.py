@@ -1,9 +1,10 @@
 """Seeded per-row sampling: temperature, top-k, top-p, Gumbel-max with Philox-4x32-10 noise.
 
-A row's token depends only on its logits, seed, offset and parameters. The filters' threshold
-takes one program per row; the pick (the Gumbel-max over the kept tokens) takes one program per
-row too, or, when rows are too few to fill the GPU, one per range of whole blocks of a row, the
-ranges' picks merged as one pass over the row would (:data:`TUNING`): the same token either way.
+A row's token depends only on its logits, seed, offset and parameters. With enough rows to
+fill the GPU, one program per row finds the filters' threshold and picks. With fewer
+(:data:`TUNING`), each pass of the threshold is a launch over (row, part) programs, a part being
+:data:`PART_BLOCKS` blocks, and the pick runs in ranges of whole blocks, merged as one pass over
+the row would: the same token either way.
 
 - Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
   seed's two 32-bit words, counter = ``(v, offset_lo, offset_hi, 0)``), ``g = -log(-log(u))``.
@@ -13,8 +14,9 @@ ranges' picks merged as one pass over the row would (:data:`TUNING`): the same t
   order), i.e. the k-th largest z, ties kept (searched on the logits, then divided once: the
   division is monotone). top-p: the largest key with
   ``mass(key >= K) >= top_p * mass(all kept)``, masses ``sum exp(z - max)`` added by a fixed
-  tree over blocks of :data:`BLOCK` and the blocks in ascending order. A mass can only shrink
-  as K grows (terms drop to 0), so the search is consistent.
+  tree over each block of :data:`BLOCK`, the blocks of a part in ascending order, then the
+  parts in ascending order (so a program per part adds what one program per row adds). A
+  mass can only shrink as K grows (terms drop to 0), so the search is consistent.
 - Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
   the lowest-index argmax of the logits.
 - Skipped blocks. With a filter on, a first pass writes each block's largest logit (as a key)
@@ -40,6 +42,12 @@ from rlk_triton.logprobs import tree_sum
 BLOCK = 512
 #: Key bits resolved per radix pass (2**RADIX_BITS candidate thresholds counted per pass).
 RADIX_BITS = 4
+#: Radix passes per filter.
+LEVELS = 32 // RADIX_BITS
+#: Blocks per part of a row. The top-p masses add each part's blocks in ascending order, then
+#: the parts in ascending order: a constant of the op, so that the one-program threshold and
+#: the split one (a program per part) give the same bits.
+PART_BLOCKS = 16
 
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
@@ -94,25 +102,30 @@ NAN_BLOCK = tl.constexpr(0xFFFFFFFF)
 
 
 @jit
-def _block_maxima(row_ptr, V, maxima_ptr, BLOCK: tl.constexpr):
-    """One pass over the row: each block's largest logit as a key (:data:`NAN_BLOCK` for a
-    block with a NaN) into ``maxima_ptr`` (int32 bits); returns the row's largest logit."""
+def _block_maxima(row_ptr, V, b_lo, b_hi, maxima_ptr, BLOCK: tl.constexpr):
+    """Blocks ``b_lo <= b < b_hi`` of the row: each block's largest logit as a key
+    (:data:`NAN_BLOCK` for a block with a NaN) into ``maxima_ptr[b]`` (int32 bits)."""
     cols = tl.arange(0, BLOCK)
-    x_max = tl.full([], float("-inf"), tl.float32)
-    for b0 in range(0, V, BLOCK):
-        offs = b0 + cols
+    for b in range(b_lo, b_hi):
+        offs = b * BLOCK + cols
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        top = tl.max(x, axis=0)
         has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
-        key = tl.where(has_nan, NAN_BLOCK, _key(top))
-        tl.store(maxima_ptr + b0 // BLOCK, key.to(tl.int32, bitcast=True))
-        x_max = tl.maximum(x_max, top)
-    return x_max
+        key = tl.where(has_nan, NAN_BLOCK, _key(tl.max(x, axis=0)))
+        tl.store(maxima_ptr + b, key.to(tl.int32, bitcast=True))
 
 
 @jit
-def _block_max(maxima_ptr, b0, BLOCK: tl.constexpr):
-    return tl.load(maxima_ptr + b0 // BLOCK).to(tl.uint32, bitcast=True)
+def _block_max(maxima_ptr, b):
+    return tl.load(maxima_ptr + b).to(tl.uint32, bitcast=True)
+
+
+@jit
+def _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS: tl.constexpr):
+    """The row's largest z, i.e. its largest logit divided once (the division is monotone),
+    from its block maxima."""
+    b = tl.arange(0, MAX_BLOCKS)
+    keys = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+    return tl.math.div_rn(_unkey(tl.max(keys, axis=0)), temperature)
 
 
 @jit
@@ -154,68 +167,100 @@ def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
 
 
 @jit
-def _topk_key(row_ptr, V, temperature, k, maxima_ptr, BLOCK: tl.constexpr,
-              RADIX_BITS: tl.constexpr):  # fmt: skip
-    """Key of the k-th largest z of the row.
+def _count_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, maxima_ptr, BLOCK: tl.constexpr,
+                  NCAND: tl.constexpr):  # fmt: skip
+    """Top-k radix pass over blocks ``b_lo <= b < b_hi``: per candidate ``prefix | d << shift``
+    the number of tokens with a key at least that (integers: exact in any order). Reads only
+    the blocks that can hold a key of the bucket (:func:`_may_count`)."""
+    cols = tl.arange(0, BLOCK)
+    cand = prefix | (tl.arange(0, NCAND).to(tl.uint32) << shift)
+    count = tl.zeros([NCAND], tl.int32)
+    for b in range(b_lo, b_hi):
+        if _may_count(_block_max(maxima_ptr, b), prefix):
+            offs = b * BLOCK + cols
+            ok = offs < V
+            key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
+            hit = (key[None, :] >= cand[:, None]) & ok[None, :]
+            count += tl.sum(hit.to(tl.int32), axis=1)
+    return count
+
+
+@jit
+def _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max, maxima_ptr,
+                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr):  # fmt: skip
+    """Top-p radix pass over the blocks of one part: per candidate key ``K`` the mass
+    ``sum exp(z - z_max)`` of the tokens with key >= ``max(K, kept)``: each block by a fixed
+    tree, the blocks in ascending order. Blocks without a token that top-k kept add exact zeros:
+    skipped."""
+    cols = tl.arange(0, BLOCK)
+    cand = prefix | (tl.arange(0, NCAND).to(tl.uint32) << shift)
+    mass = tl.zeros([NCAND], tl.float32)
+    for b in range(b_lo, b_hi):
+        if _may_keep(_block_max(maxima_ptr, b), temperature, kept):
+            offs = b * BLOCK + cols
+            ok = offs < V
+            z = tl.math.div_rn(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32),
+                               temperature)  # fmt: skip
+            key = _key(z)
+            e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
+            mass += tree_sum(tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK)
+    return mass
+
+
+@jit
+def _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks, maxima_ptr,
+                BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
+                PART_BLOCKS: tl.constexpr):  # fmt: skip
+    """A top-p pass's masses over the whole row, as the split threshold adds them: each part's
+    (:func:`_mass_blocks`), the parts in ascending order."""
+    mass = tl.zeros([NCAND], tl.float32)
+    for b_lo in range(0, n_blocks, PART_BLOCKS):
+        b_hi = tl.minimum(b_lo + PART_BLOCKS, n_blocks)
+        mass += _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max,
+                             maxima_ptr, BLOCK, LOG2_BLOCK, NCAND)  # fmt: skip
+    return mass
+
+
+@jit
+def _topk_kept(prefix, temperature):
+    """The top-k threshold as a key of z, from the k-th largest logit's key ``prefix``.
 
     The search runs on the logits x, without dividing: z = x / temperature (correctly rounded,
     temperature > 0) is non-decreasing in x, so the k-th largest z is the k-th largest x divided
-    once, and the tokens kept (z >= that z, ties included) are the same. A pass reads only the
-    blocks that can hold a key of the current bucket (:func:`_may_count`)."""
-    NCAND: tl.constexpr = 1 << RADIX_BITS
-    cols = tl.arange(0, BLOCK)
-    digits = tl.arange(0, NCAND).to(tl.uint32)
-    prefix = tl.zeros([], tl.uint32)
-    for level in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (level + 1)
-        cand = prefix | (digits << shift)
-        count = tl.zeros([NCAND], tl.int32)
-        for b0 in range(0, V, BLOCK):
-            if _may_count(_block_max(maxima_ptr, b0, BLOCK), prefix):
-                offs = b0 + cols
-                ok = offs < V
-                key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
-                hit = (key[None, :] >= cand[:, None]) & ok[None, :]
-                count += tl.sum(hit.to(tl.int32), axis=1)
-        prefix = _pick_digit(count, k, prefix, shift, NCAND)
+    once, and the tokens kept (z >= that z, ties included) are the same."""
     return _key(tl.math.div_rn(_unkey(prefix), temperature))
 
 
 @jit
-def _topp_key(
-    row_ptr,
-    V,
-    temperature,
-    p,
-    kept,
-    z_max,
-    maxima_ptr,
-    BLOCK: tl.constexpr,
-    LOG2_BLOCK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-):
-    """Largest key K with mass(key >= K) >= p * mass(all kept), among tokens with key >= kept."""
+def _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK: tl.constexpr,
+              RADIX_BITS: tl.constexpr):  # fmt: skip
+    """One program's top-k threshold: :data:`LEVELS` radix passes over the whole row."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
-    cols = tl.arange(0, BLOCK)
-    digits = tl.arange(0, NCAND).to(tl.uint32)
+    prefix = tl.zeros([], tl.uint32)
+    for level in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (level + 1)
+        count = _count_blocks(row_ptr, V, 0, n_blocks, prefix, shift, maxima_ptr, BLOCK, NCAND)
+        prefix = _pick_digit(count, k, prefix, shift, NCAND)
+    return _topk_kept(prefix, temperature)
+
+
+@jit
+def _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK: tl.constexpr,
+              LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+              MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """One program's top-p threshold: the largest key K with mass(key >= K) >= p * mass(all
+    kept), among tokens with key >= kept. A pass's masses add the parts' masses
+    (:func:`_mass_blocks` over :data:`PART_BLOCKS` blocks each) in ascending order, as the split
+    threshold does."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    z_max = _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS)
+    digits = tl.arange(0, NCAND)
     prefix = tl.zeros([], tl.uint32)
     need = tl.zeros([], tl.float32)
     for level in tl.static_range(32 // RADIX_BITS):
         shift = 32 - RADIX_BITS * (level + 1)
-        cand = prefix | (digits << shift)
-        mass = tl.zeros([NCAND], tl.float32)
-        for b0 in range(0, V, BLOCK):
-            # Blocks without a token that top-k kept add exact zeros: skipped.
-            if _may_keep(_block_max(maxima_ptr, b0, BLOCK), temperature, kept):
-                offs = b0 + cols
-                ok = offs < V
-                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                z = tl.math.div_rn(x, temperature)
-                key = _key(z)
-                e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
-                mass += tree_sum(
-                    tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK
-                )
+        mass = _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks,
+                           maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
         if level == 0:
             # candidate 0 is key 0: everything kept by top-k, the mass top_p is a fraction of
             need = p * tl.sum(tl.where(digits == 0, mass, 0.0), axis=0)
@@ -224,21 +269,36 @@ def _topp_key(
 
 
 @jit
-def _row_kept(row_ptr, V, temperature, k, p, maxima_ptr, BLOCK: tl.constexpr,
-              LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
-    """The smallest key a token of the row needs to be kept by top-k and top-p (0: all kept).
-    With a filter, it first writes the row's block maxima, which let later passes skip
-    blocks."""
+def _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK: tl.constexpr,
+             HAS_TOPP: tl.constexpr):  # fmt: skip
+    """``(temperature, k, p, topk_on, topp_on)`` of a row; a filter the host passed as None is
+    off for every row (its pointer is not read). Greedy rows filter nothing."""
+    temperature = tl.load(temp_ptr + row)
+    k = tl.zeros([], tl.int64)
+    p = tl.full([], 1.0, tl.float32)
+    if HAS_TOPK:
+        k = tl.load(topk_ptr + row)
+    if HAS_TOPP:
+        p = tl.load(topp_ptr + row)
+    sampled = temperature != 0.0
+    return temperature, k, p, sampled & (k > 0) & (k < V), sampled & (p < 1.0)
+
+
+@jit
+def _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_ptr,
+              BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+              PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """One program's threshold of a row: the smallest key a token needs to be kept by top-k
+    and top-p (0: all kept). With a filter, it first writes the row's block maxima, which let
+    later passes skip blocks."""
     kept = tl.zeros([], tl.uint32)
-    if ((k > 0) & (k < V)) | (p < 1.0):
-        x_max = _block_maxima(row_ptr, V, maxima_ptr, BLOCK)
-        if (k > 0) & (k < V):
-            kept = _topk_key(row_ptr, V, temperature, k, maxima_ptr, BLOCK, RADIX_BITS)
-        if p < 1.0:
-            # The largest z is the largest logit divided once (the division is monotone).
-            z_max = tl.math.div_rn(x_max, temperature)
-            top_p_key = _topp_key(row_ptr, V, temperature, p, kept, z_max, maxima_ptr, BLOCK,
-                                  LOG2_BLOCK, RADIX_BITS)  # fmt: skip
+    if topk_on | topp_on:
+        _block_maxima(row_ptr, V, 0, n_blocks, maxima_ptr, BLOCK)
+        if topk_on:
+            kept = _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK, RADIX_BITS)
+        if topp_on:
+            top_p_key = _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK,
+                                  LOG2_BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
             kept = tl.maximum(kept, top_p_key)
     return kept
 
@@ -276,7 +336,7 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
         for b0 in range(lo, hi, BLOCK):
             # A block without a kept token scores -inf everywhere and cannot win: skipped,
             # with its noise (a block with a NaN is never skipped: its NaN is counted here).
-            if _may_keep(_block_max(maxima_ptr, b0, BLOCK), temperature, kept):
+            if _may_keep(_block_max(maxima_ptr, b0 // BLOCK), temperature, kept):
                 offs = b0 + cols
                 ok = offs < hi
                 x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -298,41 +358,168 @@ def _sample_kernel(
     out_ptr,
     V,
     stride,
+    n_blocks,
+    HAS_TOPK: tl.constexpr,
+    HAS_TOPP: tl.constexpr,
     BLOCK: tl.constexpr,
     LOG2_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    PART_BLOCKS: tl.constexpr,
+    MAX_BLOCKS: tl.constexpr,
 ):
     """One program per row: the filters' threshold, then the pick over the whole row.
-    ``maxima_ptr``: int32 ``[B, cdiv(V, BLOCK)]`` scratch for the block maxima."""
+    ``maxima_ptr``: int32 ``[B, n_blocks]`` scratch for the block maxima."""
     pid = tl.program_id(0)
     row_ptr = logits_ptr + pid.to(tl.int64) * stride
-    maxima_ptr += pid.to(tl.int64) * tl.cdiv(V, BLOCK)
-    temperature = tl.load(temp_ptr + pid)
-    kept = tl.zeros([], tl.uint32)
-    if temperature != 0.0:
-        kept = _row_kept(row_ptr, V, temperature, tl.load(topk_ptr + pid),
-                         tl.load(topp_ptr + pid), maxima_ptr, BLOCK, LOG2_BLOCK,
-                         RADIX_BITS)  # fmt: skip
+    maxima_ptr += pid.to(tl.int64) * n_blocks
+    temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, pid, V,
+                                                   HAS_TOPK, HAS_TOPP)  # fmt: skip
+    kept = _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_ptr, BLOCK,
+                     LOG2_BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
     best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept,
                                       tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid),
                                       maxima_ptr, BLOCK)  # fmt: skip
     tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
+# Split threshold: the passes of the one-program threshold, each a launch over (row, part)
+# programs, a part being PART_BLOCKS blocks. A pass's program first finishes the previous pass
+# of its row from the parts' results (counts add exactly in any order; masses add the parts in
+# ascending order, as the one-program threshold does), then runs its part. Per row the scratch
+# holds: ``prefix [2 * LEVELS]`` (each pass's starting prefix, top-k then top-p, written by
+# part 0), ``counts``/``masses [2, parts, NCAND]`` (ping-pong by pass parity, so that a pass
+# never reads what the same launch writes), ``topk [1]`` (the top-k key) and ``need [1]``
+# (top_p times the kept mass).
+
+
 @jit
-def _kept_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, kept_ptr, V, stride,
-                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
-    """Split sampling, step 1 (one program per row): the filters' threshold of the row, and
-    its block maxima where a filter is on."""
-    pid = tl.program_id(0)
-    temperature = tl.load(temp_ptr + pid)
+def _sum_parts(ptr, n_parts, NCAND: tl.constexpr):
+    """The parts' ``[NCAND]`` results at ``ptr`` added in ascending part order."""
+    d = tl.arange(0, NCAND)
+    total = tl.load(ptr + d)
+    for q in range(1, n_parts):
+        total += tl.load(ptr + q * NCAND + d)
+    return total
+
+
+@jit
+def _maxima_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, V, stride, n_blocks,
+                   HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr,
+                   PART_BLOCKS: tl.constexpr):  # fmt: skip
+    """Split threshold, first pass: the block maxima of a row's part (rows with a filter)."""
+    row = tl.program_id(0)
+    b_lo = tl.program_id(1) * PART_BLOCKS
+    _, _, _, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK,
+                                         HAS_TOPP)  # fmt: skip
+    if topk_on | topp_on:
+        _block_maxima(logits_ptr + row.to(tl.int64) * stride, V, b_lo,
+                      tl.minimum(b_lo + PART_BLOCKS, n_blocks),
+                      maxima_ptr + row.to(tl.int64) * n_blocks, BLOCK)  # fmt: skip
+
+
+@jit
+def _topk_finish(prefix_ptr, count_ptr, k, n_parts, temperature, RADIX_BITS: tl.constexpr):
+    """The top-k key of a row once its last pass has run (``count_ptr``: that pass's parts)."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    LEVELS: tl.constexpr = 32 // RADIX_BITS
+    start = tl.load(prefix_ptr + LEVELS - 1).to(tl.uint32)
+    prefix = _pick_digit(_sum_parts(count_ptr, n_parts, NCAND), k, start, 0, NCAND)
+    return _topk_kept(prefix, temperature)
+
+
+@jit
+def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_ptr, count_ptr,
+                  mass_ptr, topk_key_ptr, need_ptr, V, stride, n_blocks, n_parts,
+                  TOPP: tl.constexpr, LEVEL: tl.constexpr, HAS_TOPK: tl.constexpr,
+                  HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
+                  RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+                  MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """Split threshold, pass ``LEVEL`` of top-k (``TOPP`` False) or top-p, program (row,
+    part)."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    LEVELS: tl.constexpr = 32 // RADIX_BITS
+    SHIFT: tl.constexpr = 32 - RADIX_BITS * (LEVEL + 1)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V,
+                                                   HAS_TOPK, HAS_TOPP)  # fmt: skip
+    r64 = row.to(tl.int64)
+    row_ptr = logits_ptr + r64 * stride
+    maxima_ptr += r64 * n_blocks
+    prefix_ptr += r64 * (2 * LEVELS)
+    row_counts = count_ptr + r64 * (n_parts * NCAND)  # + parity * B * n_parts * NCAND
+    row_masses = mass_ptr + r64 * (n_parts * NCAND)
+    plane = tl.num_programs(0).to(tl.int64) * (n_parts * NCAND)
+    b_lo = part * PART_BLOCKS
+    b_hi = tl.minimum(b_lo + PART_BLOCKS, n_blocks)
+    if not TOPP:
+        if topk_on:
+            prefix = tl.zeros([], tl.uint32)
+            if LEVEL > 0:
+                start = tl.load(prefix_ptr + LEVEL - 1).to(tl.uint32)
+                prev = _sum_parts(row_counts + ((LEVEL - 1) % 2) * plane, n_parts, NCAND)
+                prefix = _pick_digit(prev, k, start, SHIFT + RADIX_BITS, NCAND)
+            if part == 0:
+                tl.store(prefix_ptr + LEVEL, prefix.to(tl.int64))
+            count = _count_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, maxima_ptr, BLOCK, NCAND)
+            tl.store(row_counts + (LEVEL % 2) * plane + part * NCAND + tl.arange(0, NCAND), count)
+    else:
+        if topp_on:
+            kept = tl.zeros([], tl.uint32)
+            if topk_on:
+                if LEVEL == 0:
+                    kept = _topk_finish(prefix_ptr, row_counts + ((LEVELS - 1) % 2) * plane, k,
+                                        n_parts, temperature, RADIX_BITS)  # fmt: skip
+                    if part == 0:
+                        tl.store(topk_key_ptr + row, kept.to(tl.int64))
+                else:
+                    kept = tl.load(topk_key_ptr + row).to(tl.uint32)
+            z_max = _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS)
+            prefix = tl.zeros([], tl.uint32)
+            if LEVEL > 0:
+                start = tl.load(prefix_ptr + LEVELS + LEVEL - 1).to(tl.uint32)
+                if LEVEL == 1:
+                    # candidate 0 of the first pass is key 0: the whole kept mass.
+                    need = p * tl.sum(tl.where(tl.arange(0, NCAND) == 0,
+                                               _sum_parts(row_masses, n_parts, NCAND), 0.0),
+                                      axis=0)  # fmt: skip
+                    if part == 0:
+                        tl.store(need_ptr + row, need)
+                else:
+                    need = tl.load(need_ptr + row)
+                prev = _sum_parts(row_masses + ((LEVEL - 1) % 2) * plane, n_parts, NCAND)
+                prefix = _pick_digit(prev, need, start, SHIFT + RADIX_BITS, NCAND)
+            if part == 0:
+                tl.store(prefix_ptr + LEVELS + LEVEL, prefix.to(tl.int64))
+            mass = _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, temperature, kept, z_max,
+                                maxima_ptr, BLOCK, LOG2_BLOCK, NCAND)  # fmt: skip
+            tl.store(row_masses + (LEVEL % 2) * plane + part * NCAND + tl.arange(0, NCAND), mass)
+
+
+@jit
+def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr, topk_key_ptr,
+                   need_ptr, kept_ptr, V, n_parts, HAS_TOPK: tl.constexpr,
+                   HAS_TOPP: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
+    """Split threshold, last step (one program per row): the last pass finished, the row's
+    threshold key into ``kept_ptr``."""
+    NCAND: tl.constexpr = 1 << RADIX_BITS
+    LEVELS: tl.constexpr = 32 // RADIX_BITS
+    row = tl.program_id(0)
+    temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V,
+                                                   HAS_TOPK, HAS_TOPP)  # fmt: skip
+    r64 = row.to(tl.int64)
+    prefix_ptr += r64 * (2 * LEVELS)
+    plane = tl.num_programs(0).to(tl.int64) * (n_parts * NCAND)
+    last = ((LEVELS - 1) % 2) * plane + r64 * (n_parts * NCAND)
     kept = tl.zeros([], tl.uint32)
-    if temperature != 0.0:
-        kept = _row_kept(logits_ptr + pid.to(tl.int64) * stride, V, temperature,
-                         tl.load(topk_ptr + pid), tl.load(topp_ptr + pid),
-                         maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK, LOG2_BLOCK,
-                         RADIX_BITS)  # fmt: skip
-    tl.store(kept_ptr + pid, kept.to(tl.int64))
+    if topk_on:
+        kept = _topk_finish(prefix_ptr, count_ptr + last, k, n_parts, temperature, RADIX_BITS)
+    if topp_on:
+        start = tl.load(prefix_ptr + 2 * LEVELS - 1).to(tl.uint32)
+        prev = _sum_parts(mass_ptr + last, n_parts, NCAND)
+        top_p_key = _pick_digit(prev, tl.load(need_ptr + row), start, 0, NCAND)
+        kept = tl.maximum(kept, top_p_key)
+    tl.store(kept_ptr + row, kept.to(tl.int64))
 
 
 @jit
@@ -378,10 +565,11 @@ def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid.to(tl.int64) * V + offs, u, mask=offs < V)
 
 
-#: Launch configs. ``programs``: the programs the pick should fill the GPU with. Below that
-#: many rows, each row's pick is split into ranges of whole blocks (a program each), merged by
-#: a third kernel; 0 keeps one program per row. Neither changes a bit: the filters' threshold
-#: is one program's work per row either way, and ranges merge as one pass would.
+#: Launch configs. ``programs``: the programs a pass should fill the GPU with. Below that
+#: many rows, the filters' threshold runs as the split threshold (a launch per pass, a program
+#: per part of a row) and the pick in ranges of whole blocks (a program each), merged by a third
+#: kernel; 0 keeps one program per row. Neither changes a bit: the split threshold adds what
+#: the one-program threshold adds, in its order, and ranges merge as one pass would.
 TUNING = {
     "sample.fwd": tuning.Rule(
         configs=(
@@ -412,14 +600,15 @@ def sample(
     offsets: torch.Tensor,
     *,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """Seeded per-row sampling (semantics: :func:`rlk.sample`).
 
     Shapes: ``logits [B, V]`` (bf16/fp16/fp32); int64 ``seeds``, ``offsets``, ``top_k`` ``[B]``;
-    float32 ``temperature`` (0 = greedy), ``top_p`` ``[B]`` -> int64 ``[B]``.
+    float32 ``temperature`` (0 = greedy), ``top_p`` ``[B]`` -> int64 ``[B]``. ``top_k`` /
+    ``top_p`` None: that filter is off for every row (no pass of it is launched).
 
     Example::
 
@@ -428,32 +617,67 @@ def sample(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     B, V = logits.shape
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    dev = logits.device
+    out = torch.empty(B, dtype=torch.int64, device=dev)
     if not B:
         return out
     cfg = dict(tuning.config(table, "sample.fwd", B=B, V=V))
     blocks = triton.cdiv(V, BLOCK)
     parts = min(blocks, triton.cdiv(cfg.pop("programs"), B))
     temperature = temperature.to(torch.float32).contiguous()
-    params = (top_k.to(torch.int64).contiguous(), top_p.to(torch.float32).contiguous())
     seeds, offsets = seeds.contiguous(), offsets.contiguous()
+    # A filter passed as None is read nowhere: any tensor stands in for its pointer.
+    has = dict(HAS_TOPK=top_k is not None, HAS_TOPP=top_p is not None)
+    params = (
+        top_k.to(torch.int64).contiguous() if top_k is not None else temperature,
+        top_p.to(torch.float32).contiguous() if top_p is not None else temperature,
+    )
     meta = dict(BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, RADIX_BITS=RADIX_BITS)
+    sizes = dict(PART_BLOCKS=PART_BLOCKS, MAX_BLOCKS=triton.next_power_of_2(blocks))
     # Written and read only by rows with a filter on.
-    maxima = torch.empty((B, blocks), dtype=torch.int32, device=logits.device)
+    maxima = torch.empty((B, blocks), dtype=torch.int32, device=dev)
     if parts <= 1:
         _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, out, V,
-                             logits.stride(0), **meta, **cfg)  # fmt: skip
+                             logits.stride(0), blocks, **has, **meta, **sizes, **cfg)  # fmt: skip
         return out
+    kept = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg)
     span = triton.cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
     parts = triton.cdiv(V, span)
-    kept = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _kept_kernel[(B,)](logits, temperature, *params, maxima, kept, V, logits.stride(0), **meta,
-                       **cfg)  # fmt: skip
-    best = torch.empty((B, parts), dtype=torch.float32, device=logits.device)
-    index = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
-    nans = torch.empty((B, parts), dtype=torch.int32, device=logits.device)
+    best = torch.empty((B, parts), dtype=torch.float32, device=dev)
+    index = torch.empty((B, parts), dtype=torch.int32, device=dev)
+    nans = torch.empty((B, parts), dtype=torch.int32, device=dev)
     _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, maxima, best, index,
                              nans, V, logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
     _merge_kernel[(B,)](best, index, nans, out, V, parts,
                         BLOCK_P=triton.next_power_of_2(parts))  # fmt: skip
     return out
+
+
+def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg) -> torch.Tensor:
+    """The filters' threshold key of every row (int64 ``[B]``), a launch per pass over (row,
+    part) programs; without a filter on the host's side, zeros and nothing launched."""
+    B, V = logits.shape
+    dev = logits.device
+    if not (has["HAS_TOPK"] or has["HAS_TOPP"]):
+        return torch.zeros(B, dtype=torch.int64, device=dev)
+    blocks = maxima.shape[1]
+    n_parts = triton.cdiv(blocks, PART_BLOCKS)
+    ncand = 1 << RADIX_BITS
+    prefix = torch.empty((B, 2 * LEVELS), dtype=torch.int64, device=dev)
+    counts = torch.empty((2, B, n_parts, ncand), dtype=torch.int32, device=dev)
+    masses = torch.empty((2, B, n_parts, ncand), dtype=torch.float32, device=dev)
+    topk_key = torch.empty(B, dtype=torch.int64, device=dev)
+    need = torch.empty(B, dtype=torch.float32, device=dev)
+    kept = torch.empty(B, dtype=torch.int64, device=dev)
+    stride = logits.stride(0)
+    _maxima_kernel[(B, n_parts)](logits, temperature, *params, maxima, V, stride, blocks, **has,
+                                 BLOCK=BLOCK, PART_BLOCKS=PART_BLOCKS, **cfg)  # fmt: skip
+    scratch = (maxima, prefix, counts, masses, topk_key, need)
+    for topp, on in ((False, has["HAS_TOPK"]), (True, has["HAS_TOPP"])):
+        for level in range(LEVELS) if on else ():
+            _level_kernel[(B, n_parts)](logits, temperature, *params, *scratch, V, stride, blocks,
+                                        n_parts, TOPP=topp, LEVEL=level, **has, **meta, **sizes,
+                                        **cfg)  # fmt: skip
+    _finish_kernel[(B,)](temperature, *params, *scratch[1:], kept, V, n_parts, **has,
+                         RADIX_BITS=RADIX_BITS, **cfg)  # fmt: skip
+    return kept

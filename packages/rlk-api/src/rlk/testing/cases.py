@@ -710,7 +710,9 @@ def grpo_advantages(gen: Gen, quick: bool) -> OpCases:
     return OpCases(acc, inv)
 
 
-def _sample(gen: Gen, dt, b: int, v: int, batch: int = 0) -> Case:
+def _sample(gen: Gen, dt, b: int, v: int, batch: int = 0, off: tuple[str, ...] = ()) -> Case:
+    """A sample case; the filters named in ``off`` are None (off for every row), as
+    ``rlk.sample`` passes a filter given as the number that turns it off."""
     temps = torch.tensor([0.0, 0.7, 1.0, 1.3], device=gen.device)
     ks = torch.tensor([0, 0, 1, 5, 50], device=gen.device)
     ps = torch.tensor([1.0, 0.9, 0.5], device=gen.device)
@@ -720,21 +722,32 @@ def _sample(gen: Gen, dt, b: int, v: int, batch: int = 0) -> Case:
         "seeds": gen.randint(-(2**62), 2**62, b),
         "offsets": gen.randint(0, 2**40, b),
         "temperature": temps[i % 4],
-        "top_k": ks[i % 5],
-        "top_p": ps[i % 3],
+        "top_k": None if "top_k" in off else ks[i % 5],
+        "top_p": None if "top_p" in off else ps[i % 3],
     }
-    rows = ("logits", "seeds", "offsets", "temperature", "top_k", "top_p")
-    return Case("sample", f"{dtype_name(dt)} B={b} V={v}", dt, args, (), rows, 1, batch)
+    rows = tuple(k for k, a in args.items() if a is not None)
+    label = f"{dtype_name(dt)} B={b} V={v}" + "".join(f" {name}=None" for name in off)
+    return Case("sample", label, dt, args, (), rows, 1, batch)
 
 
 def sample(gen: Gen, quick: bool) -> OpCases:
     if quick:
         acc = [_sample(gen, dt, 32, 300) for dt in (BF16, FP16, FP32)]
-        inv = [_sample(gen, BF16, 24, 300, batch=16)]
+        acc += [_sample(gen, BF16, 16, 300, off=("top_p",)), _sample(gen, FP32, 8, 300, off=OFF)]
+        inv = [_sample(gen, BF16, 24, 300, batch=16), _sample(gen, BF16, 24, 300, 16, ("top_k",))]
     else:
         acc = [_sample(gen, BF16, 256, 151936), _sample(gen, FP32, 256, 32000)]
-        inv = [_sample(gen, BF16, 64 + 16, 151936, batch=64)]
+        acc += [_sample(gen, BF16, 64, 151936, off=("top_k",)), _sample(gen, BF16, 8, 151936)]
+        inv = [
+            _sample(gen, BF16, 64 + 16, 151936, batch=64),
+            _sample(gen, BF16, 8 + 8, 151936, batch=8),
+            _sample(gen, BF16, 8 + 8, 151936, batch=8, off=OFF),
+        ]
     return OpCases(acc, inv)
+
+
+#: Both filters None.
+OFF = ("top_k", "top_p")
 
 
 # Attention ----------------------------------------------------------------------------------
