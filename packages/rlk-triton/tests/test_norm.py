@@ -176,6 +176,21 @@ def test_weight_grad_many_blocks_deterministic():
     _close(g1[1], ref[1], 1e-3, 1e-4, "dweight")
 
 
+@pytest.mark.parametrize("n", [65, 200, 1024, 1025])
+def test_two_levels_in_one_launch_equal_a_launch_per_level(monkeypatch, n):
+    """The dweight partials summed with both levels in one launch give the bits of a launch
+    per level, non-finite and huge partials included (n partials: 2, 4, 16 and 17 groups, the
+    last beyond the one-launch limit either way)."""
+    g = torch.Generator().manual_seed(n)
+    part = torch.randn(n, 96, generator=g) * 10.0 ** torch.randint(-30, 30, (n, 96), generator=g)
+    part[3, 5], part[n - 1, 7], part[n // 2, 7] = float("inf"), float("nan"), 3e38
+    part = part.to(DEVICE)
+    both = norm._sum_partials(part, torch.bfloat16, TABLE)
+    monkeypatch.setattr(norm, "TWO_LEVELS_MAX_GROUPS", 1)
+    per_level = norm._sum_partials(part, torch.bfloat16, TABLE)
+    assert torch.equal(both.view(torch.int16), per_level.view(torch.int16))
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_chunked_rows(monkeypatch, residual):
     # Rows longer than MAX_BLOCK go through the chunked kernels; shrink it to test them here.

@@ -280,6 +280,22 @@ def _sum_groups_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.conste
     tl.store(OUT + g.to(tl.int64) * H + cols, out.to(OUT.dtype.element_ty), mask=cols < H)
 
 
+@jit(do_not_specialize=["n_in"])
+def _sum_two_levels_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Both levels of _sum_groups_kernel in one launch, for at most GROUP groups: the exact sum
+    # of each group of GROUP rows, rounded to fp32 as the first level stores it, then the exact
+    # sum of those (the second level's one group, padded with zeros as its masked load is).
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    gi = tl.arange(0, GROUP)
+    level = tl.zeros([GROUP, BLOCK_C], dtype=tl.float32)
+    for g in range(0, tl.cdiv(n_in, GROUP)):
+        rows = g * GROUP + gi
+        mask = (rows < n_in)[:, None] & (cols < H)[None, :]
+        p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+        level = tl.where(gi[:, None] == g, _exact_sum(p, 0)[None, :], level)
+    tl.store(OUT + cols, _exact_sum(level, 0).to(OUT.dtype.element_ty), mask=cols < H)
+
+
 # --------------------------------------------------------------------------------------------
 # Tuning: launch parameters only. Thanks to _exact_sum none of them changes a bit.
 # --------------------------------------------------------------------------------------------
@@ -363,13 +379,28 @@ def _forward(x, weight, eps, residual, table):
     return y, s, rstd
 
 
+#: Most first-level groups that one launch sums with the second level (a program per column
+#: block adds them in sequence): up to this many, two levels cost one launch; beyond, a launch
+#: per level spreads the groups over programs.
+TWO_LEVELS_MAX_GROUPS = 16
+
+
 def _sum_partials(part: torch.Tensor, dtype: torch.dtype, table) -> torch.Tensor:
-    """Column sums of fp32 ``part [P, H]`` in ``dtype``: exact sums of fixed groups, per level."""
+    """Column sums of fp32 ``part [P, H]`` in ``dtype``: exact sums of fixed groups, per level
+    (two levels in one launch when the first has 2 to :data:`TWO_LEVELS_MAX_GROUPS` groups;
+    the same bits)."""
     H = part.shape[1]
     while True:
         n = part.shape[0]
         groups = _cdiv(n, DW_GROUP)
         cfg = tuning.config(table, "rms_norm.dw", partials=n, hidden=H)
+        if 2 <= groups <= TWO_LEVELS_MAX_GROUPS:
+            out = torch.empty(H, dtype=dtype, device=part.device)
+            _sum_two_levels_kernel[(_cdiv(H, cfg["block_c"]),)](
+                part, out, n, H, GROUP=DW_GROUP, BLOCK_C=cfg["block_c"],
+                num_warps=cfg["num_warps"],
+            )  # fmt: skip
+            return out
         out = torch.empty(
             groups, H, dtype=dtype if groups == 1 else torch.float32, device=part.device
         )
