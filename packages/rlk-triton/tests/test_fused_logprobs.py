@@ -80,12 +80,15 @@ def test_backward_deterministic_and_rows_invariant():
                          torch.float32), (torch.float32, None)])  # fmt: skip
 def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logits_dtype):
     # V=300: 8 leaves of 38 rows. VOCAB_SLICE 128 puts 3 leaves in a slice, 1000 all of them,
-    # 16 cuts each leaf into sub-slices of 16, 16 and 6 rows (one buffer of leaf dlogits).
+    # 16 cuts each leaf into sub-slices of 16, 16 and 6 rows (one buffer of leaf dlogits) when
+    # the forward's slice holds fewer rows of 7 tokens (112 elements), and into one sub-slice
+    # of 38 rows when it holds more (900 elements: 128 rows).
     hid, w, b, tgt = _inputs(7, 64, 300, dtype, bias=True, seed=3)
     g1, g2 = torch.randn(7), torch.randn(7)
 
-    def grads(vocab_slice):
+    def grads(vocab_slice, fwd_elems=3 * 300):
         monkeypatch.setattr(fl, "VOCAB_SLICE", vocab_slice)
+        monkeypatch.setattr(fl, "_FWD_SLICE_ELEMS", fwd_elems)
         args = [x.clone().requires_grad_() for x in (hid, w, b)]
         lp, ent = fl.linear_logprobs(
             args[0], args[1], tgt, args[2], 0.9, True, logits_dtype, table=TABLE
@@ -94,7 +97,7 @@ def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logit
         return [a.grad for a in args]
 
     want = grads(128)
-    for vocab_slice in (16, 1000):
-        got = grads(vocab_slice)
+    for vocab_slice, fwd_elems in ((16, 7 * 16), (16, 3 * 300), (1000, 3 * 300)):
+        got = grads(vocab_slice, fwd_elems)
         for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
-            assert torch.equal(x, y), (vocab_slice, name)
+            assert torch.equal(x, y), (vocab_slice, fwd_elems, name)

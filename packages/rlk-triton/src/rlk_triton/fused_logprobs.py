@@ -20,9 +20,10 @@ only on its own input row, so slicing changes no bit.
   nothing is batch-dependent and nothing uses atomics.
 
 Extra memory: one slice's dlogits (whole leaves, or one leaf where a leaf has more than
-``VOCAB_SLICE`` rows: its logits then run in ``VOCAB_SLICE``-row sub-slices), one logits
-(sub-)slice, and at most ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending sums of the dh tree,
-independent of V; the logits ``[T, V]`` never exist.
+``VOCAB_SLICE`` rows: its logits then run in sub-slices of ``VOCAB_SLICE`` rows, or of as many
+as ``_FWD_SLICE_ELEMS`` elements hold where that is more), one logits (sub-)slice, and at most
+``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending sums of the dh tree, independent of V; the
+logits ``[T, V]`` never exist.
 """
 
 from __future__ import annotations
@@ -100,14 +101,18 @@ def backward_slices(
     dw = torch.empty_like(weight) if need_w else None
     db = torch.empty_like(bias) if need_b else None
 
+    # Rows of a logits sub-slice: VOCAB_SLICE, or as many as the forward's slice holds when
+    # that is more (few tokens), so that a short batch launches fewer, wider kernels.
+    sub_rows = max(VOCAB_SLICE, _FWD_SLICE_ELEMS // max(T, 1))
+
     def slice_dlogits(v0, v1):
         """dlogits of rows [v0, v1) in hidden's dtype, with dW and dbias of those rows. A slice
-        wider than VOCAB_SLICE (one leaf, when a leaf is longer) runs its logits in VOCAB_SLICE
-        sub-slices written into one buffer: every element of these is per (token, row), so
-        the sub-slices change no bit, only the memory (one [T, VOCAB_SLICE] logits slice)."""
+        wider than ``sub_rows`` (one leaf, when a leaf is longer) runs its logits in sub-slices
+        of ``sub_rows`` written into one buffer: every element of these is per (token, row), so
+        the sub-slices change no bit, only the memory (one [T, sub_rows] logits slice)."""
         dlogits = torch.empty(T, v1 - v0, dtype=hidden.dtype, device=hidden.device)
-        for u0 in range(v0, v1, VOCAB_SLICE):
-            u1 = min(v1, u0 + VOCAB_SLICE)
+        for u0 in range(v0, v1, sub_rows):
+            u1 = min(v1, u0 + sub_rows)
             b_u = bias[u0:u1] if bias is not None else None
             logits = _logits(hidden, weight[u0:u1], b_u, logits_dtype, table)
             view = dlogits[:, u0 - v0 : u1 - v0]
