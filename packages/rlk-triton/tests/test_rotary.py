@@ -103,7 +103,8 @@ def test_no_cos_sin_grad():
 
 
 def _pair_vs_alone(T, NH, NK, D, dtype, device=DEVICE, cs_grad=True):
-    """The pair call against two calls: outputs and every gradient, bit for bit."""
+    """The pair call against two calls: outputs and every gradient, bit for bit. Returns the
+    pair's outputs and gradients (dq, dk, dcos, dsin)."""
     q, cos, sin, dq = _inputs(T, NH, D, dtype, torch.float32, seed=NH, device=device)
     k, _, _, dk = _inputs(T, NK, D, dtype, torch.float32, seed=NK + 100, device=device)
 
@@ -122,18 +123,23 @@ def _pair_vs_alone(T, NH, NK, D, dtype, device=DEVICE, cs_grad=True):
     for name, x, y in zip(("dq", "dk", "dcos", "dsin"), a, b):
         assert (x.grad is None) == (y.grad is None), name
         assert x.grad is None or torch.equal(x.grad, y.grad), name
-    return yq, yk, a
+    return (yq, yk, *(t.grad for t in a))
+
+
+def _pair_at_every_config(T, NH, NK, D, device=DEVICE):
+    """:func:`_pair_vs_alone` at every tuning config, each giving the default's bits."""
+    want = _pair_vs_alone(T, NH, NK, D, torch.bfloat16, device=device)
+    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
+        with tuning.force("apply_rotary", cfg):
+            got = _pair_vs_alone(T, NH, NK, D, torch.bfloat16, device=device)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
 
 
 @pytest.mark.parametrize("NH,NK,D", [(6, 2, 64), (3, 3, 80), (2, 5, 32), (14, 2, 64)])
 def test_pair_equals_two_calls(NH, NK, D):
     """q and k rotated in one launch are bitwise what two calls give, forward and backward,
     at every tuning config (the pair's head blocks are the longer tensor's)."""
-    yq, yk, _ = _pair_vs_alone(9, NH, NK, D, torch.bfloat16)
-    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
-        with tuning.force("apply_rotary", cfg):
-            got_q, got_k, _ = _pair_vs_alone(9, NH, NK, D, torch.bfloat16)
-        assert torch.equal(got_q, yq) and torch.equal(got_k, yk), cfg
+    _pair_at_every_config(9, NH, NK, D)
     _pair_vs_alone(5, NH, NK, D, torch.float32, cs_grad=False)
 
 
@@ -160,11 +166,7 @@ def test_pair_is_one_launch(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("NH,NK,D", [(32, 8, 128), (14, 2, 64), (16, 16, 128)])
 def test_gpu_pair_equals_two_calls(NH, NK, D):
-    yq, yk, _ = _pair_vs_alone(4096, NH, NK, D, torch.bfloat16, device="cuda")
-    for cfg in tuning.op_configs(TABLE, "apply_rotary"):
-        with tuning.force("apply_rotary", cfg):
-            got_q, got_k, _ = _pair_vs_alone(4096, NH, NK, D, torch.bfloat16, device="cuda")
-        assert torch.equal(got_q, yq) and torch.equal(got_k, yk), cfg
+    _pair_at_every_config(4096, NH, NK, D, device="cuda")
 
 
 @pytest.mark.gpu

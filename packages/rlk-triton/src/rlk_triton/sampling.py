@@ -447,7 +447,8 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
     row_ptr = logits_ptr + r64 * stride
     maxima_ptr += r64 * n_blocks
     prefix_ptr += r64 * (2 * LEVELS)
-    row_counts = count_ptr + r64 * (n_parts * NCAND)  # + parity * B * n_parts * NCAND
+    # counts / masses [2, B, n_parts, NCAND]: this row's results in plane 0, ``plane`` on.
+    row_counts = count_ptr + r64 * (n_parts * NCAND)
     row_masses = mass_ptr + r64 * (n_parts * NCAND)
     plane = tl.num_programs(0).to(tl.int64) * (n_parts * NCAND)
     b_lo = part * PART_BLOCKS
