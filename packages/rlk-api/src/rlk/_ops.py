@@ -222,10 +222,10 @@ def apply_rotary(
         raise ValueError(f"x's head dim must be even, got {D}")
     chk.shape("cos", cos, (T, D), "[T, D] of x")
     chk.shape("sin", sin, (T, D), "[T, D] of x")
-    if k is not None and (k.shape[0] != T or k.shape[2] != D):
-        raise ValueError(f"k must be [T, Hk, D] with T={T} and D={D} of x, got {tuple(k.shape)}")
-    if k is None:
+    if k is None:  # a one-tensor call passes no k
         return _call("apply_rotary", device, x, cos, sin)
+    if k.shape[0] != T or k.shape[2] != D:
+        raise ValueError(f"k must be [T, Hk, D] with T={T} and D={D} of x, got {tuple(k.shape)}")
     return _call("apply_rotary", device, x, cos, sin, k)
 
 

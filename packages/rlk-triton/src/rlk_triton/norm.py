@@ -268,15 +268,21 @@ def _rms_norm_bwd_kernel(
         tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum(acc, 0), mask=col_ok)
 
 
+@jit
+def _group_sum(IN, g, n_in, H, cols, GROUP: tl.constexpr):
+    # The exact sum of IN[g * GROUP : (g + 1) * GROUP, cols] (rows past n_in add zeros).
+    rows = g * GROUP + tl.arange(0, GROUP)
+    mask = (rows < n_in)[:, None] & (cols < H)[None, :]
+    p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
+    return _exact_sum(p, 0)
+
+
 @jit(do_not_specialize=["n_in"])
 def _sum_groups_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
     # OUT[g, cols] = exact sum of IN[g * GROUP : (g + 1) * GROUP, cols].
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = g * GROUP + tl.arange(0, GROUP)
-    mask = (rows < n_in)[:, None] & (cols < H)[None, :]
-    p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
-    out = _exact_sum(p, 0)
+    out = _group_sum(IN, g, n_in, H, cols, GROUP)
     tl.store(OUT + g.to(tl.int64) * H + cols, out.to(OUT.dtype.element_ty), mask=cols < H)
 
 
@@ -289,10 +295,7 @@ def _sum_two_levels_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.co
     gi = tl.arange(0, GROUP)
     level = tl.zeros([GROUP, BLOCK_C], dtype=tl.float32)
     for g in range(0, tl.cdiv(n_in, GROUP)):
-        rows = g * GROUP + gi
-        mask = (rows < n_in)[:, None] & (cols < H)[None, :]
-        p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
-        level = tl.where(gi[:, None] == g, _exact_sum(p, 0)[None, :], level)
+        level = tl.where(gi[:, None] == g, _group_sum(IN, g, n_in, H, cols, GROUP)[None, :], level)
     tl.store(OUT + cols, _exact_sum(level, 0).to(OUT.dtype.element_ty), mask=cols < H)
 
 

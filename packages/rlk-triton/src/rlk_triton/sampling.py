@@ -222,6 +222,12 @@ def _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks, m
 
 
 @jit
+def _top_p_need(p, mass, NCAND: tl.constexpr):
+    """``p`` times the first top-p pass's candidate 0 mass: key 0, everything top-k kept."""
+    return p * tl.sum(tl.where(tl.arange(0, NCAND) == 0, mass, 0.0), axis=0)
+
+
+@jit
 def _topk_kept(prefix, temperature):
     """The top-k threshold as a key of z, from the k-th largest logit's key ``prefix``.
 
@@ -254,7 +260,6 @@ def _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK: tl.
     threshold does."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     z_max = _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS)
-    digits = tl.arange(0, NCAND)
     prefix = tl.zeros([], tl.uint32)
     need = tl.zeros([], tl.float32)
     for level in tl.static_range(32 // RADIX_BITS):
@@ -262,8 +267,7 @@ def _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK: tl.
         mass = _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks,
                            maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
         if level == 0:
-            # candidate 0 is key 0: everything kept by top-k, the mass top_p is a fraction of
-            need = p * tl.sum(tl.where(digits == 0, mass, 0.0), axis=0)
+            need = _top_p_need(p, mass, NCAND)
         prefix = _pick_digit(mass, need, prefix, shift, NCAND)
     return prefix
 
@@ -479,11 +483,8 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
             prefix = tl.zeros([], tl.uint32)
             if LEVEL > 0:
                 start = tl.load(prefix_ptr + LEVELS + LEVEL - 1).to(tl.uint32)
-                if LEVEL == 1:
-                    # candidate 0 of the first pass is key 0: the whole kept mass.
-                    need = p * tl.sum(tl.where(tl.arange(0, NCAND) == 0,
-                                               _sum_parts(row_masses, n_parts, NCAND), 0.0),
-                                      axis=0)  # fmt: skip
+                if LEVEL == 1:  # the first pass's parts, finished
+                    need = _top_p_need(p, _sum_parts(row_masses, n_parts, NCAND), NCAND)
                     if part == 0:
                         tl.store(need_ptr + row, need)
                 else:
