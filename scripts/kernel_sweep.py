@@ -9,7 +9,8 @@ backend, and the forward with 128-key tiles, a different numerics timed only to 
 division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
 (``silu_and_mul`` and ``rms_norm`` forward configs against Liger; for ``norm`` also a copy of the
 forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs),
-``sample`` (warps per row of ``rlk.sample``, temperature alone and with top-k / top-p).
+``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills the
+GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -540,7 +541,7 @@ def _norm_shape(rows, T: int, H: int) -> None:
 
 
 def sample_part(rows) -> None:
-    for B in (256, 1024):
+    for B in (1, 64, 256):
         _sample_shape(rows, B, 151936)
 
 
@@ -548,7 +549,9 @@ def _sample_shape(rows, B: int, V: int) -> None:
     logits = torch.randn(B, V, device="cuda") * 3
     seeds = torch.arange(B, device="cuda")
     offsets = torch.zeros(B, dtype=torch.int64, device="cuda")
-    configs = [{"num_warps": w} for w in (2, 4, 8, 16)]
+    from rlk_triton import sampling
+
+    configs = list(sampling.TUNING["sample.fwd"].configs)
     for name, kw in (
         ("temperature", dict(temperature=0.8)),
         ("top_k_top_p", dict(temperature=0.8, top_k=50, top_p=0.9)),

@@ -7,8 +7,8 @@ unpatched (transformers as shipped, SDPA attention) and its rlk rows run the sam
 
 Rollout (``B`` random prompts of :data:`PROMPT_LEN` tokens, seeded; :data:`NEW_TOKENS` sampled
 per prompt at temperature 1, no top-k / top-p, nothing stops early, so every engine makes
-``B * NEW_TOKENS`` tokens; then the long setting, :data:`LONG_PROMPT_LEN` and
-:data:`LONG_NEW_TOKENS`, for ``e2e.rollout.paged`` alone):
+``B * NEW_TOKENS`` tokens; then, after every model's other rows, the long setting,
+:data:`LONG_PROMPT_LEN` and :data:`LONG_NEW_TOKENS`, for ``e2e.rollout.paged`` alone):
 
 - ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
   left-padded batch; ``rlk`` is :func:`rlk_integrations.rollout.generate` (left-padded batch,
@@ -437,14 +437,18 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
 def _bench_model(
     name: str, batches, new: int, long, n: int, length: int, grpo_prompts: int, device, emit, flce
 ) -> None:
+    """One model's rows: the rollouts, training and the GRPO step, or (``long`` given) the
+    long-setting rollouts alone."""
     _say(f"e2e: loading {name} (random weights, bf16, {device})")
     model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
     try:
+        if long is not None:
+            long_prompt_len, long_new = long
+            for b in sorted(batches, reverse=True):
+                _rollouts(model, name, b, long_new, long_prompt_len, device, emit, padded=False)
+            return
         for b in batches:
             _rollouts(model, name, b, new, PROMPT_LEN, device, emit, padded=True)
-        long_prompt_len, long_new = long
-        for b in batches:
-            _rollouts(model, name, b, long_new, long_prompt_len, device, emit, padded=False)
         _trainings(model, name, n, length, device, emit, flce)
         _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:
@@ -461,8 +465,11 @@ def run(quick: bool, emit: Callable[[dict], None]) -> None:
         models, batches, new, n, length = MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN
         grpo, long = GRPO_PROMPTS, (LONG_PROMPT_LEN, LONG_NEW_TOKENS)
     flce = _liger()
-    for name in models:
-        # The model is local to _bench_model: gone on return, so its memory can be released
-        # before the next one loads.
-        _bench_model(name, batches, new, long, n, length, grpo, device, emit, flce)
-        _free(device)
+    # Every model's short rows first, then every model's long rollouts (largest batch first):
+    # a run cut short by a time limit loses the longest rows, not a model's training rows.
+    for setting in (None, long):
+        for name in models:
+            # The model is local to _bench_model: gone on return, so its memory can be released
+            # before the next one loads.
+            _bench_model(name, batches, new, setting, n, length, grpo, device, emit, flce)
+            _free(device)

@@ -55,17 +55,24 @@ def leaf_geometry(vocab: int) -> tuple[int, int]:
 
 
 @jit
-def tree_sum(x, LOG2N: tl.constexpr):
-    """Sum ``x [R, 2**LOG2N]`` along axis 1 by a fixed binary tree of adjacent pairs.
+def pair_sums(x, LEVELS: tl.constexpr):
+    """``x [R, N] -> [R, N >> LEVELS]``: element j sums columns ``[j << LEVELS, (j + 1) <<
+    LEVELS)`` by a fixed binary tree of adjacent pairs (``N`` a multiple of ``2**LEVELS``).
 
     Every step adds exactly two numbers, and a two-term fp32 sum has one result whatever the
     order, so the bits do not depend on how Triton lays ``x`` out over threads (``tl.sum``'s
     order does: it follows num_warps and the layout).
     """
-    for _ in tl.static_range(LOG2N):
+    for _ in tl.static_range(LEVELS):
         a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
         x = a + b
-    return tl.reshape(x, [x.shape[0]])
+    return x
+
+
+@jit
+def tree_sum(x, LOG2N: tl.constexpr):
+    """Sum ``x [R, 2**LOG2N]`` along axis 1 by the fixed binary tree of :func:`pair_sums`."""
+    return tl.reshape(pair_sums(x, LOG2N), [x.shape[0]])
 
 
 @jit

@@ -5,13 +5,16 @@ Numerics (docs/guide.md, "The numerics contract"):
 - A row is normalised in fp32 and rounded once at the store. With a residual, ``s = x + residual``
   is rounded to ``x.dtype`` first and the norm reads the rounded ``s``, so the fused op equals
   ``rms_norm(x + residual)`` bitwise.
-- Row sums (the sum of squares; ``sum(dy * w * x_hat)`` in backward) are *exact*
-  (:func:`_exact_sum`): each fp32 term becomes a 64-bit fixed-point integer scaled to the row's
-  largest term, and integers add associatively. The result is the same whatever tree ``tl.sum``
-  uses, and that tree changes with ``num_warps``, the rows per program and the vector width of the
-  loads. This is what makes those launch parameters safe to tune. Rows longer than ``MAX_BLOCK``
-  are summed in chunks of ``MAX_BLOCK`` columns (exact within a chunk, chunks added in ascending
-  order in fp32).
+- Row sums (the sum of squares; ``sum(dy * w * x_hat)`` in backward) have one value whatever
+  tree ``tl.sum`` uses, and that tree changes with ``num_warps``, the rows per program and the
+  vector width of the loads. This is what makes those launch parameters safe to tune. A row's
+  terms are first added in groups of ``2**PAIR_LEVELS`` adjacent columns by a fixed binary tree
+  (:func:`~rlk_triton.logprobs.pair_sums`: ``a + b == b + a`` in IEEE arithmetic, so a pair has
+  one sum whichever thread adds it); the group sums are then added *exactly*
+  (:func:`_exact_sum`): each becomes a 64-bit fixed-point integer scaled to the row's largest,
+  and integers add associatively. The groups make the costly exact part 8x smaller. Rows longer
+  than ``MAX_BLOCK`` are summed in chunks of ``MAX_BLOCK`` columns (as above within a chunk,
+  chunks added in ascending order in fp32).
 - The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of ``DW_ROWS``
   consecutive rows gives a partial (sub-tiles of ``_bwd_rows(H)`` rows added in ascending order
   elementwise, then the sub-tile rows summed exactly), and :func:`_sum_partials` adds the
@@ -26,10 +29,14 @@ import torch
 
 from rlk_triton import tuning
 from rlk_triton._triton import jit, tl, triton
+from rlk_triton.logprobs import pair_sums
 from rlk_triton.tuning import Rule
 
 #: Longest row held in registers; longer rows are processed in chunks of this many columns.
 MAX_BLOCK = 8192
+#: Levels of the fixed pairwise tree that adds a row's terms in groups of 2**PAIR_LEVELS adjacent
+#: columns before the exact sum (part of the numerics: the group sums are what is summed).
+PAIR_LEVELS = 3
 #: Rows per weight-gradient partial (the fixed row partition of dweight).
 DW_ROWS = 16
 #: Partials added together per program when combining dweight partials.
@@ -44,6 +51,11 @@ _FRAC_BITS = tl.constexpr(40)
 
 def _block(H: int) -> int:
     return min(triton.next_power_of_2(H), MAX_BLOCK)
+
+
+def _levels(block_h: int) -> int:
+    # A block narrower than a group (H < 8) is one group.
+    return min(PAIR_LEVELS, block_h.bit_length() - 1)
 
 
 def _bwd_rows(block_h: int) -> int:
@@ -145,6 +157,7 @@ def _rms_norm_fwd_kernel(
     BLOCK_H: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -154,7 +167,7 @@ def _rms_norm_fwd_kernel(
         mask = row_ok[:, None] & (cols < H)[None, :]
         offs = base + cols[None, :]
         x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, True)
-        ss = _exact_sum_or_masked(x * x, 1)
+        ss = _exact_sum_or_masked(pair_sums(x * x, LEVELS), 1)
         rstd = tl.rsqrt(ss / H + eps)
         # Squares of finite inputs can overflow where the float64 reference does not: such rows
         # are summed again scaled by a power of two (exact), and only they (the bits of every
@@ -162,7 +175,8 @@ def _rms_norm_fwd_kernel(
         if tl.sum((ss == float("inf")).to(tl.int32)) > 0:
             inv = _rescue_inv(ss, tl.max(tl.abs(x), 1))
             xs = x * inv[:, None]
-            rs = tl.rsqrt(_exact_sum(xs * xs, 1) / H + eps * inv * inv) * inv
+            ss_s = _exact_sum(pair_sums(xs * xs, LEVELS), 1)
+            rs = tl.rsqrt(ss_s / H + eps * inv * inv) * inv
             rstd = tl.where(inv > 0, rs, rstd)
         w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
         y = x * rstd[:, None] * w[None, :]
@@ -174,7 +188,7 @@ def _rms_norm_fwd_kernel(
             ccols = c * BLOCK_H + cols
             mask = row_ok[:, None] & (ccols < H)[None, :]
             x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, True)
-            ss += _exact_sum(x * x, 1)
+            ss += _exact_sum(pair_sums(x * x, LEVELS), 1)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
         rstd = tl.rsqrt(ss / H + eps)
         # Rows whose squares overflowed: summed again scaled by a power of two (see above).
@@ -186,7 +200,7 @@ def _rms_norm_fwd_kernel(
                 mask = row_ok[:, None] & (ccols < H)[None, :]
                 x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, False)
                 xs = x * inv[:, None]
-                ss2 += _exact_sum(xs * xs, 1)
+                ss2 += _exact_sum(pair_sums(xs * xs, LEVELS), 1)
             rs = tl.rsqrt(ss2 / H + eps * inv * inv) * inv
             rstd = tl.where(inv > 0, rs, rstd)
         for c in range(NUM_CHUNKS):
@@ -202,7 +216,9 @@ def _rms_norm_fwd_kernel(
 
 
 @jit
-def _rms_norm_bwd_c_kernel(DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr):
+def _rms_norm_bwd_c_kernel(
+    DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr, LEVELS: tl.constexpr
+):
     # Long rows only: c = sum(dy * w * x_hat) / H of one row, chunks in ascending order.
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     rstd = tl.load(RSTD + row)
@@ -215,7 +231,7 @@ def _rms_norm_bwd_c_kernel(DY, X, W, RSTD, C, H, BLOCK_H: tl.constexpr, NUM_CHUN
         dy = tl.load(DY + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
         x = tl.load(X + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(W + ccols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += _exact_sum(dy * w[None, :] * (x * rstd[:, None]), 1)
+        acc += _exact_sum(pair_sums(dy * w[None, :] * (x * rstd[:, None]), LEVELS), 1)
     tl.store(C + row, acc / H)
 
 
@@ -237,6 +253,7 @@ def _rms_norm_bwd_kernel(
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     DW_ROWS: tl.constexpr,
+    LEVELS: tl.constexpr,
 ):
     # Program (block, chunk): rows [block * DW_ROWS, +DW_ROWS), columns of one chunk.
     block = tl.program_id(0)
@@ -255,7 +272,7 @@ def _rms_norm_bwd_kernel(
         x_hat = x * rstd[:, None]
         g = dy * w[None, :]
         if NUM_CHUNKS == 1:
-            c = _exact_sum(g * x_hat, 1) / H
+            c = _exact_sum(pair_sums(g * x_hat, LEVELS), 1) / H
         else:
             c = tl.load(C + rows, mask=row_ok, other=0.0)
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
@@ -377,6 +394,7 @@ def _forward(x, weight, eps, residual, table):
             BLOCK_H=block,
             NUM_CHUNKS=_cdiv(H, block),
             ROWS=rows,
+            LEVELS=_levels(block),
             num_warps=cfg["num_warps"],
         )
     return y, s, rstd
@@ -437,8 +455,9 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
     if chunks > 1:
         c = torch.empty_like(rstd)
         _rms_norm_bwd_c_kernel[(T,)](
-            dy, x, weight, rstd, c, H, BLOCK_H=block, NUM_CHUNKS=chunks, num_warps=cfg["num_warps"]
-        )
+            dy, x, weight, rstd, c, H, BLOCK_H=block, NUM_CHUNKS=chunks, LEVELS=_levels(block),
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
     _rms_norm_bwd_kernel[(blocks, chunks)](
         dy,
         x,
@@ -456,6 +475,7 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
         NUM_CHUNKS=chunks,
         ROWS=rows,
         DW_ROWS=DW_ROWS,
+        LEVELS=_levels(block),
         num_warps=cfg["num_warps"],
     )
     dw = _sum_partials(part, weight.dtype, table) if need_dw else None
