@@ -11,6 +11,8 @@ sequences, forward, log-probabilities, their sum, backward. For each model and i
   is time the GPU waited for the host (kernels do not overlap in one stream);
 - ``host``: the time until the step returns, the device not waited for at its end;
 - ``syncs``: synchronising CUDA calls in one step (torch's sync debug mode), by Python line;
+- ``--triton-run``: rlk once more with its launch cache off, every kernel launched through
+  Triton's own ``run``;
 - the kernels that take the most GPU time, and (``--host``) the Python functions that take
   the most host time in one step (cProfile, by own time, then rlk's by cumulative time).
 
@@ -32,6 +34,7 @@ import torch
 from rlk_integrations import e2e_bench as e2e
 from rlk_integrations.models import load_model
 from rlk_integrations.transformers import patch_model, unpatch_model
+from rlk_triton import _triton
 
 
 def _wall(step, model, samples) -> float:
@@ -118,6 +121,19 @@ def _syncs(step, model, samples) -> dict[str, int]:
     return dict(where)
 
 
+def _triton_run(step):
+    """``step`` with rlk's launch cache off (:data:`rlk_triton._triton.FAST_LAUNCH`)."""
+
+    def run(model, samples):
+        _triton.FAST_LAUNCH = False
+        try:
+            return step(model, samples)
+        finally:
+            _triton.FAST_LAUNCH = True
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen2-0.5b,qwen3-0.6b")
@@ -125,6 +141,11 @@ def main() -> None:
     p.add_argument("--len", type=int, default=e2e.TRAIN_LEN)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--host", action="store_true", help="also cProfile one step")
+    p.add_argument(
+        "--triton-run",
+        action="store_true",
+        help="also rlk with every kernel launched through Triton's own run (no launch cache)",
+    )
     a = p.parse_args()
     flce = e2e._liger()
     table = []
@@ -135,6 +156,8 @@ def main() -> None:
         if flce is not None:
             impls.append(("stock+liger", False, lambda m, s: e2e._liger_step(flce, m, s)))
         impls.append(("rlk", True, e2e._rlk_step))
+        if a.triton_run:
+            impls.append(("rlk/triton-run", True, _triton_run(e2e._rlk_step)))
         for impl, patched, step in impls:
             (patch_model if patched else unpatch_model)(model)
             wall = _wall(step, model, samples)
@@ -157,13 +180,13 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     print(
-        f"\n{'model':<20} {'impl':<12} {'wall ms':>8} {'gpu ms':>8} {'idle %':>7} "
+        f"\n{'model':<20} {'impl':<15} {'wall ms':>8} {'gpu ms':>8} {'idle %':>7} "
         f"{'host ms':>8} {'syncs':>6} {'tok/s':>9}"
     )
     for name, impl, wall, gpu, enq, syncs, tok in table:
         idle = 100 * max(0.0, 1 - gpu / wall)
         print(
-            f"{name:<20} {impl:<12} {wall * 1e3:8.1f} {gpu * 1e3:8.1f} {idle:7.1f} "
+            f"{name:<20} {impl:<15} {wall * 1e3:8.1f} {gpu * 1e3:8.1f} {idle:7.1f} "
             f"{enq * 1e3:8.1f} {syncs:6d} {tok:9.0f}"
         )
 

@@ -33,8 +33,112 @@ if INTERPRET:
     _interpreter.patch()
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints: ``triton.cdiv`` without its per-call constexpr wrapping."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (0 for ``n`` <= 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+#: Launch compiled kernels through :class:`_Launcher`'s cache (True), or through Triton's own
+#: ``run`` every time (False: slower on the host, the same kernels and bits).
+FAST_LAUNCH = True
+
+_MISSING = object()
+
+
+def _arg_key(value, const: bool):
+    """What Triton compiles ``value`` into: a constexpr's value; a tensor's dtype and 16-byte
+    alignment; an int's width class, ``== 1`` and divisibility by 16; a float's or a bool's
+    type. ``_MISSING`` for anything else (the launch then goes through Triton's ``run``)."""
+    if const:
+        return value
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return (bool, value)
+    if isinstance(value, int):
+        width = 0 if -(2**31) <= value < 2**31 else (2 if value >= 2**63 else 1)
+        return (width, value == 1, value % 16 == 0)
+    if isinstance(value, float):
+        return float
+    if value is None:
+        return None
+    return _MISSING
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed (a profiler's): an empty chain is none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Launcher:
+    """``kernel.run`` with a cache in front: the second launch of a kernel with the same
+    specialisation calls the compiled kernel's launcher directly.
+
+    Triton's ``run`` binds and specialises every argument, hashes the options and looks the
+    kernel up on each call; for the short kernels of a training step that host work takes
+    longer than the kernel itself. The cache key holds everything Triton specialises on (see
+    :func:`_arg_key`) plus the launch options and the device, so a hit launches exactly the
+    kernel that Triton's ``run`` would have chosen; a miss, a callable grid, a warmup or an
+    installed launch hook (a profiler such as proton) go through Triton's ``run``.
+    """
+
+    def __init__(self, kernel):
+        self.triton_run = kernel.run
+        self.names = tuple(p.name for p in kernel.params)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.const = tuple(p.is_constexpr for p in kernel.params)
+        self.defaults = tuple(p.default if p.has_default else _MISSING for p in kernel.params)
+        self.cache = {}
+
+    def __call__(self, *args, grid, warmup=False, **kw):
+        kw.setdefault("enable_fp_fusion", False)
+        hooks = triton.knobs.runtime
+        if (
+            warmup
+            or not FAST_LAUNCH
+            or callable(grid)
+            or _hooked(hooks.launch_enter_hook)
+            or _hooked(hooks.launch_exit_hook)
+        ):
+            return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+        values = list(args)
+        for name, default in zip(self.names[len(args) :], self.defaults[len(args) :]):
+            values.append(kw.get(name, default))
+        device = torch.cuda.current_device()
+        key = [device]
+        for value, const in zip(values, self.const):
+            k = _arg_key(value, const)
+            if k is _MISSING or value is _MISSING:
+                return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+            key.append(k)
+        key.extend(item for item in kw.items() if item[0] not in self.index)
+        try:
+            key = tuple(key)
+            hit = self.cache.get(key)
+        except TypeError:  # an unhashable constexpr
+            return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+        if hit is None:
+            kernel = self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+            if kernel is not None:
+                self.cache[key] = kernel
+            return kernel
+        # What Triton's run does once the kernel is found (no launch hooks installed).
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        hit.run(grid[0], g1, g2, stream, hit.function, hit.packed_metadata, None, None, None,
+                *values)  # fmt: skip
+        return hit
+
+
 def jit(fn=None, **kwargs):
-    """``triton.jit`` for rlk kernels: their launches default to ``enable_fp_fusion=False``.
+    """``triton.jit`` for rlk kernels: their launches default to ``enable_fp_fusion=False``,
+    and compiled launches go through :class:`_Launcher`.
 
     With fusion on, the compiler may contract ``a * b + c`` into one FMA in one variant of a
     kernel and not in another (another tile shape or warp count, the fused or the unfused path),
@@ -44,16 +148,19 @@ def jit(fn=None, **kwargs):
 
     def wrap(f):
         kernel = triton.jit(f, **kwargs)
-        run = kernel.run
+        if INTERPRET:
+            run = kernel.run
 
-        def run_without_contraction(*args, **kw):
-            kw.setdefault("enable_fp_fusion", False)
-            return run(*args, **kw)
+            def run_without_contraction(*args, **kw):
+                kw.setdefault("enable_fp_fusion", False)
+                return run(*args, **kw)
 
-        kernel.run = run_without_contraction
+            kernel.run = run_without_contraction
+        else:
+            kernel.run = _Launcher(kernel)
         return kernel
 
     return wrap if fn is None else wrap(fn)
 
 
-__all__ = ["INTERPRET", "jit", "tl", "triton"]
+__all__ = ["FAST_LAUNCH", "INTERPRET", "cdiv", "jit", "next_power_of_2", "tl", "triton"]

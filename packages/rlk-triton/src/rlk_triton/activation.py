@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 from rlk_triton.tuning import Rule
 
 
@@ -67,7 +67,7 @@ def _choose(*, rows: int, inter: int) -> int:
     if inter <= 2048:
         return 0
     for block, index in ((4096, 1), (2048, 3), (1024, 2)):
-        if triton.cdiv(inter, block) * block <= 1.1 * inter:
+        if cdiv(inter, block) * block <= 1.1 * inter:
             return index
     return 2
 
@@ -99,10 +99,10 @@ def _launch(kernel, key, table, g, u, *tensors):
     """``kernel`` over gate ``g`` and up ``u`` (``[T, I]`` rows at any stride, unit columns)."""
     T, I = g.shape
     cfg = tuning.config(table, key, rows=T, inter=I)
-    block_i = min(triton.next_power_of_2(I), cfg["block"])
+    block_i = min(next_power_of_2(I), cfg["block"])
     rows = max(1, cfg["block"] // block_i)
     if T > 0:
-        grid = (triton.cdiv(T, rows), triton.cdiv(I, block_i))
+        grid = (cdiv(T, rows), cdiv(I, block_i))
         kernel[grid](
             g, u, *tensors, T, I, g.stride(0), u.stride(0),
             BLOCK_I=block_i, ROWS=rows, num_warps=cfg["num_warps"],

@@ -50,7 +50,7 @@ import math
 import torch
 
 from rlk_triton import _bounds, tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 
 #: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
 BLOCK_N = 64
@@ -690,7 +690,7 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
     block_m = cfg["BLOCK_M"]
     hg = _group_tile(group, block_m)
     tok = block_m // hg
-    grid = (triton.cdiv(max_nq, tok), hk * triton.cdiv(group, hg), b)
+    grid = (cdiv(max_nq, tok), hk * cdiv(group, hg), b)
     if paged:
         # Caches [pages, page_size, Hk, D]: "t" = slot, "p" = page.
         skt, skh, skp = k.stride(1), k.stride(2), k.stride(0)
@@ -737,7 +737,7 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         HG=hg,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(max(d, 16)),
+        BLOCK_D=next_power_of_2(max(d, 16)),
         CAUSAL=causal,
         PAGED=paged,
         PAGE_SIZE=page_size,
@@ -774,11 +774,11 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
     max_nq, max_nk = max_lens or (_max_len(cu_q), _max_len(cu_k))
     if b == 0 or max_nk == 0:
         return dq, dk, dv
-    block_d = triton.next_power_of_2(max(d, 16))
+    block_d = next_power_of_2(max(d, 16))
     delta = torch.empty((tq, hq), dtype=torch.float32, device=q.device)
     n_rows = tq * hq
     if n_rows:
-        _delta_kernel[(triton.cdiv(n_rows, _DELTA_ROWS),)](
+        _delta_kernel[(cdiv(n_rows, _DELTA_ROWS),)](
             o, do, delta, n_rows, d, ROWS=_DELTA_ROWS, BLOCK_D=block_d, num_warps=4
         )
     cfg = tuning.config(
@@ -789,7 +789,7 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
-    _dkdv_kernel[(triton.cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
+    _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
         v,
@@ -820,7 +820,7 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
     if max_nq:
         hg = _group_tile(group, cfg["BLOCK_M"])
         tok = cfg["BLOCK_M"] // hg
-        _dq_kernel[(triton.cdiv(max_nq, tok), hk * triton.cdiv(group, hg), b)](
+        _dq_kernel[(cdiv(max_nq, tok), hk * cdiv(group, hg), b)](
             q,
             k,
             v,

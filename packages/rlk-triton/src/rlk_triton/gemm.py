@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, tl
 
 #: Reduction tile per input dtype. Fixed: it sets the order of the fp32 accumulation over K
 #: (under the interpreter each tile is one partial sum; on GPUs the tile's 16-wide MMA steps).
@@ -281,7 +281,7 @@ _HOST_BOUND_FLOPS = 2**36
 
 
 def _tiles(M, N, cfg):
-    return triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    return cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
 
 
 def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
@@ -364,7 +364,7 @@ def _launch_tma(a, b, bias, c, cfg, a_lay, b_lay):
     a_desc = TensorDescriptor(a, a_lay[1], a_lay[2], [bk, bm] if a_t else [bm, bk])
     b_desc = TensorDescriptor(b, b_lay[1], b_lay[2], [bn, bk] if b_t else [bk, bn])
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [bm, bn])
-    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    tiles = cdiv(M, bm) * cdiv(N, bn)
     sms = _sm_count(a.device)
     grid = min(tiles, sms) if cfg["PERSISTENT"] else tiles
     return _matmul_tma_kernel[(grid,)](
@@ -405,7 +405,7 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True):
         a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
             return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     return _matmul_kernel[grid](
         a, b, bias if bias is not None else c, c, M, N, R, *strides,
@@ -458,8 +458,8 @@ def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     db = torch.empty(N, dtype=dtype, device=dy.device)
     if N == 0:
         return db
-    chunks = max(1, triton.cdiv(M, _BIAS_CHUNK))
-    cols = triton.cdiv(N, _BIAS_BLOCK_N)
+    chunks = max(1, cdiv(M, _BIAS_CHUNK))
+    cols = cdiv(N, _BIAS_BLOCK_N)
     out = db if chunks == 1 else torch.empty((chunks, N), dtype=torch.float32, device=dy.device)
     _bias_grad_kernel[(cols, chunks)](
         dy, out, M, N, dy.stride(0), dy.stride(1),

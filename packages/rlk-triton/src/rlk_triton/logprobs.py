@@ -32,7 +32,7 @@ import torch
 
 from rlk.parallel import VOCAB_LEAVES
 from rlk_triton import _bounds, tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, tl
 
 #: Largest number of logits per chunk of a leaf: sets the reduction order (each column adds its
 #: chunks in ascending order, one tree over the columns at the end). A constant of the op, never
@@ -399,7 +399,7 @@ def leaf_states(
         ok = _bounds.flag(dev)
         cfg = dict(tuning.config(table, "logprobs.fwd", T=T, V=V))
         rows = cfg.pop("ROWS")
-        _leaf_state_kernel[(triton.cdiv(T, rows), n)](
+        _leaf_state_kernel[(cdiv(T, rows), n)](
             logits,
             targets,
             m,
@@ -439,7 +439,7 @@ def merge_states(m, s, t, zt=None, *, final: bool):
     nl = 1 << (n - 1).bit_length()
     outs = [torch.empty(T, dtype=torch.float32, device=m.device) for _ in range(3)]
     if T:
-        _merge_kernel[(triton.cdiv(T, _MERGE_ROWS),)](
+        _merge_kernel[(cdiv(T, _MERGE_ROWS),)](
             m,
             s,
             t if entropy else s,
@@ -478,7 +478,7 @@ def logprobs_backward(
     entropy = ent is not None
     cfg = dict(tuning.config(table, "logprobs.bwd", T=T, V=V))
     bt, bv = cfg.pop("BLOCK_T"), cfg.pop("BLOCK_V")
-    _logprobs_bwd_kernel[(triton.cdiv(T, bt), triton.cdiv(V, bv))](
+    _logprobs_bwd_kernel[(cdiv(T, bt), cdiv(V, bv))](
         logits,
         targets,
         lse,

@@ -24,7 +24,7 @@ import torch
 
 from rlk._ops import REJECT_OPTIONS
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, tl
 from rlk_triton.logprobs import tree_sum
 from rlk_triton.norm import _pow2
 
@@ -946,7 +946,7 @@ class PolicyLossFunction(torch.autograd.Function):
         if B:
             cfg = dict(tuning.config(table, "policy_loss.seq", B=B, L=L))
             seqs = cfg.pop("SEQS")
-            _policy_seq_kernel[(triton.cdiv(B, seqs),)](
+            _policy_seq_kernel[(cdiv(B, seqs),)](
                 lp,
                 old,
                 adv,
@@ -999,7 +999,7 @@ class PolicyLossFunction(torch.autograd.Function):
             cfg = dict(tuning.config(ctx.table, "policy_loss.bwd", B=B, L=L))
             seqs, block = cfg.pop("SEQS"), cfg.pop("BLOCK")
             g = g_loss.detach().float().reshape(1).contiguous()
-            _policy_bwd_kernel[(triton.cdiv(B, seqs), triton.cdiv(L, block))](
+            _policy_bwd_kernel[(cdiv(B, seqs), cdiv(L, block))](
                 g,
                 lp,
                 old,
@@ -1123,7 +1123,7 @@ class KLPenaltyFunction(torch.autograd.Function):
         if n:
             cfg = dict(tuning.config(table, "kl_penalty.fwd", N=n))
             block = cfg.pop("BLOCK")
-            _kl_fwd_kernel[(triton.cdiv(n, block),)](
+            _kl_fwd_kernel[(cdiv(n, block),)](
                 lp, ref, old, out, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
             )
         ctx.save_for_backward(lp, ref, old)
@@ -1138,7 +1138,7 @@ class KLPenaltyFunction(torch.autograd.Function):
         if n:
             cfg = dict(tuning.config(ctx.table, "kl_penalty.bwd", N=n))
             block = cfg.pop("BLOCK")
-            _kl_bwd_kernel[(triton.cdiv(n, block),)](
+            _kl_bwd_kernel[(cdiv(n, block),)](
                 lp, ref, old, g.contiguous(), dlp, n, ctx.clamp, BLOCK=block, **ctx.flags, **cfg
             )
         return dlp, None, None, None, None, None
@@ -1227,7 +1227,7 @@ def grpo_advantages(
         v = torch.empty(n, dtype=torch.float32, device=device)
         cfg = dict(tuning.config(table, "grpo_advantages.fwd", N=n, G=group_size or 0))
         groups = cfg.pop("GROUPS")
-        _group_kernel[(triton.cdiv(n_seg, groups),)](
+        _group_kernel[(cdiv(n_seg, groups),)](
             r,
             starts,
             counts,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import jit, next_power_of_2, tl
 from rlk_triton.logprobs import pair_sums
 from rlk_triton.tuning import Rule
 
@@ -50,7 +50,7 @@ _FRAC_BITS = tl.constexpr(40)
 
 
 def _block(H: int) -> int:
-    return min(triton.next_power_of_2(H), MAX_BLOCK)
+    return min(next_power_of_2(H), MAX_BLOCK)
 
 
 def _levels(block_h: int) -> int:

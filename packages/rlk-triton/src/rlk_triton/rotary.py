@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 from rlk_triton.tuning import Rule
 
 
@@ -140,12 +140,12 @@ def _rotate(x, k, cos, sin, backward, table):
     ky = torch.empty_like(k) if k is not None else None
     key = "apply_rotary.bwd" if backward else "apply_rotary.fwd"
     cfg = tuning.config(table, key, tokens=T, heads=NH, head_dim=D)
-    block_heads = min(triton.next_power_of_2(max(NH, 1)), cfg["heads"])
-    block_heads_k = min(triton.next_power_of_2(max(NK, 1)), cfg["heads"])
+    block_heads = min(next_power_of_2(max(NH, 1)), cfg["heads"])
+    block_heads_k = min(next_power_of_2(max(NK, 1)), cfg["heads"])
     block_tokens = cfg.get("tokens", 1)
-    head_blocks = max(triton.cdiv(NH, block_heads), triton.cdiv(NK, block_heads_k))
+    head_blocks = max(cdiv(NH, block_heads), cdiv(NK, block_heads_k))
     if T > 0 and head_blocks > 0:
-        _rotary_kernel[(triton.cdiv(T, block_tokens), head_blocks)](
+        _rotary_kernel[(cdiv(T, block_tokens), head_blocks)](
             x,
             y,
             k if k is not None else x,
@@ -160,7 +160,7 @@ def _rotate(x, k, cos, sin, backward, table):
             BLOCK_TOKENS=block_tokens,
             BLOCK_HEADS=block_heads,
             BLOCK_HEADS_K=block_heads_k,
-            BLOCK_HALF=triton.next_power_of_2(D // 2),
+            BLOCK_HALF=next_power_of_2(D // 2),
             num_warps=cfg["num_warps"],
         )
     return y, ky
@@ -179,7 +179,7 @@ def _dcos_dsin(x, dy, cos, sin, table):
             dsin,
             NH,
             D // 2,
-            BLOCK_HALF=triton.next_power_of_2(D // 2),
+            BLOCK_HALF=next_power_of_2(D // 2),
             num_warps=cfg["num_warps"],
         )
     return dcos, dsin

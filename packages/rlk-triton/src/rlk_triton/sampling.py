@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._triton import jit, tl, triton
+from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 from rlk_triton.logprobs import tree_sum
 
 #: Vocabulary block of a pass; sets the order of the top-p mass sums (a constant of the op).
@@ -602,7 +602,7 @@ def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Te
     b = seeds.shape[0]
     out = torch.empty(b, vocab, dtype=torch.float32, device=seeds.device)
     if b and vocab:
-        _uniform_kernel[(b, triton.cdiv(vocab, 1024))](
+        _uniform_kernel[(b, cdiv(vocab, 1024))](
             seeds.contiguous(), offsets.contiguous(), out, vocab, BLOCK=1024
         )
     return out
@@ -636,8 +636,8 @@ def sample(
     if not B:
         return out
     cfg = dict(tuning.config(table, "sample.fwd", B=B, V=V))
-    blocks = triton.cdiv(V, BLOCK)
-    parts = min(blocks, triton.cdiv(cfg.pop("programs"), B))
+    blocks = cdiv(V, BLOCK)
+    parts = min(blocks, cdiv(cfg.pop("programs"), B))
     temperature = temperature.to(torch.float32).contiguous()
     seeds, offsets = seeds.contiguous(), offsets.contiguous()
     # A filter passed as None is read nowhere: any tensor stands in for its pointer.
@@ -647,7 +647,7 @@ def sample(
         top_p.to(torch.float32).contiguous() if top_p is not None else temperature,
     )
     meta = dict(BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, RADIX_BITS=RADIX_BITS)
-    sizes = dict(PART_BLOCKS=PART_BLOCKS, MAX_BLOCKS=triton.next_power_of_2(blocks))
+    sizes = dict(PART_BLOCKS=PART_BLOCKS, MAX_BLOCKS=next_power_of_2(blocks))
     # Written and read only by rows with a filter on.
     maxima = torch.empty((B, blocks), dtype=torch.int32, device=dev)
     if parts <= 1:
@@ -655,15 +655,15 @@ def sample(
                              logits.stride(0), blocks, **has, **meta, **sizes, **cfg)  # fmt: skip
         return out
     kept = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg)
-    span = triton.cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
-    parts = triton.cdiv(V, span)
+    span = cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
+    parts = cdiv(V, span)
     best = torch.empty((B, parts), dtype=torch.float32, device=dev)
     index = torch.empty((B, parts), dtype=torch.int32, device=dev)
     nans = torch.empty((B, parts), dtype=torch.int32, device=dev)
     _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, maxima, best, index,
                              nans, V, logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
     _merge_kernel[(B,)](best, index, nans, out, V, parts,
-                        BLOCK_P=triton.next_power_of_2(parts))  # fmt: skip
+                        BLOCK_P=next_power_of_2(parts))  # fmt: skip
     return out
 
 
@@ -675,7 +675,7 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg)
     if not (has["HAS_TOPK"] or has["HAS_TOPP"]):
         return torch.zeros(B, dtype=torch.int64, device=dev)
     blocks = maxima.shape[1]
-    n_parts = triton.cdiv(blocks, PART_BLOCKS)
+    n_parts = cdiv(blocks, PART_BLOCKS)
     ncand = 1 << RADIX_BITS
     prefix = torch.empty((B, 2 * LEVELS), dtype=torch.int64, device=dev)
     counts = torch.empty((2, B, n_parts, ncand), dtype=torch.int32, device=dev)

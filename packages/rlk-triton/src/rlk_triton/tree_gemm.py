@@ -57,7 +57,7 @@ import torch
 # same tree over tensor-parallel ranks, so one definition serves both.
 from rlk.parallel import finish, tree_combine
 from rlk_triton import gemm, tuning
-from rlk_triton._triton import INTERPRET, jit, tl, triton
+from rlk_triton._triton import INTERPRET, cdiv, jit, tl
 
 #: Leaves the fused kernel unrolls at most (a carry chain of at most 6 levels); more leaves run
 #: the unfused path (same bits).
@@ -395,7 +395,7 @@ def _tree_launch(a, b, bias, c, leaves, cfg):
     M, R = a.shape
     N = b.shape[1]
     width = R // leaves
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     # The arguments both kernels take: sizes and strides, then the compile-time parameters.
     sizes = (M, N, width, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
              c.stride(1))  # fmt: skip
