@@ -9,8 +9,10 @@ and the launcher take per call. For each op and shape this prints
   the GPU never holds the host back), forward alone and forward + backward;
 - ``gpu us``: ``triton.testing.do_bench`` median of the same call (forward alone).
 
-The GEMM rows run each launch config family: rlk's default choice, its pointer-kernel config
-with the same tiles, and its descriptor (TMA) config.
+The first table splits one ``rlk.linear`` call into its layers (validation, backend lookup,
+``autograd.Function``, the launch with rlk's launch cache and through Triton's own ``run``),
+host time only. The GEMM rows run each launch config family: rlk's default choice, its
+pointer-kernel config with the same tiles, and its descriptor (TMA) config.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import torch.nn.functional as F
 import triton.testing
 
 import rlk
-from rlk_triton import gemm, tuning
+from rlk import _ops
+from rlk._plugins import backend_impl
+from rlk_triton import _triton, gemm, tuning
+from rlk_triton.backend import default_table
 
 N_CALLS = 50
 
@@ -62,8 +67,41 @@ def _row(name, fwd, inputs):
     print(f"{name:<44} {host_f:9.1f} {host_b:10.1f} {gpu:9.1f}", flush=True)
 
 
+def _parts(dev, bf) -> None:
+    x = torch.randn(4096, 896, device=dev, dtype=bf, requires_grad=True)
+    w = torch.randn(896, 896, device=dev, dtype=bf, requires_grad=True)
+    c = torch.empty(4096, 896, device=dev, dtype=bf)
+    table = default_table()
+    cfg = dict(tuning.config(table, "linear.fwd", M=4096, N=896, K=896), TMA=False)
+
+    def launch(fast):
+        def run():
+            _triton.FAST_LAUNCH = fast
+            gemm._launch(x, w.t(), None, c, cfg)
+            _triton.FAST_LAUNCH = True
+
+        return run
+
+    rows = [
+        ("F.linear", lambda: F.linear(x, w)),
+        ("rlk.linear", lambda: rlk.linear(x, w)),
+        ("  check_linear", lambda: _ops.check_linear(x, w, None)),
+        ("  backend_impl", lambda: backend_impl(x.device)),
+        ("  gemm.LinearFunction.apply", lambda: gemm.LinearFunction.apply(x, w, None, table)),
+        ("  gemm._matmul", lambda: gemm._matmul(x, w.t(), None, bf, table, "linear.fwd")),
+        ("  gemm._launch, launch cache", launch(True)),
+        ("  gemm._launch, Triton's run", launch(False)),
+        ("  torch.empty", lambda: torch.empty(4096, 896, device=dev, dtype=bf)),
+    ]
+    print(f"{'rlk.linear 4096x896->896, by layer':<44} {'host us':>9}")
+    for name, fn in rows:
+        print(f"{name:<44} {_host_us(fn):9.1f}", flush=True)
+    print()
+
+
 def main() -> None:
     dev, bf = "cuda", torch.bfloat16
+    _parts(dev, bf)
     print(f"{'op':<44} {'host us':>9} {'fwd+bwd':>10} {'gpu us':>9}")
     for m, k, n in ((4096, 896, 896), (4096, 896, 4864), (4096, 4864, 896), (64, 896, 4864)):
         x = torch.randn(m, k, device=dev, dtype=bf, requires_grad=True)
