@@ -51,23 +51,36 @@ _MISSING = object()
 
 
 def _arg_key(value, const: bool):
-    """What Triton compiles ``value`` into: a constexpr's value; a tensor's dtype and 16-byte
-    alignment; an int's width class, ``== 1`` and divisibility by 16; a float's or a bool's
-    type. ``_MISSING`` for anything else (the launch then goes through Triton's ``run``)."""
+    """What Triton compiles ``value`` into: a constexpr's value; a tensor's dtype, 16-byte
+    alignment and whether it is on the GPU; an int's width class, ``== 1`` and divisibility by
+    16; a float's or a bool's type. ``_MISSING`` for anything else (the launch then goes through
+    Triton's ``run``)."""
     if const:
         return value
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
+        return (value.dtype, value.data_ptr() % 16 == 0, value.is_cuda)
     if isinstance(value, bool):
         return (bool, value)
     if isinstance(value, int):
-        width = 0 if -(2**31) <= value < 2**31 else (2 if value >= 2**63 else 1)
-        return (width, value == 1, value % 16 == 0)
+        return _int_spec(value)
     if isinstance(value, float):
         return float
     if value is None:
         return None
     return _MISSING
+
+
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: Specialisations of the ints seen so far (launch arguments repeat: shapes, strides).
+_INT_SPEC: dict[int, tuple] = {}
+
+
+def _int_spec(value: int) -> tuple:
+    spec = (-(2**31) <= value < 2**31, value >= 2**63, value == 1, value % 16 == 0)
+    if len(_INT_SPEC) > 65536:  # bound the memo; it only saves a few comparisons
+        _INT_SPEC.clear()
+    _INT_SPEC[value] = spec
+    return spec
 
 
 def _hooked(hook) -> bool:
@@ -92,7 +105,11 @@ class _Launcher:
         self.names = tuple(p.name for p in kernel.params)
         self.index = {n: i for i, n in enumerate(self.names)}
         self.const = tuple(p.is_constexpr for p in kernel.params)
-        self.defaults = tuple(p.default if p.has_default else _MISSING for p in kernel.params)
+        defaults = tuple(p.default if p.has_default else _MISSING for p in kernel.params)
+        self.count = len(self.names)
+        self.positions = range(self.count)
+        # The parameters after the first n positional ones, with their defaults, for every n.
+        self.tails = [tuple(zip(self.names[n:], defaults[n:])) for n in range(self.count + 1)]
         self.cache = {}
 
     def __call__(self, *args, grid, warmup=False, **kw):
@@ -106,17 +123,27 @@ class _Launcher:
             or _hooked(hooks.launch_exit_hook)
         ):
             return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
-        values = list(args)
-        for name, default in zip(self.names[len(args) :], self.defaults[len(args) :]):
-            values.append(kw.get(name, default))
-        device = torch.cuda.current_device()
-        key = [device]
-        for value, const in zip(values, self.const):
-            k = _arg_key(value, const)
-            if k is _MISSING or value is _MISSING:
-                return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
-            key.append(k)
-        key.extend(item for item in kw.items() if item[0] not in self.index)
+        n = len(args)
+        values = (
+            [*args, *(kw.get(name, d) for name, d in self.tails[n])] if n < self.count else args
+        )
+        # The launcher takes a pointer given as an int as it is; for a tensor it calls
+        # data_ptr() and asks the driver whether the pointer is device memory
+        # (cuPointerGetAttribute), a few us per argument. The key holds is_cuda, so a CPU
+        # tensor never gets here: its miss raises in Triton's run.
+        ptrs = [v.data_ptr() if type(v) in _TENSORS else v for v in values]
+        spec = [
+            v if c else (
+                (v.dtype, p & 15 == 0, v.is_cuda) if type(v) in _TENSORS
+                else _INT_SPEC.get(v) or _int_spec(v) if type(v) is int
+                else _arg_key(v, False)
+            )
+            for v, p, c in zip(values, ptrs, self.const)
+        ]  # fmt: skip
+        if _MISSING in spec:
+            return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+        key = [torch.cuda.current_device(), *[k for k in kw.items() if k[0] not in self.index]]
+        key += spec
         try:
             key = tuple(key)
             hit = self.cache.get(key)
@@ -130,9 +157,9 @@ class _Launcher:
         # What Triton's run does once the kernel is found (no launch hooks installed).
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
         hit.run(grid[0], g1, g2, stream, hit.function, hit.packed_metadata, None, None, None,
-                *values)  # fmt: skip
+                *ptrs)  # fmt: skip
         return hit
 
 
