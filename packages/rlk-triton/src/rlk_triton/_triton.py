@@ -142,7 +142,9 @@ class _Launcher:
         ]  # fmt: skip
         if _MISSING in spec:
             return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
-        key = [torch.cuda.current_device(), *[k for k in kw.items() if k[0] not in self.index]]
+        # The device: torch.cuda.current_device() less its lazy-init check (a CUDA tensor is
+        # already here, so CUDA is initialised).
+        key = [torch._C._cuda_getDevice(), *[k for k in kw.items() if k[0] not in self.index]]
         key += spec
         try:
             key = tuple(key)
