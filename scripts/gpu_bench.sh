@@ -6,10 +6,11 @@
 #                                        LANE0, LANE1: each lane's steps, default below;
 #                                        CHECK_OPS: the ops of `checks`; TESTS: test files of
 #                                        `gputests`)
-# Each family runs as its own `rlk bench --only <family>` process with its own time limit (the
-# report is rewritten after every row, so a family cut short keeps what it measured). With two
-# GPUs the families are split over two lanes, one per GPU, running at the same time; with one
-# they run one after the other. `rlk bench --render` merges the parts into $OUT/h200.json and
+# The default lanes leave out e2e-long (the long rollouts, about 5 minutes): run it on its own,
+# ONLY=e2e-long. Each family runs as its own `rlk bench --only <family>` process with its own
+# time limit (the report is rewritten after every row, so a family cut short keeps what it
+# measured). With two GPUs the families are split over two lanes, one per GPU, running at the
+# same time; with one they run one after the other. `rlk bench --render` merges the parts into $OUT/h200.json and
 # $OUT/h200.md. A summary is printed last.
 set -uo pipefail
 # Everything is written under W; $OUT receives only h200.json, h200.md, summary.txt and
@@ -47,7 +48,7 @@ consistency() {  # the contract at this commit on the GPU, both rollout modes
     --micro-batch 8 --rollout-mode both --quiet --json "$OUT/consistency.json"
 }
 lane0() { eval "${LANE0:-fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks}"; }
-lane1() { eval "${LANE1:-consistency; fam e2e 330; fam logprobs 200}"; }
+lane1() { eval "${LANE1:-consistency; fam e2e 400; fam logprobs 200}"; }
 
 if [ -n "${ONLY:-}" ]; then
   for f in ${ONLY//,/ }; do fam "$f" 400; done

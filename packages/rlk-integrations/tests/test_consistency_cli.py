@@ -20,6 +20,7 @@ def test_the_command_and_the_family_are_registered():
     assert rlk_cli._plugin_commands()["consistency"] is rlk_integrations_cli.CONSISTENCY
     assert bench.available() == list(bench.FAMILIES)
     assert bench.family_module("e2e") is e2e_bench
+    assert bench.family_module("e2e-long") is e2e_bench.LONG
 
 
 def test_help_lists_the_command(capsys):

@@ -1,6 +1,6 @@
-"""``rlk bench``'s e2e family (rollout and training engines, the GRPO step) run end to end on
-the tiny model on CPU: its own wall-clock timing is kept (on CPU it only has to run); every row
-the result file's readers look for comes out."""
+"""``rlk bench``'s e2e and e2e-long families (rollout and training engines, the GRPO step; the
+long rollouts) run end to end on the tiny model on CPU: their own wall-clock timing is kept (on
+CPU it only has to run); every row the result file's readers look for comes out."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def test_e2e_family_runs(monkeypatch):
         monkeypatch.setattr(e2e_bench, name, value)
     rows = []
     e2e_bench.run(quick=True, emit=rows.append)
+    long = []
+    e2e_bench.LONG.run(quick=True, emit=long.append)
     got = {(r["op"], r["impl"]) for r in rows}
     assert got >= {
         ("e2e.rollout.padded", "hf-generate"),
@@ -43,9 +45,13 @@ def test_e2e_family_runs(monkeypatch):
         ("e2e.grpo_step", "stock"),
         ("e2e.grpo_step", "rlk"),
     }
-    assert all(r["tok_s"] > 0 for r in rows)
-    # The long setting: the paged engine and its hf-generate peer only.
-    long = {(r["op"], r["impl"]) for r in rows if "prompt=6-8 new=3" in r["shape"]}
-    assert long == {("e2e.rollout.paged", "hf-generate"), ("e2e.rollout.paged", "rlk")}
+    assert all(r["tok_s"] > 0 for r in rows + long)
+    # The e2e-long family: the long setting, the paged engine and its hf-generate peer only.
+    assert not any("prompt=6-8 new=3" in r["shape"] for r in rows)
+    assert all("prompt=6-8 new=3" in r["shape"] for r in long)
+    assert {(r["op"], r["impl"]) for r in long} == {
+        ("e2e.rollout.paged", "hf-generate"),
+        ("e2e.rollout.paged", "rlk"),
+    }
     # A GRPO step samples every completion of every group in full.
     assert {r["new_tokens"] for r in rows if r["op"] == "e2e.grpo_step"} == {2 * 2 * 2}

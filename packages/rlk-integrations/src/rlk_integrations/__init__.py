@@ -16,7 +16,7 @@ Also :mod:`~rlk_integrations.architectures` (the module classes replaced per arc
 :mod:`~rlk_integrations.rotary`, :mod:`~rlk_integrations.megatron`, :mod:`~rlk_integrations.tp`
 and :mod:`~rlk_integrations.tp_workers` (tensor parallelism), :mod:`~rlk_integrations.consistency`
 (``rlk consistency``; its arguments are declared by the module ``rlk_integrations_cli``) and
-:mod:`~rlk_integrations.e2e_bench` (``rlk bench``'s e2e family).
+:mod:`~rlk_integrations.e2e_bench` (``rlk bench``'s e2e and e2e-long families).
 
 Each module imports ``transformers`` lazily: ``pip install "rlk[transformers]"``;
 :mod:`~rlk_integrations.trl` needs TRL: ``pip install "rlk[trl]"``.

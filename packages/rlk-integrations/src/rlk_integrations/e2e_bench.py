@@ -7,7 +7,8 @@ unpatched (transformers as shipped, SDPA attention) and its rlk rows run the sam
 
 Rollout (``B`` random prompts of :data:`PROMPT_LEN` tokens, seeded; :data:`NEW_TOKENS` sampled
 per prompt at temperature 1, no top-k / top-p, nothing stops early, so every engine makes
-``B * NEW_TOKENS`` tokens; then, after every model's other rows, the long setting,
+``B * NEW_TOKENS`` tokens; the family ``e2e-long`` (:data:`LONG`, its own ``rlk bench`` family so
+that each fits one run of a time-limited machine) runs the long setting,
 :data:`LONG_PROMPT_LEN` and :data:`LONG_NEW_TOKENS`, for ``e2e.rollout.paged`` alone):
 
 - ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
@@ -65,6 +66,7 @@ import gc
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -111,8 +113,12 @@ SEED = 0
 DTYPE = torch.bfloat16
 
 
+_T0 = [time.perf_counter()]
+
+
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    # Seconds since the family started: what a run cut short by a time limit still tells.
+    print(f"[{time.perf_counter() - _T0[0]:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _free(device: torch.device) -> None:
@@ -455,21 +461,37 @@ def _bench_model(
         unpatch_model(model)
 
 
-def run(quick: bool, emit: Callable[[dict], None]) -> None:
-    device = torch.device(_timing.DEVICE)
+def _settings(quick: bool):
     if quick:
-        models, batches, new = QUICK_MODELS, QUICK_BATCHES, QUICK_NEW_TOKENS
-        n, length, grpo = QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN, QUICK_GRPO_PROMPTS
-        long = (QUICK_LONG_PROMPT_LEN, QUICK_LONG_NEW_TOKENS)
-    else:
-        models, batches, new, n, length = MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN
-        grpo, long = GRPO_PROMPTS, (LONG_PROMPT_LEN, LONG_NEW_TOKENS)
-    flce = _liger()
-    # Every model's short rows first, then every model's long rollouts (largest batch first):
-    # a run cut short by a time limit loses the longest rows, not a model's training rows.
-    for setting in (None, long):
-        for name in models:
-            # The model is local to _bench_model: gone on return, so its memory can be released
-            # before the next one loads.
-            _bench_model(name, batches, new, setting, n, length, grpo, device, emit, flce)
-            _free(device)
+        return (QUICK_MODELS, QUICK_BATCHES, QUICK_NEW_TOKENS, QUICK_TRAIN_SEQS, QUICK_TRAIN_LEN,
+                QUICK_GRPO_PROMPTS, (QUICK_LONG_PROMPT_LEN, QUICK_LONG_NEW_TOKENS))  # fmt: skip
+    return (MODELS, BATCHES, NEW_TOKENS, TRAIN_SEQS, TRAIN_LEN, GRPO_PROMPTS,
+            (LONG_PROMPT_LEN, LONG_NEW_TOKENS))  # fmt: skip
+
+
+def _run(quick: bool, emit: Callable[[dict], None], long: bool) -> None:
+    _T0[0] = time.perf_counter()
+    device = torch.device(_timing.DEVICE)
+    models, batches, new, n, length, grpo, long_setting = _settings(quick)
+    flce = None if long else _liger()
+    for name in models:
+        # The model is local to _bench_model: gone on return, so its memory can be released
+        # before the next one loads.
+        setting = long_setting if long else None
+        _bench_model(name, batches, new, setting, n, length, grpo, device, emit, flce)
+        _free(device)
+
+
+def run(quick: bool, emit: Callable[[dict], None]) -> None:
+    """The ``e2e`` family: every model's rollouts, training and GRPO step."""
+    _run(quick, emit, long=False)
+
+
+def run_long(quick: bool, emit: Callable[[dict], None]) -> None:
+    """The ``e2e-long`` family: every model's paged rollouts in the long setting, the largest
+    batch first."""
+    _run(quick, emit, long=True)
+
+
+#: The ``e2e-long`` family's entry (``rlk bench --only e2e-long``).
+LONG = types.SimpleNamespace(run=run_long)

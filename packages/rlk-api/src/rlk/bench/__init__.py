@@ -1,9 +1,10 @@
 """``rlk bench``: every op family against the strongest implementation the machine has.
 
-Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling`` here; ``e2e``,
-the rollout and training engines, in rlk-integrations, found through the entry-point group
-``rlk.bench``) has ``run(quick, emit)``, which times rlk's public op and its peers on the same
-random inputs, in this process, and passes each result row to ``emit`` as soon as it is measured.
+Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling`` here; in
+rlk-integrations, found through the entry-point group ``rlk.bench``, ``e2e``, the rollout and
+training engines, and ``e2e-long``, their rollouts at long prompts and outputs) has
+``run(quick, emit)``, which times rlk's public op and its peers on the same random inputs, in
+this process, and passes each result row to ``emit`` as soon as it is measured.
 A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s]}``; ``impl`` is ``rlk`` or
 the peer's name (``cublas``, ``sdpa``, ``sdpa-flash``, ``liger``, ``compile``, ``torch``,
 ``hf-generate``, ``stock``, ``stock+liger``).
@@ -32,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 #: Every family, in the order ``rlk bench`` runs them.
-FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e")
+FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e", "e2e-long")
 
 #: The families of other distributions (entry-point group ``rlk.bench``, each naming the family's
 #: module) and the install that brings them: without it, asking for one is an error.
-PLUGIN_FAMILIES = {"e2e": 'rlk-integrations (pip install "rlk[transformers]")'}
+PLUGIN_FAMILIES = {
+    "e2e": 'rlk-integrations (pip install "rlk[transformers]")',
+    "e2e-long": 'rlk-integrations (pip install "rlk[transformers]")',
+}
 BENCH_GROUP = "rlk.bench"
 
 #: impl names that are rlk itself; every other impl of a row's (op, shape, dtype) is a peer.
@@ -86,9 +90,9 @@ def meta(argv: list[str]) -> dict[str, Any]:
 
 
 def family_module(name: str) -> Any:
-    """The module of family ``name``: ``rlk.bench.<name>``, or the module that the entry point
-    ``name`` of the group ``rlk.bench`` names. Raises ``ValueError`` naming what to install
-    when no installed distribution has it."""
+    """The module of family ``name``: ``rlk.bench.<name>``, or what the entry point ``name`` of
+    the group ``rlk.bench`` names (a module, or an object, with ``run(quick, emit)``). Raises
+    ``ValueError`` naming what to install when no installed distribution has it."""
     if name not in PLUGIN_FAMILIES:
         return importlib.import_module(f"rlk.bench.{name}")
     from importlib.metadata import entry_points
