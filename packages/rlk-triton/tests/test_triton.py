@@ -34,6 +34,99 @@ def test_arg_key_separates_what_triton_specialises_on():
     assert key(2.5, False) == key(0.5, False) and key(None, False) is None
 
 
+def _probe(x_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr = 64, FLAG: tl.constexpr = 0):
+    pass
+
+
+class _Compiled:
+    """A stand-in for a compiled kernel: records what its launcher is given."""
+
+    function, packed_metadata = 7, (4, 1, 0)
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    @property
+    def run(self):
+        return lambda *a: self.calls.append(a)
+
+
+def _launcher(monkeypatch):
+    """A _Launcher over a compiled-mode JITFunction, with Triton's run and the CUDA calls
+    replaced by recorders, so that its cache logic runs on a CPU."""
+    from triton.runtime.jit import JITFunction
+
+    launches, misses = [], []
+    launcher = _triton._Launcher(JITFunction(_probe))
+
+    def triton_run(*args, grid, warmup, **kw):
+        misses.append((args, kw))
+        return _Compiled(launches)
+
+    launcher.triton_run = triton_run
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 99, raising=False)
+    return launcher, launches, misses
+
+
+def test_launch_cache_hits_and_misses(monkeypatch):
+    launcher, launches, misses = _launcher(monkeypatch)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    out = torch.zeros(64, dtype=torch.bfloat16)
+    launcher(x, out, 48, 1, 2.0, grid=(3,), BLOCK=64)
+    assert len(misses) == 1 and not launches  # the first launch is Triton's
+    launcher(x, out, 32, 1, 0.5, grid=(3, 2), BLOCK=64)  # same specialisation
+    assert len(misses) == 1 and len(launches) == 1
+    grid0, grid1, grid2, stream, function, meta, lmeta, enter, leave, *args = launches[0]
+    assert (grid0, grid1, grid2, stream, function) == (3, 2, 1, 99, 7)
+    assert (lmeta, enter, leave) == (None, None, None)
+    # Every parameter in order: tensors as their pointers, defaults filled in.
+    assert args == [x.data_ptr(), out.data_ptr(), 32, 1, 0.5, 64, 0]
+    # What Triton specialises on is a new entry: n % 16, stride == 1, alignment, a constexpr.
+    for call in (
+        lambda: launcher(x, out, 33, 1, 2.0, grid=(3,), BLOCK=64),
+        lambda: launcher(x, out, 48, 2, 2.0, grid=(3,), BLOCK=64),
+        lambda: launcher(x[1:], out, 48, 1, 2.0, grid=(3,), BLOCK=64),
+        lambda: launcher(x, out, 48, 1, 2.0, grid=(3,), BLOCK=128),
+        lambda: launcher(x, out, 48, 1, 2.0, grid=(3,), BLOCK=64, num_warps=8),
+    ):
+        before = len(misses)
+        call()
+        assert len(misses) == before + 1
+    assert len(launcher.cache) == 6
+    # A run-time parameter by keyword, a callable grid, a warmup: Triton's run, every time.
+    for call in (
+        lambda: launcher(x, out, 48, 1, scale=2.0, grid=(3,), BLOCK=64),
+        lambda: launcher(x, out, 48, 1, 2.0, grid=lambda meta: (3,), BLOCK=64),
+        lambda: launcher(x, out, 48, 1, 2.0, grid=(3,), warmup=True, BLOCK=64),
+    ):
+        before = len(misses)
+        call()
+        call()
+        assert len(misses) == before + 2
+    assert all(kw["enable_fp_fusion"] is False for _, kw in misses)
+
+
+def test_launch_cache_steps_aside_for_launch_hooks(monkeypatch):
+    launcher, launches, misses = _launcher(monkeypatch)
+    x = torch.zeros(64)
+    launcher(x, x, 48, 1, 2.0, grid=(1,))
+    launcher(x, x, 48, 1, 2.0, grid=(1,))
+    assert (len(misses), len(launches)) == (1, 1)
+    hook = triton.knobs.runtime.launch_enter_hook
+    if hasattr(hook, "add"):  # a hook chain
+        probe = lambda *a: None  # noqa: E731
+        hook.add(probe)
+        try:
+            launcher(x, x, 48, 1, 2.0, grid=(1,))
+        finally:
+            hook.remove(probe)
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+        launcher(x, x, 48, 1, 2.0, grid=(1,))
+    assert (len(misses), len(launches)) == (2, 1)
+
+
 @jit
 def _scaled_copy_kernel(x_ptr, out_ptr, n, stride, scale, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

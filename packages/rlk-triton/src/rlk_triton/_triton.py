@@ -83,11 +83,6 @@ def _int_spec(value: int) -> tuple:
     return spec
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is installed (a profiler's): an empty chain is none."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 class _Launcher:
     """``kernel.run`` with a cache in front: the second launch of a kernel with the same
     specialisation calls the compiled kernel's launcher directly.
@@ -102,55 +97,60 @@ class _Launcher:
 
     def __init__(self, kernel):
         self.triton_run = kernel.run
-        self.names = tuple(p.name for p in kernel.params)
-        self.index = {n: i for i, n in enumerate(self.names)}
+        names = tuple(p.name for p in kernel.params)
         self.const = tuple(p.is_constexpr for p in kernel.params)
         defaults = tuple(p.default if p.has_default else _MISSING for p in kernel.params)
-        self.count = len(self.names)
-        self.positions = range(self.count)
+        self.count = len(names)
         # The parameters after the first n positional ones, with their defaults, for every n.
-        self.tails = [tuple(zip(self.names[n:], defaults[n:])) for n in range(self.count + 1)]
+        self.tails = [tuple(zip(names[n:], defaults[n:])) for n in range(self.count + 1)]
+        # Run-time (not constexpr) parameters: given by keyword, they take Triton's run (the
+        # key below takes keyword arguments by value, right for constexprs and options only).
+        self.runtime = frozenset(n for n, c in zip(names, self.const) if not c)
         self.cache = {}
 
     def __call__(self, *args, grid, warmup=False, **kw):
         kw.setdefault("enable_fp_fusion", False)
-        hooks = triton.knobs.runtime
+        rt = triton.knobs.runtime
+        enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
         if (
             warmup
             or not FAST_LAUNCH
             or callable(grid)
-            or _hooked(hooks.launch_enter_hook)
-            or _hooked(hooks.launch_exit_hook)
+            or (enter is not None and getattr(enter, "calls", True))
+            or (leave is not None and getattr(leave, "calls", True))
+            or not self.runtime.isdisjoint(kw)
         ):
             return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
-        n = len(args)
-        values = (
-            [*args, *(kw.get(name, d) for name, d in self.tails[n])] if n < self.count else args
-        )
         # The launcher takes a pointer given as an int as it is; for a tensor it calls
         # data_ptr() and asks the driver whether the pointer is device memory
         # (cuPointerGetAttribute), a few us per argument. The key holds is_cuda, so a CPU
         # tensor never gets here: its miss raises in Triton's run.
-        ptrs = [v.data_ptr() if type(v) in _TENSORS else v for v in values]
-        spec = [
-            v if c else (
-                (v.dtype, p & 15 == 0, v.is_cuda) if type(v) in _TENSORS
-                else _INT_SPEC.get(v) or _int_spec(v) if type(v) is int
-                else _arg_key(v, False)
-            )
-            for v, p, c in zip(values, ptrs, self.const)
-        ]  # fmt: skip
-        if _MISSING in spec:
+        ptrs = [v.data_ptr() if type(v) in _TENSORS else v for v in args]
+        # The key: the device (torch.cuda.current_device() less its lazy-init check: a CUDA
+        # tensor is here, so CUDA is initialised), the keyword arguments (constexprs and launch
+        # options, by value), then what Triton specialises each positional argument on.
+        # Parameters left to their defaults are the same at every call.
+        key = (
+            torch._C._cuda_getDevice(),
+            *kw.items(),
+            *[
+                v if c else (
+                    (v.dtype, p & 15 == 0, v.is_cuda) if type(v) in _TENSORS
+                    else _INT_SPEC.get(v) or _int_spec(v) if type(v) is int
+                    else _arg_key(v, False)
+                )
+                for v, p, c in zip(args, ptrs, self.const)
+            ],
+        )  # fmt: skip
+        if _MISSING in key:
             return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
-        # The device: torch.cuda.current_device() less its lazy-init check (a CUDA tensor is
-        # already here, so CUDA is initialised).
-        key = [torch._C._cuda_getDevice(), *[k for k in kw.items() if k[0] not in self.index]]
-        key += spec
         try:
-            key = tuple(key)
             hit = self.cache.get(key)
         except TypeError:  # an unhashable constexpr
             return self.triton_run(*args, grid=grid, warmup=warmup, **kw)
+        n = len(args)
+        if n < self.count:
+            ptrs += [kw.get(name, d) for name, d in self.tails[n]]
         if hit is None:
             kernel = self.triton_run(*args, grid=grid, warmup=warmup, **kw)
             if kernel is not None:
