@@ -185,14 +185,31 @@ def test_bias_grad_strided():
     _close(db, dy.double().sum(0), torch.bfloat16, "db")
 
 
-def test_bias_grad_chunks():
-    # Rows are summed in chunks of _BIAS_CHUNK, then the chunk sums: integer values make every
-    # partial exact, so a row counted twice or lost at a chunk edge changes the result.
-    m = 2 * gemm._BIAS_CHUNK + 37
+def test_bias_grad_sums_every_row_once():
+    # Integer values make every partial exact, so a row counted twice or lost at a K-tile edge
+    # (37 rows past two full tiles), or a column block skipped, changes the result.
+    m = 2 * gemm.BLOCK_K[torch.bfloat16] + 37
     dy = torch.randint(-4, 5, (m, 150)).to(torch.bfloat16)
     assert torch.equal(gemm._bias_grad(dy, torch.float32), dy.double().sum(0).float())
-    one = dy[: gemm._BIAS_CHUNK]  # one chunk: the first kernel writes dbias itself
-    assert torch.equal(gemm._bias_grad(one, torch.float32), one.double().sum(0).float())
+    assert torch.equal(gemm._bias_grad(dy[:0], torch.float32), torch.zeros(150))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_grad_from_the_dw_launch(dtype):
+    """dW's launch computes dbias in extra programs: the bits of the standalone launch, at every
+    config, and dW's bits unchanged by the extra programs."""
+    torch.manual_seed(6)
+    dy = torch.randn(83, 150).to(dtype)
+    x = torch.randn(83, 40).to(dtype)
+    alone = gemm._bias_grad(dy, dtype)
+    for cfg in [*SMALL, *gemm._CONFIGS]:
+        cfgs = {"linear.bwd_dw": cfg}
+        with tuning.force("linear", cfgs):
+            dw = gemm._matmul(dy.t(), x, None, dtype, ALL_TABLE, "linear.bwd_dw")
+            db = torch.full((150,), float("nan"), dtype=dtype)
+            dw2 = gemm._matmul(dy.t(), x, None, dtype, ALL_TABLE, "linear.bwd_dw", rows=db)
+        assert torch.equal(db, alone), cfg
+        assert torch.equal(dw2, dw), cfg
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,9 +15,11 @@ fixed by constants of this module, never by the shape or the tuning config:
   for one row) but then runs the very instructions a 4096-row batch runs, which is what makes
   row i of a batch equal the row computed alone. On Ampere every config is mma.sync (v2), on
   AMD MFMA; fp32 inputs use ``input_precision="ieee"`` (FMA, no TF32) on all of them.
-- dbias sums rows with its own kernels whose launch parameters are module constants (a
-  ``tl.sum`` tree depends on the layout, so its block sizes and warps are never tuned): fixed
-  chunks of rows in parallel, then the chunk sums in order.
+- dbias (the column sums of dY) is a product too: ``dY.T @ ones``, the rows reduced in ascending
+  ``BLOCK_K`` tiles by ``tl.dot`` into fp32, as every GEMM reduces (:func:`row_sums`). When dW
+  runs the pointer kernel (every eager host-bound product does), extra programs of its grid
+  compute dbias, so it takes no launch of its own; otherwise (a descriptor kernel for dW, or no
+  dW wanted) :func:`_row_sums_kernel` runs the same code, with the same bits.
 
 Two kernels run this one reduction: ``_matmul_kernel`` loads tiles through pointers (any
 strides, every dtype), ``_matmul_tma_kernel`` through tensor descriptors (Hopper's tensor memory
@@ -43,12 +45,10 @@ from rlk_triton._triton import cdiv, jit, tl
 #: (under the interpreter each tile is one partial sum; on GPUs the tile's 16-wide MMA steps).
 BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 
-#: dbias kernels: rows per chunk, columns per program, rows per step, warps. Constants, never
-#: tuned (they fix the order of the column sums).
-_BIAS_CHUNK = 256
-_BIAS_BLOCK_N = 128
-_BIAS_BLOCK_ROWS = 32
-_BIAS_WARPS = 4
+#: The standalone dbias launch: rows of dY.T per program and warps (the bits do not depend on
+#: them: a row's sum is the same dot chain whatever the tile).
+_ROW_SUMS_BLOCK_M = 64
+_ROW_SUMS_WARPS = 4
 
 
 @jit
@@ -125,7 +125,32 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    rows_ptr=None,
+    TILES=0,
+    ROW_SUMS: tl.constexpr = False,
 ):
+    # With ROW_SUMS, programs from TILES on write rows_ptr[m] = sum_k A[m, k] (dbias, when A is
+    # dY.T), one BLOCK_M block of rows each; the programs before them compute C's tiles.
+    if ROW_SUMS:
+        if tl.program_id(0) >= TILES:
+            row_sums(a_ptr, rows_ptr, (tl.program_id(0) - TILES).to(tl.int64) * BLOCK_M, M, K,
+                     stride_am, stride_ak, IEEE, BLOCK_M, BLOCK_K)  # fmt: skip
+        else:
+            _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk,
+                  stride_bn, stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N,
+                  BLOCK_K, GROUP_M)  # fmt: skip
+    else:
+        _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+
+
+@jit
+def _tile(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    stride_cm, stride_cn, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One output tile of ``_matmul_kernel`` (the tile of this program in the grouped order)."""
     row0, col0 = tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
@@ -135,9 +160,40 @@ def _matmul_kernel(
         a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
         stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
-
     store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
                HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+@jit
+def row_sums(a_ptr, out_ptr, row0, M, K, stride_am, stride_ak,
+             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``out[m] = sum_k A[m, k]`` for the BLOCK_M rows from ``row0``, as ``A @ ones``: K in
+    ascending BLOCK_K tiles, ``tl.dot`` into an fp32 tile from zero (``k_loop``'s reduction), so
+    a row's sum does not depend on BLOCK_M, the warps or which launch computes it. The 16
+    columns of the product are equal; their max is that value exactly."""
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mask_m = rm < M - row0
+    ptrs = a_ptr + row0 * stride_am + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    ones = tl.full((BLOCK_K, 16), 1.0, dtype=a_ptr.dtype.element_ty)
+    acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = rk < K - k0
+        a = tl.load(ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, ones, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, ones, acc)
+        ptrs += BLOCK_K * stride_ak
+    total = tl.max(acc, axis=1)
+    tl.store(out_ptr + row0 + rm, total.to(out_ptr.dtype.element_ty), mask=mask_m)
+
+
+@jit
+def _row_sums_kernel(a_ptr, out_ptr, M, K, stride_am, stride_ak,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    row_sums(a_ptr, out_ptr, tl.program_id(0).to(tl.int64) * BLOCK_M, M, K, stride_am,
+             stride_ak, IEEE, BLOCK_M, BLOCK_K)  # fmt: skip
 
 
 @jit
@@ -195,40 +251,6 @@ def _matmul_tma_kernel(
             bias = tl.load(bias_ptr + col0 + rn, mask=rn < N - col0, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
         c_desc.store([row0, col0], acc.to(c_desc.dtype))
-
-
-@jit
-def _bias_grad_kernel(
-    dy_ptr, out_ptr, M, N, stride_m, stride_n,
-    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-):  # fmt: skip
-    # Program (j, c) sums rows [c * CHUNK, (c + 1) * CHUNK) of BLOCK_N columns in ascending
-    # BLOCK_ROWS steps into row c of out (fp32 partials [chunks, N]; with one chunk, out is
-    # dbias itself): a fixed partition and order, no atomics.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    chunk = tl.program_id(1)
-    row0 = chunk.to(tl.int64) * CHUNK
-    n_rows = tl.minimum(M - row0, CHUNK)
-    rows = tl.arange(0, BLOCK_ROWS)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, n_rows, BLOCK_ROWS):
-        r = r0 + rows
-        ptrs = dy_ptr + (row0 + r)[:, None] * stride_m + cols[None, :] * stride_n
-        tile = tl.load(ptrs, mask=(r < n_rows)[:, None] & mask_n[None, :], other=0.0)
-        acc += tl.sum(tile.to(tl.float32), axis=0)
-    tl.store(out_ptr + chunk.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@jit
-def _bias_chunks_kernel(part_ptr, db_ptr, N, CHUNKS, BLOCK_N: tl.constexpr):
-    # dbias = the chunk partials summed in ascending chunk order (0 + p0 + p1 + ...).
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for c in range(0, CHUNKS):
-        acc += tl.load(part_ptr + c * N + cols, mask=mask_n, other=0.0)
-    tl.store(db_ptr + cols, acc.to(db_ptr.dtype.element_ty), mask=mask_n)
 
 
 def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False):
@@ -387,14 +409,16 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch(a, b, bias, c, cfg, descriptors: bool = True):
+def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None):
     """Run a kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
     handle of the compiled kernel (the GPU tests read its PTX).
 
     A config asking for descriptors (``TMA``) gets them for bf16/fp16 operands whose layouts a
     descriptor can express and an output of their width, unless ``descriptors`` is False;
     others run the pointer kernel with the same tiles, which gives the same bits (the same
-    ``tl.dot`` chain over the same K tiles)."""
+    ``tl.dot`` chain over the same K tiles). ``rows`` (a tensor [M]) also gets ``a``'s row sums
+    (:func:`row_sums`): from extra programs of the pointer kernel's grid, or, after a
+    descriptor kernel, from :func:`_row_sums_kernel`."""
     M, R = a.shape
     N = b.shape[1]
     # The descriptor kernel stages C's tile in shared memory for its bulk store: at the input
@@ -404,12 +428,18 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True):
     if tma and a.dtype != torch.float32 and not wide_c and c.is_contiguous():
         a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
-            return _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+            kernel = _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
+            if rows is not None:
+                _row_sums_into(a, rows)
+            return kernel
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    return _matmul_kernel[grid](
+    extra = {}
+    if rows is not None:
+        extra = dict(rows_ptr=rows, TILES=tiles, ROW_SUMS=True)
+    return _matmul_kernel[(tiles + (cdiv(M, cfg["BLOCK_M"]) if rows is not None else 0),)](
         a, b, bias if bias is not None else c, c, M, N, R, *strides,
-        **launch_meta(a, R, bias, cfg),
+        **launch_meta(a, R, bias, cfg), **extra,
     )  # fmt: skip
 
 
@@ -430,11 +460,15 @@ def launch_meta(a: torch.Tensor, R: int, bias, cfg) -> dict:
     )
 
 
-def _matmul(a, b, bias, out_dtype, table, key):
-    """``a [M, R] @ b [R, N] (+ bias)`` for any strides, in ``out_dtype``."""
+def _matmul(a, b, bias, out_dtype, table, key, rows=None):
+    """``a [M, R] @ b [R, N] (+ bias)`` for any strides, in ``out_dtype``; with ``rows`` (a
+    tensor [M]), ``a``'s row sums into it too (dW's launch giving dbias, ``a`` being dY.T)."""
     M, R = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if rows is not None and (M == 0 or N == 0 or R == 0):
+        _row_sums_into(a, rows)
+        rows = None
     if M == 0 or N == 0:
         return c
     if R == 0:
@@ -445,31 +479,29 @@ def _matmul(a, b, bias, out_dtype, table, key):
         or tuning.is_forced(key)
         or (c.is_cuda and torch.cuda.is_current_stream_capturing())
     )
-    _launch(a, b, bias, c, cfg, descriptors)
+    _launch(a, b, bias, c, cfg, descriptors, rows)
     return c
 
 
-def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dbias [N] = the column sums of ``dy [M, N]`` (any strides), in ``dtype``: rows summed in
-    chunks of ``_BIAS_CHUNK`` (one program per chunk and column block, so a 4096-row dY fills
-    the GPU), then the chunk sums in order. With one chunk (M <= _BIAS_CHUNK) the first kernel
-    writes dbias itself: the same bits, as 0 + p0 == p0."""
-    M, N = dy.shape
-    db = torch.empty(N, dtype=dtype, device=dy.device)
-    if N == 0:
-        return db
-    chunks = max(1, cdiv(M, _BIAS_CHUNK))
-    cols = cdiv(N, _BIAS_BLOCK_N)
-    out = db if chunks == 1 else torch.empty((chunks, N), dtype=torch.float32, device=dy.device)
-    _bias_grad_kernel[(cols, chunks)](
-        dy, out, M, N, dy.stride(0), dy.stride(1),
-        CHUNK=_BIAS_CHUNK, BLOCK_N=_BIAS_BLOCK_N, BLOCK_ROWS=_BIAS_BLOCK_ROWS,
-        num_warps=_BIAS_WARPS,
+def _row_sums_into(a: torch.Tensor, rows: torch.Tensor) -> None:
+    """``rows[m] = sum_k a[m, k]`` (:func:`row_sums`; zeros for an empty K)."""
+    M, K = a.shape
+    if M == 0:
+        return
+    if K == 0:
+        rows.zero_()
+        return
+    _row_sums_kernel[(cdiv(M, _ROW_SUMS_BLOCK_M),)](
+        a, rows, M, K, a.stride(0), a.stride(1), IEEE=a.dtype == torch.float32,
+        BLOCK_M=_ROW_SUMS_BLOCK_M, BLOCK_K=BLOCK_K[a.dtype], num_warps=_ROW_SUMS_WARPS,
     )  # fmt: skip
-    if chunks > 1:
-        _bias_chunks_kernel[(cols,)](
-            out, db, N, chunks, BLOCK_N=_BIAS_BLOCK_N, num_warps=_BIAS_WARPS
-        )
+
+
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dbias [N] = the column sums of ``dy [M, N]`` (any strides), in ``dtype``: the row sums
+    of ``dy.T`` by :func:`row_sums`, the bits dW's launch gives when it computes dbias too."""
+    db = torch.empty(dy.shape[1], dtype=dtype, device=dy.device)
+    _row_sums_into(dy.t(), db)
     return db
 
 
@@ -495,11 +527,14 @@ class LinearFunction(torch.autograd.Function):
             # dX [M, K] = dY [M, N] @ W [N, K]: N reduced in ascending BLOCK_K tiles, like the
             # forward, so row i of dX depends only on row i of dY.
             dx = _matmul(dy, weight, None, x.dtype, ctx.table, "linear.bwd_dx")
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1]:
             # dW [N, K] = dY.T [N, M] @ X [M, K]: the M rows reduced in ascending BLOCK_K
-            # chunks inside one program per [N, K] tile (no split over M, no atomics).
-            dw = _matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # chunks inside one program per [N, K] tile (no split over M, no atomics); dbias,
+            # the row sums of dY.T, from the same launch.
+            db = torch.empty(dy.shape[1], dtype=weight.dtype, device=dy.device) if need_b else None
+            dw = _matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw", rows=db)
+        elif need_b:
             db = _bias_grad(dy, weight.dtype)
         return dx, dw, db, None
 
