@@ -116,20 +116,21 @@ def backward_slices(
             b_u = bias[u0:u1] if bias is not None else None
             logits = _logits(hidden, weight[u0:u1], b_u, logits_dtype, table)
             view = dlogits[:, u0 - v0 : u1 - v0]
-            # Targets shifted into the sub-slice's columns: a target outside matches none.
+            # The sub-slice's first column is vocabulary entry vocab_offset + u0: a target
+            # outside the sub-slice matches none of its columns.
             d = lp_mod.logprobs_backward(
-                logits, targets - (vocab_offset + u0), lse, ent, g_lp, g_ent, temperature, table,
-                out=view if logits.dtype == hidden.dtype else None,
+                logits, targets, lse, ent, g_lp, g_ent, temperature, table,
+                out=view if logits.dtype == hidden.dtype else None, col0=vocab_offset + u0,
             )  # fmt: skip
             del logits
             if d.dtype != hidden.dtype:  # one rounding of the logits-dtype value, as before
                 view.copy_(d)
+            # dW and dbias rows written in place: no temporary, no copy.
             if need_w:
-                dw[u0:u1] = gemm._matmul(
-                    view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw"
-                )
-            if need_b:
-                db[u0:u1] = gemm._bias_grad(view, bias.dtype)
+                gemm._matmul(view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw",
+                             rows=db[u0:u1] if need_b else None, out=dw[u0:u1])  # fmt: skip
+            elif need_b:
+                gemm._row_sums_into(view.t(), db[u0:u1])
         return dlogits
 
     def leaf_partials():

@@ -425,7 +425,13 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None):
     # width the configs fit, an fp32 C (fused_logprobs' partials) would not.
     wide_c = c.element_size() != a.element_size()
     tma = descriptors and cfg.get("TMA")
-    if tma and a.dtype != torch.float32 and not wide_c and c.is_contiguous():
+    if (
+        tma
+        and a.dtype != torch.float32
+        and not wide_c
+        and c.is_contiguous()
+        and c.data_ptr() % 16 == 0
+    ):
         a_lay, b_lay = _descriptor_layout(a), _descriptor_layout(b)
         if a_lay is not None and b_lay is not None and (c.stride(0) * c.element_size()) % 16 == 0:
             kernel = _launch_tma(a, b, bias, c, cfg, a_lay, b_lay)
@@ -460,12 +466,14 @@ def launch_meta(a: torch.Tensor, R: int, bias, cfg) -> dict:
     )
 
 
-def _matmul(a, b, bias, out_dtype, table, key, rows=None):
+def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None):
     """``a [M, R] @ b [R, N] (+ bias)`` for any strides, in ``out_dtype``; with ``rows`` (a
-    tensor [M]), ``a``'s row sums into it too (dW's launch giving dbias, ``a`` being dY.T)."""
+    tensor [M]), ``a``'s row sums into it too (dW's launch giving dbias, ``a`` being dY.T).
+    ``out``: an [M, N] tensor of ``out_dtype`` with a unit column stride to write C into (a
+    slice of a larger result), in place of a new one; the same bits."""
     M, R = a.shape
     N = b.shape[1]
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
     if rows is not None and (M == 0 or N == 0 or R == 0):
         _row_sums_into(a, rows)
         rows = None

@@ -278,11 +278,13 @@ def _logprobs_bwd_kernel(
     stride_t,
     stride_dt,
     temperature,
+    col0,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     UNIT: tl.constexpr,
     ENTROPY: tl.constexpr,
 ):
+    # Column j of these logits is vocabulary entry col0 + j (a slice of a larger vocabulary).
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < T
@@ -294,7 +296,7 @@ def _logprobs_bwd_kernel(
     tgt = tl.load(targets_ptr + rows, mask=row_ok, other=-1)
     log_p = scale_logits(x, temperature, UNIT) - lse[:, None]
     p = tl.exp(log_p)
-    onehot = (cols[None, :] == tgt[:, None]).to(tl.float32)
+    onehot = ((cols + col0)[None, :] == tgt[:, None]).to(tl.float32)
     dz = g_lp[:, None] * (onehot - p)
     if ENTROPY:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
@@ -465,10 +467,12 @@ def logprobs_forward(
 
 
 def logprobs_backward(
-    logits, targets, lse, ent, g_lp, g_ent, temperature: float, table, out=None
+    logits, targets, lse, ent, g_lp, g_ent, temperature: float, table, out=None, col0: int = 0
 ) -> torch.Tensor:
     """Launch the backward kernel: ``dlogits`` in the dtype of ``logits`` (or written into
-    ``out``, a ``[T, V]`` tensor with unit column stride, e.g. columns of a larger buffer)."""
+    ``out``, a ``[T, V]`` tensor with unit column stride, e.g. columns of a larger buffer).
+    ``col0``: the vocabulary index of the logits' first column (a target matches column
+    ``target - col0``; one outside the columns matches none)."""
     T, V = logits.shape
     dlogits = (
         torch.empty_like(logits, memory_format=torch.contiguous_format) if out is None else out
@@ -491,6 +495,7 @@ def logprobs_backward(
         logits.stride(0),
         dlogits.stride(0),
         float(temperature),
+        col0,
         BLOCK_T=bt,
         BLOCK_V=bv,
         UNIT=_unit(temperature),
