@@ -78,12 +78,14 @@ def test_backward_deterministic_and_rows_invariant():
 
 @pytest.mark.parametrize("dtype,logits_dtype", [(torch.bfloat16, None), (torch.bfloat16,
                          torch.float32), (torch.float32, None)])  # fmt: skip
-def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logits_dtype):
+@pytest.mark.parametrize("V", [300, 1200])
+def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logits_dtype, V):
     # V=300: 8 leaves of 38 rows. VOCAB_SLICE 128 puts 3 leaves in a slice, 1000 all of them,
-    # 16 cuts each leaf into sub-slices of 16, 16 and 6 rows (one buffer of leaf dlogits) when
-    # the forward's slice holds fewer rows of 7 tokens (112 elements), and into one sub-slice
-    # of 38 rows when it holds more (900 elements: 128 rows).
-    hid, w, b, tgt = _inputs(7, 64, 300, dtype, bias=True, seed=3)
+    # 16 one leaf (sub-slices are at least 64 rows, a multiple of every BLOCK_K). V=1200: 8
+    # leaves of 150 rows, whole in slices of 1000 rows; VOCAB_SLICE 128 cuts each into
+    # sub-slices of 128 and 22 rows, 16 with a forward slice of fewer rows of 7 tokens (112
+    # elements) into 64, 64 and 22: their dh products accumulate into the leaf's.
+    hid, w, b, tgt = _inputs(7, 64, V, dtype, bias=True, seed=3)
     g1, g2 = torch.randn(7), torch.randn(7)
 
     def grads(vocab_slice, fwd_elems=3 * 300):
@@ -97,7 +99,7 @@ def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logit
         return [a.grad for a in args]
 
     want = grads(128)
-    for vocab_slice, fwd_elems in ((16, 7 * 16), (16, 3 * 300), (1000, 3 * 300)):
+    for vocab_slice, fwd_elems in ((16, 7 * 16), (16, 3 * 300), (1000, 3 * 300), (100, 7 * 16)):
         got = grads(vocab_slice, fwd_elems)
         for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
             assert torch.equal(x, y), (vocab_slice, fwd_elems, name)

@@ -185,6 +185,29 @@ def test_bias_grad_strided():
     _close(db, dy.double().sum(0), torch.bfloat16, "db")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulate_continues_the_k_chain(dtype):
+    """A product split over K at multiples of BLOCK_K and accumulated into fp32 has the bits of
+    the one product, at every config (the logits backward's dh runs so over vocabulary slices)."""
+    torch.manual_seed(7)
+    bk = gemm.BLOCK_K[dtype]
+    a = torch.randn(37, 3 * bk + 19).to(dtype)
+    b = torch.randn(3 * bk + 19, 45).to(dtype)
+    for cfg in [*SMALL, *gemm._CONFIGS]:
+        with tuning.force("linear", {"linear.bwd_dx": cfg}):
+            whole = gemm._matmul(a, b, None, torch.float32, ALL_TABLE, "linear.bwd_dx")
+            part = gemm._matmul(a[:, :bk], b[:bk], None, torch.float32, ALL_TABLE, "linear.bwd_dx")
+            for k0, k1 in ((bk, 3 * bk), (3 * bk, 3 * bk + 19)):
+                gemm._matmul(a[:, k0:k1], b[k0:k1], None, torch.float32, ALL_TABLE,
+                             "linear.bwd_dx", out=part, accumulate=True)  # fmt: skip
+        assert torch.equal(part, whole), cfg
+    # Split elsewhere, the chain differs: the test can tell.
+    odd = gemm._matmul(a[:, :7], b[:7], None, torch.float32, ALL_TABLE, "linear.bwd_dx")
+    gemm._matmul(a[:, 7:], b[7:], None, torch.float32, ALL_TABLE, "linear.bwd_dx", out=odd,
+                 accumulate=True)  # fmt: skip
+    assert not torch.equal(odd, whole)
+
+
 def test_bias_grad_sums_every_row_once():
     # Integer values make every partial exact, so a row counted twice or lost at a K-tile edge
     # (37 rows past two full tiles), or a column block skipped, changes the result.

@@ -9,20 +9,22 @@ only on its own input row, so slicing changes no bit.
 - Forward: tokens in slices of ``_rows_per_slice(V)`` rows (a constant per vocabulary size):
   logits of the slice in ``logits_dtype`` -> log-probability, log-sum-exp and entropy per row.
 - Backward: the vocabulary in slices of whole vocabulary leaves (the leaves of
-  :mod:`rlk_triton.logprobs`, as many as fit in :data:`VOCAB_SLICE` rows of W, at least one).
-  Per slice: recompute the logits ``[T, slice]``, turn them into ``dlogits`` with the saved
-  log-sum-exp (elementwise), then ``dW[slice] = dlogits.T @ h`` (a complete sum over tokens in
-  one GEMM: ascending, fixed), ``dbias[slice]`` (fixed-order column sums), and per leaf the fp32
-  partial ``dlogits[:, leaf] @ W[leaf]``. The leaf partials of dh are added by the fixed binary
-  tree over the :data:`~rlk_triton.logprobs.VOCAB_LEAVES` leaves (an empty leaf is an exact
-  identity). So dW/dbias are deterministic, dh of a token depends only on that token, and a
-  vocabulary-parallel rank's dh is a subtree of the one-device tree (:func:`backward_slices`);
-  nothing is batch-dependent and nothing uses atomics.
+  :mod:`rlk_triton.logprobs`, as many as fit in :data:`VOCAB_SLICE` rows of W, at least one),
+  each in sub-slices of at most ``VOCAB_SLICE`` rows (or as many as ``_FWD_SLICE_ELEMS``
+  elements hold where that is more; a multiple of 64). Per sub-slice: recompute the logits
+  ``[T, sub]``, turn them into ``dlogits`` with the saved log-sum-exp (elementwise, in place),
+  then ``dW[sub] = dlogits.T @ h`` (a complete sum over tokens in one GEMM: ascending, fixed),
+  ``dbias[sub]`` (its row sums, from the same launch), and the fp32 dh product of the leaf
+  part, ``dlogits[:, part] @ W[part]``, accumulated into the leaf's partial (split at
+  multiples of BLOCK_K, the leaf's one K chain). The leaf partials of dh are added by the fixed
+  binary tree over the :data:`~rlk_triton.logprobs.VOCAB_LEAVES` leaves (an empty leaf is an
+  exact identity). So dW/dbias are deterministic, dh of a token depends only on that token,
+  and a vocabulary-parallel rank's dh is a subtree of the one-device tree
+  (:func:`backward_slices`); nothing is batch-dependent and nothing uses atomics.
 
-Extra memory: one slice's dlogits (whole leaves, or one leaf where a leaf has more than
-``VOCAB_SLICE`` rows: its logits then run in sub-slices of ``VOCAB_SLICE`` rows, or of as many
-as ``_FWD_SLICE_ELEMS`` elements hold where that is more), one logits (sub-)slice, and at most
-``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` pending sums of the dh tree, independent of V; the
+Extra memory: one ``[T, sub]`` buffer that holds a sub-slice's logits and then its dlogits
+(logits of another dtype than the model's take a second buffer), and at most
+``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` partial sums of the dh tree, independent of V; the
 logits ``[T, V]`` never exist.
 """
 
@@ -45,9 +47,10 @@ def _rows_per_slice(v: int) -> int:
     return max(1, _FWD_SLICE_ELEMS // max(v, 1))
 
 
-def _logits(h, weight, bias, logits_dtype, table):
-    """``h @ weight.T + bias`` rounded to ``logits_dtype``: the GEMM kernel of ``linear``."""
-    return gemm._matmul(h, weight.t(), bias, logits_dtype, table, "linear.fwd")
+def _logits(h, weight, bias, logits_dtype, table, out=None):
+    """``h @ weight.T + bias`` rounded to ``logits_dtype``: the GEMM kernel of ``linear``
+    (into ``out`` when given)."""
+    return gemm._matmul(h, weight.t(), bias, logits_dtype, table, "linear.fwd", out=out)
 
 
 def linear_leaf_states(
@@ -102,53 +105,71 @@ def backward_slices(
     db = torch.empty_like(bias) if need_b else None
 
     # Rows of a logits sub-slice: VOCAB_SLICE, or as many as the forward's slice holds when
-    # that is more (few tokens), so that a short batch launches fewer, wider kernels.
-    sub_rows = max(VOCAB_SLICE, _FWD_SLICE_ELEMS // max(T, 1))
+    # that is more (few tokens), so that a short batch launches fewer, wider kernels; a
+    # multiple of 64 (of every BLOCK_K), so that a leaf's dh product split at sub-slices is
+    # the leaf's one K chain (gemm.k_loop_from).
+    sub_rows = max(64, max(VOCAB_SLICE, _FWD_SLICE_ELEMS // max(T, 1)) // 64 * 64)
+    # Only a slice of one leaf is cut, from the leaf's start; slices of several leaves are one
+    # sub-slice (at most VOCAB_SLICE rows).
+    step = sub_rows if per == 1 else per * leaf_len
+    in_place = logits_dtype == hidden.dtype
+    buf = None
 
-    def slice_dlogits(v0, v1):
-        """dlogits of rows [v0, v1) in hidden's dtype, with dW and dbias of those rows. A slice
-        wider than ``sub_rows`` (one leaf, when a leaf is longer) runs its logits in sub-slices
-        of ``sub_rows`` written into one buffer: every element of these is per (token, row), so
-        the sub-slices change no bit, only the memory (one [T, sub_rows] logits slice)."""
-        dlogits = torch.empty(T, v1 - v0, dtype=hidden.dtype, device=hidden.device)
-        for u0 in range(v0, v1, sub_rows):
-            u1 = min(v1, u0 + sub_rows)
-            b_u = bias[u0:u1] if bias is not None else None
-            logits = _logits(hidden, weight[u0:u1], b_u, logits_dtype, table)
-            view = dlogits[:, u0 - v0 : u1 - v0]
-            # The sub-slice's first column is vocabulary entry vocab_offset + u0: a target
-            # outside the sub-slice matches none of its columns.
-            d = lp_mod.logprobs_backward(
-                logits, targets, lse, ent, g_lp, g_ent, temperature, table,
-                out=view if logits.dtype == hidden.dtype else None, col0=vocab_offset + u0,
-            )  # fmt: skip
-            del logits
-            if d.dtype != hidden.dtype:  # one rounding of the logits-dtype value, as before
-                view.copy_(d)
-            # dW and dbias rows written in place: no temporary, no copy.
-            if need_w:
-                gemm._matmul(view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw",
-                             rows=db[u0:u1] if need_b else None, out=dw[u0:u1])  # fmt: skip
-            elif need_b:
-                gemm._row_sums_into(view.t(), db[u0:u1])
-        return dlogits
+    def sub_slice_dlogits(u0, u1):
+        """dlogits of rows [u0, u1) in hidden's dtype (a view of the one reused buffer), with
+        dW and dbias of those rows. Every element is per (token, row), so sub-slices change no
+        bit. Logits of the model's dtype are computed into the buffer and turned into dlogits
+        there; others get a buffer of their own, rounded once into the dlogits."""
+        nonlocal buf
+        if buf is None:
+            buf = torch.empty(T, min(step, V), dtype=hidden.dtype, device=hidden.device)
+        view = buf[:, : u1 - u0]
+        b_u = bias[u0:u1] if bias is not None else None
+        logits = _logits(
+            hidden, weight[u0:u1], b_u, logits_dtype, table, view if in_place else None
+        )
+        # The sub-slice's first column is vocabulary entry vocab_offset + u0: a target outside
+        # the sub-slice matches none of its columns.
+        d = lp_mod.logprobs_backward(
+            logits, targets, lse, ent, g_lp, g_ent, temperature, table,
+            out=view if in_place else None, col0=vocab_offset + u0,
+        )  # fmt: skip
+        del logits
+        if not in_place:
+            view.copy_(d)
+        # dW and dbias rows written in place: no temporary, no copy.
+        if need_w:
+            gemm._matmul(view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw",
+                         rows=db[u0:u1] if need_b else None, out=dw[u0:u1])  # fmt: skip
+        elif need_b:
+            gemm._row_sums_into(view.t(), db[u0:u1])
+        return view
 
     def leaf_partials():
+        """Each leaf's fp32 dh partial ``dlogits[:, leaf] @ W[leaf]`` (None for an empty leaf
+        or when dh is not needed), in leaf order. Slices of ``per`` whole leaves; a slice of
+        one leaf in sub-slices of ``sub_rows`` rows, over which the leaf accumulates its
+        product in order: the bits of its one product."""
         for first in range(0, count, per):
             v0, v1 = first * leaf_len, min(V, (first + per) * leaf_len)
+            leaves = range(first, min(first + per, count))
             if v0 >= v1:
-                yield from [None] * min(per, count - first)
+                yield from [None] * len(leaves)
                 continue
-            dlogits = slice_dlogits(v0, v1)
-            for leaf in range(first, min(first + per, count)):
-                a0, a1 = leaf * leaf_len - v0, min(V, (leaf + 1) * leaf_len) - v0
-                if not need_h or a0 >= a1:
-                    yield None
-                    continue
-                yield gemm._matmul(
-                    dlogits[:, a0:a1], weight[v0 + a0 : v0 + a1], None, torch.float32, table,
-                    "linear.bwd_dx",
-                )  # fmt: skip
+            parts = {}
+            for u0 in range(v0, v1, step):
+                u1 = min(v1, u0 + step)
+                dlogits = sub_slice_dlogits(u0, u1)
+                for leaf in leaves if need_h else ():
+                    a0, a1 = max(u0, leaf * leaf_len), min(u1, (leaf + 1) * leaf_len, V)
+                    if a0 >= a1:
+                        continue
+                    parts[leaf] = gemm._matmul(
+                        dlogits[:, a0 - u0 : a1 - u0], weight[a0:a1], None, torch.float32,
+                        table, "linear.bwd_dx", out=parts.get(leaf), accumulate=leaf in parts,
+                    )  # fmt: skip
+            for leaf in leaves:
+                yield parts.pop(leaf, None)
 
     dh = tree_gemm.tree_combine(leaf_partials())  # count: a power of two
     if need_h and dh is None:  # no vocabulary rows at all

@@ -80,12 +80,25 @@ def k_loop(
     """fp32 ``A[tile rows, :K] @ B[:K, tile cols]`` from the tiles' origins ``a_tile``/``b_tile``:
     K in ascending tiles of the constant BLOCK_K, accumulated by ``tl.dot`` into one fp32 tile
     from zero; out-of-range K is read as 0 (adds +0.0). The reduction order of every GEMM."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return k_loop_from(acc, a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk,
+                       stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+@jit
+def k_loop_from(
+    acc, a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """:func:`k_loop` continuing from the fp32 tile ``acc``: a product over K split at a
+    multiple of BLOCK_K and run as two calls, the second from the first's result, is the one
+    call's chain of ``tl.dot`` steps, so it has its bits."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_tile + rm[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_tile + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -128,6 +141,7 @@ def _matmul_kernel(
     rows_ptr=None,
     TILES=0,
     ROW_SUMS: tl.constexpr = False,
+    ACC_IN: tl.constexpr = False,
 ):
     # With ROW_SUMS, programs from TILES on write rows_ptr[m] = sum_k A[m, k] (dbias, when A is
     # dY.T), one BLOCK_M block of rows each; the programs before them compute C's tiles.
@@ -138,10 +152,11 @@ def _matmul_kernel(
         else:
             _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk,
                   stride_bn, stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N,
-                  BLOCK_K, GROUP_M)  # fmt: skip
+                  BLOCK_K, GROUP_M, ACC_IN)  # fmt: skip
     else:
         _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-              stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)  # fmt: skip
+              stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+              ACC_IN)  # fmt: skip
 
 
 @jit
@@ -149,15 +164,24 @@ def _tile(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     stride_cm, stride_cn, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACC_IN: tl.constexpr,
 ):  # fmt: skip
-    """One output tile of ``_matmul_kernel`` (the tile of this program in the grouped order)."""
+    """One output tile of ``_matmul_kernel`` (the tile of this program in the grouped order).
+    With ACC_IN the product continues from C's fp32 values (C += A @ B, see
+    :func:`k_loop_from`), else it starts from zero."""
     row0, col0 = tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     mask_m = rm < M - row0
     mask_n = rn < N - col0
-    acc = k_loop(
-        a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
+    if ACC_IN:
+        c_ptrs = c_ptr + row0 * stride_cm + col0 * stride_cn
+        c_ptrs += rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        acc = tl.load(c_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = k_loop_from(
+        acc, a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
         stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
@@ -409,7 +433,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None):
+def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None, accumulate=False):
     """Run a kernel on ``c = a @ b (+ bias)`` with launch config ``cfg``; returns Triton's
     handle of the compiled kernel (the GPU tests read its PTX).
 
@@ -424,7 +448,7 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None):
     # The descriptor kernel stages C's tile in shared memory for its bulk store: at the input
     # width the configs fit, an fp32 C (fused_logprobs' partials) would not.
     wide_c = c.element_size() != a.element_size()
-    tma = descriptors and cfg.get("TMA")
+    tma = descriptors and cfg.get("TMA") and not accumulate
     if (
         tma
         and a.dtype != torch.float32
@@ -440,9 +464,9 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None):
             return kernel
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    extra = {}
+    extra = dict(ACC_IN=True) if accumulate else {}
     if rows is not None:
-        extra = dict(rows_ptr=rows, TILES=tiles, ROW_SUMS=True)
+        extra.update(rows_ptr=rows, TILES=tiles, ROW_SUMS=True)
     return _matmul_kernel[(tiles + (cdiv(M, cfg["BLOCK_M"]) if rows is not None else 0),)](
         a, b, bias if bias is not None else c, c, M, N, R, *strides,
         **launch_meta(a, R, bias, cfg), **extra,
@@ -466,11 +490,13 @@ def launch_meta(a: torch.Tensor, R: int, bias, cfg) -> dict:
     )
 
 
-def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None):
+def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None, accumulate=False):
     """``a [M, R] @ b [R, N] (+ bias)`` for any strides, in ``out_dtype``; with ``rows`` (a
     tensor [M]), ``a``'s row sums into it too (dW's launch giving dbias, ``a`` being dY.T).
     ``out``: an [M, N] tensor of ``out_dtype`` with a unit column stride to write C into (a
-    slice of a larger result), in place of a new one; the same bits."""
+    slice of a larger result), in place of a new one; the same bits. ``accumulate``: ``out``
+    (fp32, no bias) += the product, continuing its K chain (:func:`k_loop_from`): a product
+    split over K at a multiple of ``BLOCK_K`` and accumulated so has the one product's bits."""
     M, R = a.shape
     N = b.shape[1]
     c = torch.empty((M, N), dtype=out_dtype, device=a.device) if out is None else out
@@ -480,6 +506,8 @@ def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None):
     if M == 0 or N == 0:
         return c
     if R == 0:
+        if accumulate:
+            return c
         return c.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(c))
     cfg = tuning.config(table, key, M=M, N=N, K=R, dtype_bytes=a.element_size())
     descriptors = bool(cfg.get("TMA")) and (
@@ -487,7 +515,7 @@ def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None):
         or tuning.is_forced(key)
         or (c.is_cuda and torch.cuda.is_current_stream_capturing())
     )
-    _launch(a, b, bias, c, cfg, descriptors, rows)
+    _launch(a, b, bias, c, cfg, descriptors, rows, accumulate)
     return c
 
 
