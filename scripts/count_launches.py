@@ -1,4 +1,4 @@
-"""Triton launches of one rlk training step, per kernel, per decoder layer and for the head.
+"""Triton launches and torch kernels of one rlk training step, per decoder layer and for the head.
 
     python scripts/count_launches.py [--models qwen2-0.5b,llama3-8b-4layers] [--seqs 8] [--len 512]
 
@@ -9,6 +9,13 @@ through are garbage; only the launches are real), once with one decoder layer an
 two: the difference is one layer's launches, the rest is the embedding, the final norm and the
 head. A launch costs the host tens of microseconds on a GPU machine whatever the kernel does,
 so in a host-bound step (a small model) these counts bound the step time from below.
+
+The torch column counts the aten ops of the step that run a kernel on a GPU (every op but views
+and allocations; counted by a ``TorchDispatchMode``), and ``syncs`` the reads of a device value
+by the host (``aten::_local_scalar_dense``: ``.item()``, ``int(t)``). Two CPU paths are counted as
+a GPU runs them: value checks are off (as without ``RLK_VALIDATE``), and the kernels' index-check
+flag is one tensor, reported by a queued ``_assert_async`` (a CPU call would make a new flag
+and read it; ``rlk_triton._bounds``).
 """
 
 from __future__ import annotations
@@ -20,12 +27,30 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launch path below
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from rlk import _validate  # noqa: E402
 from rlk_integrations import e2e_bench, models  # noqa: E402
 from rlk_integrations.transformers import patch_model  # noqa: E402
+from rlk_triton import _bounds  # noqa: E402
 
 LAUNCHES: collections.Counter[str] = collections.Counter()
+
+#: aten ops that allocate only (no kernel).
+_ALLOCATIONS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
+
+
+class _TorchKernels(TorchDispatchMode):
+    """Counts into LAUNCHES, as ``torch:<op>``, the aten ops that run a kernel, and host syncs."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense":
+            LAUNCHES["sync:item"] += 1
+        elif not func.is_view and name not in _ALLOCATIONS:
+            LAUNCHES[f"torch:{name}"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _count(self, *args, **kwargs) -> None:
@@ -46,7 +71,8 @@ def step_launches(name: str, layers: int, seqs: int, length: int) -> collections
     e2e_bench._rlk_step(model, samples)  # first call: lazily built tables stay out
     model.zero_grad(set_to_none=True)
     LAUNCHES.clear()
-    e2e_bench._rlk_step(model, samples)
+    with _TorchKernels():
+        e2e_bench._rlk_step(model, samples)
     return collections.Counter(LAUNCHES)
 
 
@@ -57,22 +83,32 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=e2e_bench.TRAIN_LEN)
     a = ap.parse_args()
     interpreter.InterpretedFunction.run = _count
-    os.environ.setdefault("RLK_VALIDATE", "0")  # value checks read results: none exist here
+    _validate.value_checks_enabled = lambda t: False  # as on a GPU; they read garbage here
+    ok = torch.ones(1, dtype=torch.int32)
+    _bounds.flag = lambda device: ok
+    _bounds.report = lambda flag, message: LAUNCHES.update(["torch:_assert_async"])
     table = []
     for name in a.models.split(","):
         one = step_launches(name, 1, a.seqs, a.len)
         two = step_launches(name, 2, a.seqs, a.len)
         layer = two - one
         head = one - layer
-        print(f"{name}: per layer {sum(layer.values())}, outside the layers {sum(head.values())}")
+        print(f"{name}: per layer {_kinds(layer)}, outside the layers {_kinds(head)}")
         for kernel in sorted(set(two), key=lambda k: -two[k]):
             print(f"  {kernel:32s} layer {layer[kernel]:3d}  outside {head[kernel]:3d}")
         n = models.CONFIGS[name][1]["num_hidden_layers"]
-        total = n * sum(layer.values()) + sum(head.values())
-        table.append((name, sum(layer.values()), sum(head.values()), n, total))
-    print(f"\n{'model':20s} {'per layer':>9s} {'outside':>8s} {'layers':>6s} {'per step':>8s}")
-    for name, per_layer, outside, n, total in table:
-        print(f"{name:20s} {per_layer:9d} {outside:8d} {n:6d} {total:8d}")
+        step = collections.Counter({k: n * v for k, v in layer.items()}) + head
+        table.append((name, _kinds(layer), _kinds(head), n, _kinds(step)))
+    print(f"\n{'model':20s} {'layers':>6s}  per layer / outside / per step: Triton, torch, syncs")
+    for name, per_layer, outside, n, step in table:
+        print(f"{name:20s} {n:6d}  {per_layer} / {outside} / {step}")
+
+
+def _kinds(counts: collections.Counter[str]) -> str:
+    """``Triton, torch, syncs`` counts of ``counts`` as text."""
+    torch_ops = sum(v for k, v in counts.items() if k.startswith("torch:"))
+    syncs = sum(v for k, v in counts.items() if k.startswith("sync:"))
+    return f"{sum(counts.values()) - torch_ops - syncs}, {torch_ops}, {syncs}"
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _rlk_logprobs(
     from rlk_integrations.transformers import decoder
 
     hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
-    hidden = hidden.last_hidden_state[0]
+    hidden = hidden.last_hidden_state.squeeze(0)  # one packed row (a view's gradient: no copy)
     head = model.get_output_embeddings()
     tp = getattr(model, "_rlk_tp", None)
     fn, extra = rlk.linear_logprobs, {}

@@ -196,10 +196,12 @@ def rlk_attention_forward(
             cu_q = _packed_memo.get((position_ids,), (), lambda: _packed_cu_seqlens(position_ids))
             cu_k = cu_q
         if cu_q is not None:  # packed sequences in one row
+            # squeeze, not [0]: its gradient is a view, where select's fills a zero tensor and
+            # copies into it (two kernels per tensor per layer in the backward).
             out = rlk.attention(
-                q[0].contiguous(),
-                k[0].contiguous(),
-                v[0].contiguous(),
+                q.squeeze(0).contiguous(),
+                k.squeeze(0).contiguous(),
+                v.squeeze(0).contiguous(),
                 cu_q.to(torch.int32),
                 (cu_k if cu_k is not None else cu_q).to(torch.int32),
                 causal=True,
