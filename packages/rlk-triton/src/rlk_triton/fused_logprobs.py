@@ -9,9 +9,10 @@ only on its own input row, so slicing changes no bit.
 - Forward: tokens in slices of ``_rows_per_slice(V)`` rows (a constant per vocabulary size):
   logits of the slice in ``logits_dtype`` -> log-probability, log-sum-exp and entropy per row.
 - Backward: the vocabulary in slices of whole vocabulary leaves (the leaves of
-  :mod:`rlk_triton.logprobs`, as many as fit in :data:`VOCAB_SLICE` rows of W, at least one),
-  each in sub-slices of at most ``VOCAB_SLICE`` rows (or as many as ``_FWD_SLICE_ELEMS``
-  elements hold where that is more; a multiple of 64). Per sub-slice: recompute the logits
+  :mod:`rlk_triton.logprobs`, as many as fit in :data:`VOCAB_SLICE` rows of W, at least one);
+  a slice of one longer leaf in sub-slices of ``VOCAB_SLICE`` rows (or as many as
+  ``_FWD_SLICE_ELEMS`` elements hold where that is more; a multiple of 64) from the leaf's
+  start, a slice of several leaves as one sub-slice. Per sub-slice: recompute the logits
   ``[T, sub]``, turn them into ``dlogits`` with the saved log-sum-exp (elementwise, in place),
   then ``dW[sub] = dlogits.T @ h`` (a complete sum over tokens in one GEMM: ascending, fixed),
   ``dbias[sub]`` (its row sums, from the same launch), and the fp32 dh product of the leaf

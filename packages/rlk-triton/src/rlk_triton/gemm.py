@@ -82,18 +82,19 @@ def k_loop(
     from zero; out-of-range K is read as 0 (adds +0.0). The reduction order of every GEMM."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return k_loop_from(acc, a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk,
-                       stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                       stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False)  # fmt: skip
 
 
 @jit
 def k_loop_from(
     acc, a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, B_ONES: tl.constexpr,
 ):  # fmt: skip
     """:func:`k_loop` continuing from the fp32 tile ``acc``: a product over K split at a
     multiple of BLOCK_K and run as two calls, the second from the first's result, is the one
-    call's chain of ``tl.dot`` steps, so it has its bits."""
+    call's chain of ``tl.dot`` steps, so it has its bits. With B_ONES, B is all ones (``b_tile``
+    and its strides unused): row sums of A by the same chain (:func:`row_sums`)."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -102,10 +103,14 @@ def k_loop_from(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
         else:
             mask_k = rk < K - k0
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if B_ONES:
+            b = tl.full((BLOCK_K, BLOCK_N), 1.0, dtype=a.dtype)
+        elif EVEN_K:
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
             b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -183,6 +188,7 @@ def _tile(
     acc = k_loop_from(
         acc, a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
         stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+        False,
     )  # fmt: skip
     store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
                HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
@@ -192,23 +198,16 @@ def _tile(
 def row_sums(a_ptr, out_ptr, row0, M, K, stride_am, stride_ak,
              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``out[m] = sum_k A[m, k]`` for the BLOCK_M rows from ``row0``, as ``A @ ones``: K in
-    ascending BLOCK_K tiles, ``tl.dot`` into an fp32 tile from zero (``k_loop``'s reduction), so
-    a row's sum does not depend on BLOCK_M, the warps or which launch computes it. The 16
-    columns of the product are equal; their max is that value exactly."""
+    ascending BLOCK_K tiles, ``tl.dot`` into an fp32 tile from zero (``k_loop_from`` itself,
+    with B all ones), so a row's sum does not depend on BLOCK_M, the warps or which launch
+    computes it. The 16 columns of the product are equal; their max is that value exactly."""
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     mask_m = rm < M - row0
-    ptrs = a_ptr + row0 * stride_am + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    ones = tl.full((BLOCK_K, 16), 1.0, dtype=a_ptr.dtype.element_ty)
     acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = rk < K - k0
-        a = tl.load(ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, ones, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, ones, acc)
-        ptrs += BLOCK_K * stride_ak
+    acc = k_loop_from(
+        acc, a_ptr + row0 * stride_am, a_ptr, mask_m, tl.arange(0, 16) < 16, K, stride_am,
+        stride_ak, 0, 0, False, IEEE, BLOCK_M, 16, BLOCK_K, True,
+    )  # fmt: skip
     total = tl.max(acc, axis=1)
     tl.store(out_ptr + row0 + rm, total.to(out_ptr.dtype.element_ty), mask=mask_m)
 
