@@ -13,6 +13,7 @@ sequences, forward, log-probabilities, their sum, backward. For each model and i
 - ``syncs``: synchronising CUDA calls in one step (torch's sync debug mode), by Python line;
 - ``--triton-run``: rlk once more with its launch cache off, every kernel launched through
   Triton's own ``run``;
+- ``--graphed``: rlk once more through ``GraphedLogprobs`` (the first step captures);
 - the kernels that take the most GPU time, and (``--host``) the Python functions that take
   the most host time in one step (cProfile, by own time, then rlk's by cumulative time).
 
@@ -146,6 +147,11 @@ def main() -> None:
         action="store_true",
         help="also rlk with every kernel launched through Triton's own run (no launch cache)",
     )
+    p.add_argument(
+        "--graphed",
+        action="store_true",
+        help="also rlk with the pass and its backward replayed as CUDA graphs (GraphedLogprobs)",
+    )
     a = p.parse_args()
     flce = e2e._liger()
     table = []
@@ -158,6 +164,8 @@ def main() -> None:
         impls.append(("rlk", True, e2e._rlk_step))
         if a.triton_run:
             impls.append(("rlk/triton-run", True, _triton_run(e2e._rlk_step)))
+        if a.graphed:
+            impls.append(("rlk graphed", True, e2e._graphed_step()))
         for impl, patched, step in impls:
             (patch_model if patched else unpatch_model)(model)
             wall = _wall(step, model, samples)

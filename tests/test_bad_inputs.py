@@ -62,6 +62,23 @@ def test_bad_sequence_rows_are_nan_and_good_ones_exact(unreported):
     assert unreported == [0, 0] and o[4:].isnan().all()
 
 
+def test_a_sequence_beyond_its_length_bound_is_nan_to_its_end(unreported):
+    # The grid covers max_seqlen_q = 20 queries of each sequence: the 150-token sequence's rows
+    # past them have no program of their own, and must still be NaN, not left unwritten.
+    q, k, v = (torch.randn(160, h, 16) for h in (4, 2, 2))
+    cu = torch.tensor([0, 150, 160], dtype=I32)
+    good = rlk.attention(q, k, v, cu, cu)
+    loose = rlk.attention(q, k, v, cu, cu, max_seqlen_q=400, max_seqlen_k=160)
+    assert unreported == [1, 1] and torch.equal(loose, good)  # a loose bound: the same bits
+    unreported.clear()
+    with bad_inputs.default_mode():
+        o = rlk.attention(q, k, v, cu, cu, max_seqlen_q=20, max_seqlen_k=160)
+    assert unreported == [0]
+    assert o[:150].isnan().all() and torch.equal(o[150:], good[150:])
+    with pytest.raises(ValueError, match="max_seqlen_q = 20 but a sequence has 150 tokens"):
+        rlk.attention(q, k, v, cu, cu, max_seqlen_q=20, max_seqlen_k=160)
+
+
 def test_rows_that_see_a_bad_page_are_nan(unreported):
     kc, vc = torch.randn(4, 16, 2, 16), torch.randn(4, 16, 2, 16)
     q = torch.randn(40, 4, 16)

@@ -70,7 +70,11 @@ def _attn(**over):
         a["v"],
         a["cu_seqlens_q"],
         a["cu_seqlens_k"],
-        **{k: v for k, v in over.items() if k in ("causal", "scale")},
+        **{
+            k: v
+            for k, v in over.items()
+            if k in ("causal", "scale", "max_seqlen_q", "max_seqlen_k")
+        },
     )
 
 
@@ -209,6 +213,12 @@ CASES = {
     "attn causal int": (_attn(causal=1), TypeError, "causal"),
     "attn head dim zero": (_attn(q=r(5, 4, 0), k=r(7, 2, 0), v=r(7, 2, 0)), ValueError, "head dim"),
     "attn scale": (_attn(scale=-1.0), ValueError, "scale"),
+    "attn no sequence": (_attn(cu_seqlens_q=cu(0), cu_seqlens_k=cu(0)), ValueError, "no sequence"),
+    "attn one bound": (_attn(max_seqlen_q=3), ValueError, "max_seqlen_k"),
+    "attn bound type": (_attn(max_seqlen_q=3.0, max_seqlen_k=4), TypeError, "max_seqlen_q"),
+    "attn bound bool": (_attn(max_seqlen_q=3, max_seqlen_k=True), TypeError, "max_seqlen_k"),
+    "attn bound zero": (_attn(max_seqlen_q=0, max_seqlen_k=4), ValueError, "max_seqlen_q"),
+    "attn bound short": (_attn(max_seqlen_q=3, max_seqlen_k=3), ValueError, "max_seqlen_k"),
     # paged attention
     "paged page out of range": (
         _paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=i32)),

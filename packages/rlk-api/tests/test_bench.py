@@ -41,6 +41,17 @@ def test_ratios_take_the_fastest_peer():
     assert r["peer"] == "other" and r["peer_over_rlk"] == pytest.approx(0.25)
 
 
+def test_ratios_one_per_rlk_impl_never_a_peer():
+    rows = [
+        _row("e2e.train", "stock", 3.0, "e2e"),
+        _row("e2e.train", "rlk", 4.0, "e2e"),
+        _row("e2e.train", "rlk graphed", 1.5, "e2e"),
+    ]
+    a, b = bench.ratios(rows)
+    assert (a["rlk_impl"], a["peer"], a["peer_over_rlk"]) == ("rlk", "stock", 0.75)
+    assert (b["rlk_impl"], b["peer"], b["peer_over_rlk"]) == ("rlk graphed", "stock", 2.0)
+
+
 def test_render_and_merge(tmp_path):
     a = _report([_row("linear.fwd", "rlk", 2.0), _row("linear.fwd", "cublas", 1.0)])
     b = _report([_row("e2e.train", "rlk", 4.0, "e2e"), _row("e2e.train", "stock", 5.0, "e2e")])
@@ -48,7 +59,7 @@ def test_render_and_merge(tmp_path):
     merged = bench.merge([a, b])
     assert len(merged["rows"]) == 4 and len(merged["meta"]["parts"]) == 2
     text = bench.render_markdown(merged)
-    assert "| gemm   | linear.fwd | s     | cublas    | 0.50" in text
+    assert "| gemm   | linear.fwd | s     | rlk | cublas    | 0.50" in text
     assert "`rlk bench --only e2e`" in text
     with pytest.raises(ValueError, match="different commits"):
         bench.merge([a, _report([], commit="def")])

@@ -278,6 +278,25 @@ def test_backward_determinism_and_batch_invariance(causal):
         assert torch.equal(a[s], b), f"{name} depends on the batch"
 
 
+def test_length_bounds_change_no_bits():
+    """Caller's bounds on the sequence lengths (no host read of the offsets) size the grids
+    only: forward and backward give the bits of the bounds read from the offsets."""
+    hq, hk, d = 4, 2, 16
+    lens = [100, 7, 0, 70]
+    q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=22)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    cu = _cu(lens)
+    want = _fwd_bwd(q, k, v, cu, cu, do)
+    for bq, bk in ((100, 100), (101, 333)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = attn.attention(
+            *leaves, cu, cu, True, d**-0.5, max_seqlen_q=bq, max_seqlen_k=bk, table=TABLE
+        )
+        o.backward(do)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], want, [o] + [x.grad for x in leaves]):
+            assert torch.equal(a, b), f"{name} changed with the bounds {bq}, {bk}"
+
+
 def _all_configs(op):
     return tuning.op_configs(TABLE, op)
 

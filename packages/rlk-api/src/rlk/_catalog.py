@@ -72,7 +72,13 @@ CATALOG: tuple[OpSpec, ...] = (
     OpSpec("rms_norm", "norm", grad_args=("x", "weight", "residual"), unit_grads=("x", "residual")),
     OpSpec("silu_and_mul", "activation", grad_args=("x", "up"), unit_grads=("x", "up")),
     OpSpec("apply_rotary", "rotary", grad_args=("x", "k"), unit_grads=("x", "k")),
-    OpSpec("attention", "attention", grad_args=("q", "k", "v"), unit_grads=("q", "k", "v")),
+    OpSpec(
+        "attention",
+        "attention",
+        kwonly=("max_seqlen_q", "max_seqlen_k"),
+        grad_args=("q", "k", "v"),
+        unit_grads=("q", "k", "v"),
+    ),
     OpSpec("paged_attention", "attention"),
     OpSpec(
         "logprobs", "logprobs", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32"

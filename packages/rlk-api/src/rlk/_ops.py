@@ -262,6 +262,9 @@ def attention(
     cu_seqlens_k: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Variable-length (packed) multi-head attention with GQA/MQA.
 
@@ -271,6 +274,13 @@ def attention(
     are its *last* ``nq`` tokens (bottom-right aligned), which covers training (nq == nk),
     prefill, chunked prefill and decode (nq == 1). Returns ``[Tq, Hq, D]`` in q's dtype.
     ``scale`` defaults to ``1/sqrt(D)``.
+
+    ``max_seqlen_q``/``max_seqlen_k`` (ints >= 1, both or neither): upper bounds on the
+    sequences' query and key counts. Without them a GPU backend reads the longest sequence
+    from the offsets, a host synchronisation; with them it sizes its grids from the bounds and
+    reads nothing, so the call can be captured in a CUDA graph. Looser bounds cost idle
+    programs, never bits. A sequence longer than its bound is an error: a ``ValueError`` where
+    values are checked (CPU, ``RLK_VALIDATE``), else a device-side assertion.
 
     Contract: a query's output depends only on its own sequence's keys up to its position; KV
     is processed in fixed-size tiles aligned to the sequence's position 0, in ascending order,
@@ -302,7 +312,17 @@ def attention(
         ((cu_q[1:] - cu_q[:-1]) > (cu_k[1:] - cu_k[:-1])).any()
     ):
         raise ValueError("a sequence has more queries than keys (cu_seqlens_q vs cu_seqlens_k)")
-    return _call("attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]))
+    if (max_seqlen_q is None) != (max_seqlen_k is None):
+        raise ValueError("give both max_seqlen_q and max_seqlen_k, or neither")
+    if max_seqlen_q is None:
+        return _call("attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]))
+    bounds = {
+        "max_seqlen_q": chk.length_bound("max_seqlen_q", max_seqlen_q, cu_q),
+        "max_seqlen_k": chk.length_bound("max_seqlen_k", max_seqlen_k, cu_k),
+    }
+    return _call(
+        "attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]), **bounds
+    )
 
 
 def paged_attention(

@@ -132,6 +132,20 @@ def choice(name: str, v: object, options: Sequence[str]) -> str:
     return v
 
 
+def length_bound(name: str, v: object, cu: torch.Tensor) -> int:
+    """A caller's bound (an int >= 1) on the sequence lengths of the offsets ``cu``; checked
+    against them only when value checks are on."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+    if cu.numel() > 1 and value_checks_enabled(cu):
+        longest = int((cu[1:] - cu[:-1]).max())
+        if longest > v:
+            raise ValueError(f"{name} = {v} but a sequence has {longest} tokens")
+    return v
+
+
 def index_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
     """Values of ``t`` in [low, high); reads values, so only when value checks are on."""
     if t.numel() == 0 or not value_checks_enabled(t):
@@ -147,6 +161,8 @@ def cu_seqlens(name: str, t: object, total: int, total_name: str) -> torch.Tenso
     t = tensor(name, t, dtypes=(torch.int32,), ndim=1)
     if t.numel() < 1:
         raise ValueError(f"{name} must have at least one entry (B + 1 offsets, starting at 0)")
+    if t.numel() == 1 and total != 0:  # no sequence, yet rows: known without reading values
+        raise ValueError(f"{name} holds no sequence but {total_name} = {total} tokens")
     if value_checks_enabled(t):
         first, last = int(t[0]), int(t[-1])
         if first != 0:

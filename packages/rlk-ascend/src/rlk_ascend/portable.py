@@ -318,14 +318,32 @@ def _attend(q, k, v, causal: bool, scale: float) -> torch.Tensor:
 
 
 def attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True, scale=None, *, table=None
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    causal=True,
+    scale=None,
+    *,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    table=None,
 ) -> torch.Tensor:
-    """Packed varlen attention (queries are each sequence's last tokens) -> ``[Tq, Hq, D]``."""
+    """Packed varlen attention (queries are each sequence's last tokens) -> ``[Tq, Hq, D]``.
+    The offsets are read on the host; a sequence longer than a ``max_seqlen_*`` bound is a
+    ``ValueError``."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     nq = [cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)]
     nk = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
+    for name, bound, lens in (
+        ("max_seqlen_q", max_seqlen_q, nq),
+        ("max_seqlen_k", max_seqlen_k, nk),
+    ):
+        if bound is not None and max(lens, default=0) > bound:
+            raise ValueError(f"a sequence is longer than {name} = {bound}")
     # split (not slicing) so that each sequence's gradient is written once, never accumulated.
     qs, ks, vs = q.split(nq), k.split(nk), v.split(nk)
     outs = [_attend(qs[b], ks[b], vs[b], causal, scale) for b in range(len(nq))]

@@ -39,7 +39,10 @@ sequence's first, their sum, backward:
 - ``stock+liger``: the stock decoder's hidden states, then Liger's fused linear cross-entropy
   with ``reduction="none"`` (per-token losses = -log-probs); skipped when liger is missing;
 - ``rlk``: the patched decoder's hidden states, then :func:`rlk.linear_logprobs`
-  (:func:`~rlk_integrations.training.packed_logprobs`, as ``rlk consistency`` trains).
+  (:func:`~rlk_integrations.training.packed_logprobs`, as ``rlk consistency`` trains);
+- ``rlk graphed`` (CUDA only): the same pass and its backward, each replayed as one CUDA graph
+  (:class:`~rlk_integrations.training.GraphedLogprobs`, its bucket the row's shape; the
+  warm-up call captures).
 
 A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
 :data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
@@ -262,6 +265,28 @@ def _rlk_step(model, samples: list[Sample]) -> None:
     torch.cat(lps).sum().backward()
 
 
+def _graphed_step() -> Callable:
+    """rlk's training step through :class:`~rlk_integrations.training.GraphedLogprobs`, its
+    bucket the samples' own shape (captured on the first, warm-up, call)."""
+    held: list[training.GraphedLogprobs] = []
+
+    def step(model, samples: list[Sample]) -> None:
+        if not held:
+            tokens = sum(len(s.tokens) for s in samples)
+            held.append(
+                training.GraphedLogprobs(
+                    model,
+                    max_tokens=tokens,
+                    max_seqs=len(samples),
+                    max_seq_len=max(len(s.tokens) for s in samples),
+                    max_rows=sum(len(s.response) for s in samples),
+                )
+            )
+        torch.cat(held[0](samples)).sum().backward()
+
+    return step
+
+
 def _liger_logprobs(flce, model, samples: list[Sample]) -> torch.Tensor:
     """The stock decoder's hidden states, then Liger's fused linear cross-entropy per token:
     the log-probabilities of every sample's response, concatenated (packed as
@@ -307,6 +332,8 @@ def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> Non
     if flce is not None:
         impls.append(("stock+liger", False, lambda m, s: _liger_step(flce, m, s)))
     impls.append(("rlk", True, _rlk_step))
+    if device.type == "cuda":
+        impls.append(("rlk graphed", True, _graphed_step()))
     for impl, patched, step in impls:
         if patched:
             patch_model(model)

@@ -55,8 +55,20 @@ class RotaryTable:
     @torch.no_grad()
     def gather(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``position_ids``, extending the table first if needed (reads the
-        largest position: a device sync)."""
+        largest position: a device sync). While a CUDA graph is being captured nothing can be
+        read: the table must already hold the positions (:meth:`reserve`), and one it does not
+        hold fails the indexing's device-side bounds check."""
+        if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self.cpu is None:
+                raise RuntimeError("the rotary table is empty: reserve() it before a capture")
+            return self.lookup(position_ids)
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        self.reserve(need)
+        return self.lookup(position_ids)
+
+    @torch.no_grad()
+    def reserve(self, need: int) -> None:
+        """Extend the table to hold positions ``[0, need)`` (host work only)."""
         have = 0 if self.cpu is None else self.cpu[0].shape[0]
         if have < need:
             chunks = [] if self.cpu is None else [self.cpu]
@@ -68,7 +80,6 @@ class RotaryTable:
                 have += ROTARY_CHUNK
             self.cpu = (torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks]))
             self.on.clear()
-        return self.lookup(position_ids)
 
     def lookup(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of positions the table already holds (no device read, unlike gather)."""

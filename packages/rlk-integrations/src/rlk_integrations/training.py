@@ -119,6 +119,241 @@ def packed_logprobs(
     return list(lp.split(sizes))
 
 
+class GraphedLogprobs:
+    """:func:`packed_logprobs` (rlk) with its forward, and its backward to the model's trainable
+    parameters, each replayed as one CUDA graph.
+
+    A small model's eager training step is bound by the host: it launches hundreds of kernels
+    per layer pass, each costing the CPU more than the GPU. A graph replays them all for the
+    cost of one launch. A graph has one shape, so every call packs its samples into a fixed
+    bucket: ``max_tokens`` tokens in at most ``max_seqs`` sequences, each at most
+    ``max_seq_len`` tokens, with at most ``max_rows`` response tokens in all (default
+    ``max_tokens``). The tokens left over form padding sequences of their own (of at most
+    ``max_seq_len`` tokens, position 0 up), and the rows left over read the last token.
+
+    Bits: rlk's ops are batch invariant and attention stays within a sequence, so the padding
+    changes no real token: the log-probs are those of :func:`packed_logprobs`, bit for bit.
+    Padding rows get a zero gradient, so they add exact zeros to the weights' gradients.
+
+    The first call captures (after two eager warm-up passes on a side stream, which compile the
+    kernels); its shape is every later call's. The graphs own the activations of one pass, and
+    the parameters' gradients of one backward, in a private memory pool. So:
+
+    - run a call's backward before the next call: the next forward replay overwrites the saved
+      activations, and a backward after it raises ``RuntimeError`` (no stale gradient);
+    - the parameters must stay the same tensors (an in-place optimizer step is fine);
+    - ``RLK_VALIDATE`` reads values on the host, which a capture cannot: it raises.
+
+    ``capture=False`` runs the same padded pass eagerly (any device): the bucket without the
+    graphs, which is how the CPU tests check the bits.
+
+    Example::
+
+        graphed = GraphedLogprobs(model, max_tokens=4096, max_seqs=8, max_seq_len=512)
+        for batch in micro_batches:
+            lps = graphed(batch)                     # one float32 [len(response)] per sample
+            loss_of(lps).backward()                  # before the next call
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_tokens: int,
+        max_seqs: int,
+        max_seq_len: int | None = None,
+        max_rows: int | None = None,
+        temperature: float = 1.0,
+        logits_dtype: torch.dtype | None = None,
+        capture: bool = True,
+    ) -> None:
+        from rlk import _validate
+
+        max_seq_len = max_tokens if max_seq_len is None else max_seq_len
+        max_rows = max_tokens if max_rows is None else max_rows
+        for name, v in (
+            ("max_tokens", max_tokens),
+            ("max_seqs", max_seqs),
+            ("max_seq_len", max_seq_len),
+            ("max_rows", max_rows),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if max_seq_len > max_tokens:
+            raise ValueError(f"max_seq_len = {max_seq_len} exceeds max_tokens = {max_tokens}")
+        if getattr(model, "_rlk_tp", None) is not None or hasattr(model, FSDP_FORWARD):
+            raise ValueError("GraphedLogprobs takes an unsharded model (no TP, no FSDP)")
+        from rlk_integrations.transformers import decoder
+
+        self.rotary = getattr(getattr(decoder(model), "rotary_emb", None), "_rlk_table", None)
+        if self.rotary is None:
+            raise ValueError("the model is not patched by rlk: patch_model(model) first")
+        self.device = next(model.parameters()).device
+        if capture and self.device.type != "cuda":
+            raise ValueError(
+                f"CUDA graphs need a model on a CUDA device, got {self.device}; "
+                "capture=False runs the padded pass eagerly"
+            )
+        if capture and _validate.validate_requested():
+            raise RuntimeError(
+                "RLK_VALIDATE reads values on the host, which a CUDA graph capture cannot"
+            )
+        self.model, self.capture = model, capture
+        self.tokens, self.seqs, self.seq_len, self.rows = (
+            max_tokens,
+            max_seqs,
+            max_seq_len,
+            max_rows,
+        )
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.logits_dtype = logits_dtype
+        # Offsets: the real sequences, then padding sequences of at most max_seq_len tokens,
+        # then empty ones up to a fixed count.
+        self.n_offsets = max_seqs + -(-max_tokens // max_seq_len) + 1
+        n = 2 * max_tokens + self.n_offsets + 2 * max_rows
+        self.inputs = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.replays = 0  # forward passes run: a backward belongs to the latest one only
+        self.fwd_graph: torch.cuda.CUDAGraph | None = None
+        self.bwd_graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.grad_out: torch.Tensor | None = None
+        self.grads: tuple[torch.Tensor | None, ...] = ()
+
+    def _views(self) -> tuple[torch.Tensor, ...]:
+        t, r = self.tokens, self.rows
+        ids, pos, cu, rows, targets = self.inputs.split([t, t, self.n_offsets, r, r])
+        return ids[None], pos[None], cu, rows, targets
+
+    def pack(self, samples: list[Sample]) -> torch.Tensor:
+        """The bucket's int64 inputs (ids, positions, offsets, rows, targets) of ``samples``,
+        on the CPU; ``ValueError`` when they do not fit."""
+        lens = [len(s.tokens) for s in samples]
+        n_rows = sum(len(s.response) for s in samples)
+        if not samples:
+            raise ValueError("samples is empty")
+        for what, got, cap in (
+            ("sequences", len(samples), self.seqs),
+            ("tokens", sum(lens), self.tokens),
+            ("response tokens", n_rows, self.rows),
+            ("tokens in one sequence", max(lens), self.seq_len),
+        ):
+            if got > cap:
+                raise ValueError(f"the samples have {got} {what}, the bucket holds {cap}")
+        if min(len(s.prompt) for s in samples) < 1:
+            raise ValueError("every sample needs a prompt token (its first logprob's context)")
+        ids, pos, cu, rows, targets = [], [], [0], [], []
+        for s in samples:
+            p, n = len(s.prompt), len(s.tokens)
+            rows += range(cu[-1] + p - 1, cu[-1] + n - 1)
+            targets += s.response
+            ids += s.tokens
+            pos += range(n)
+            cu.append(cu[-1] + n)
+        while cu[-1] < self.tokens:  # padding sequences (token 0, positions from 0)
+            n = min(self.seq_len, self.tokens - cu[-1])
+            ids += [0] * n
+            pos += range(n)
+            cu.append(cu[-1] + n)
+        cu += [self.tokens] * (self.n_offsets - len(cu))
+        rows += [self.tokens - 1] * (self.rows - len(rows))
+        targets += [0] * (self.rows - len(targets))
+        return torch.tensor(ids + pos + cu + rows + targets, dtype=torch.long)
+
+    def _pass(self) -> torch.Tensor:
+        """The bucket's forward from ``self.inputs``: ``[max_rows]`` float32 log-probs."""
+        from rlk_integrations.transformers import decoder
+
+        ids, pos, cu, rows, targets = self._views()
+        cu32 = cu.to(torch.int32)
+        hidden = decoder(self.model)(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            cu_seq_lens_q=cu32,
+            cu_seq_lens_k=cu32,
+            max_length_q=self.seq_len,
+            max_length_k=self.seq_len,
+        ).last_hidden_state.squeeze(0)
+        head = self.model.get_output_embeddings()
+        return rlk.linear_logprobs(
+            hidden.index_select(0, rows),
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=self.temperature,
+            logits_dtype=self.logits_dtype,
+        )
+
+    def _capture(self) -> None:
+        self.rotary.reserve(self.seq_len)  # a capture cannot extend it (that reads positions)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles every kernel, and warms the allocator
+                out = self._pass()
+                torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
+            del out
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_graph):
+            out = self._pass()
+        self.grad_out = torch.empty_like(out)
+        with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
+            self.grads = torch.autograd.grad(out, self.params, self.grad_out, allow_unused=True)
+        self.out = out.detach()
+
+    def __call__(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Each sample's response log-probs, float32 ``[len(response)]`` (differentiable in the
+        model's parameters when grad is on)."""
+        host = self.pack(samples)
+        self.inputs.copy_(host.pin_memory() if self.capture else host, non_blocking=True)
+        sizes = [len(s.response) for s in samples]
+        n_rows = sum(sizes)
+        if not self.capture:
+            return list(self._pass()[:n_rows].split(sizes))
+        if self.fwd_graph is None:
+            self._capture()
+        grad = torch.is_grad_enabled() and bool(self.params)
+        lp = _GraphReplay.apply(self, *self.params) if grad else self._replay().clone()
+        return list(lp[:n_rows].split(sizes))
+
+    def _replay(self) -> torch.Tensor:
+        self.fwd_graph.replay()
+        self.replays += 1
+        return self.out
+
+
+class _GraphReplay(torch.autograd.Function):
+    """The forward graph's replay as an autograd node whose backward replays the backward
+    graph; the parameters are its inputs, so autograd accumulates their gradients (and runs
+    their hooks) as for the eager pass."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedLogprobs, *params: torch.Tensor) -> torch.Tensor:
+        ctx.graphed = graphed
+        out = graphed._replay().clone()  # the graph's output buffer is overwritten by a replay
+        ctx.replay = graphed.replays
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        graphed = ctx.graphed
+        if graphed.replays != ctx.replay:
+            raise RuntimeError(
+                "GraphedLogprobs: this backward's activations were overwritten by a later call; "
+                "run each call's backward before the next call"
+            )
+        graphed.grad_out.copy_(grad)
+        graphed.bwd_graph.replay()
+        # The graph's gradient buffers: autograd copies them into fresh .grad tensors (it does
+        # not steal a tensor held elsewhere) or adds them into existing ones.
+        return (None, *graphed.grads)
+
+
 def recompute_logprobs(
     model: torch.nn.Module,
     samples: list[Sample],

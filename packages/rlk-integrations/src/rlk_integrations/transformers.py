@@ -180,6 +180,14 @@ def rlk_attention_forward(
     position_ids = kwargs.get("position_ids")
     cu_q = kwargs.get("cu_seq_lens_q")
     cu_k = kwargs.get("cu_seq_lens_k")
+    # transformers' names for bounds on the sequence lengths: given with the offsets, rlk
+    # attention reads nothing on the host (capturable in a CUDA graph).
+    bounds = {}
+    if cu_q is not None and kwargs.get("max_length_q") is not None:
+        bounds = {
+            "max_seqlen_q": int(kwargs["max_length_q"]),
+            "max_seqlen_k": int(kwargs.get("max_length_k") or kwargs["max_length_q"]),
+        }
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "rlk attention takes a 2-D padding mask; got a "
@@ -206,6 +214,7 @@ def rlk_attention_forward(
                 (cu_k if cu_k is not None else cu_q).to(torch.int32),
                 causal=True,
                 scale=scaling,
+                **bounds,
             )
             return out.unsqueeze(0), None
     qi, ki, cu_q, cu_k = _padded_memo.get(

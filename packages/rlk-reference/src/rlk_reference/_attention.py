@@ -42,6 +42,11 @@ def _attend_one(
     return torch.cat(outs, dim=0)
 
 
+def _check_bound(name: str, bound: int | None, cu: torch.Tensor) -> None:
+    if bound is not None and cu.numel() > 1 and int((cu[1:] - cu[:-1]).max()) > bound:
+        raise ValueError(f"a sequence is longer than {name} = {bound}")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,10 +56,16 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     table=None,
 ) -> torch.Tensor:
     """Packed varlen attention: ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hk, D]``, int32 ``[B + 1]``
-    offsets; each sequence's queries are its last tokens. Returns ``[Tq, Hq, D]`` in q's dtype."""
+    offsets; each sequence's queries are its last tokens. Returns ``[Tq, Hq, D]`` in q's dtype.
+    The length bounds ``max_seqlen_*`` size nothing here (the offsets are read); a sequence
+    longer than one is a ``ValueError``."""
+    _check_bound("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    _check_bound("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     cu_q = cu_seqlens_q.tolist()

@@ -252,6 +252,8 @@ def _fwd_kernel(
     Tq,
     Tk,
     n_pages,
+    max_nq,
+    max_nk,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -286,11 +288,15 @@ def _fwd_kernel(
     # Bad offsets (possible in default mode, see rlk_triton._bounds): the sequence's rows that
     # lie inside q are NaN, rows that no sequence can reach are NaN, and the flag is cleared.
     seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
+    # The grid covers max_nq queries per sequence (and the backward's max_nk keys): a caller's
+    # bound (max_seqlen_q/_k) that a sequence exceeds would leave its last rows unwritten.
+    seq_ok = seq_ok & (nq <= max_nq) & (nk <= max_nk)
     edges_ok = _edges_ok(b, tl.num_programs(2), q_start, q_end, k_start, k_end, Tq, Tk, not PAGED)
     if ~(seq_ok & edges_ok):
         tl.store(OK, 0)
         # NaN rows: before the first sequence, after the last one, and this program's own
-        # when its sequence's offsets are bad.
+        # when its sequence is bad (the last program's reach to the sequence's end: rows past
+        # the grid's max_nq).
         nan_args = (Tq, kvh, hc, stride_ot, stride_oh, Hq, GROUP, D)
         if (pid_m == 0) & (b == 0):
             _nan_rows(O, LSE, 0, q_start, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
@@ -298,6 +304,8 @@ def _fwd_kernel(
             _nan_rows(O, LSE, q_end, Tq, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
         if ~seq_ok:
             hi = tl.minimum(q_start + t0 + TOK, q_end)
+            if pid_m == tl.num_programs(0) - 1:
+                hi = q_end
             _nan_rows(O, LSE, q_start + t0, hi, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
     if ~seq_ok | (t0 >= nq):
         return
@@ -675,7 +683,11 @@ def _lengths_fit(cu: torch.Tensor, b: int, rows: int, name: str, of: str) -> int
     return longest
 
 
-def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, table, store_lse):
+def _forward(
+    q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, table, store_lse, bounds=None
+):
+    """``bounds``: the caller's ``(max_nq, max_nk)`` (no host read of ``cu_q``; the kernel
+    checks every sequence against them), else ``max_nq`` is read from ``cu_q``."""
     tq, hq, d = q.shape
     hk = k.shape[-2]
     group = hq // hk
@@ -683,7 +695,10 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
     b = cu_q.numel() - 1
     o = torch.empty_like(q)
     lse = torch.empty((tq, hq), dtype=torch.float32, device=q.device) if store_lse else o
-    max_nq = _lengths_fit(cu_q, b, tq, "cu_seqlens_q", "q")
+    if bounds is None:
+        max_nq, max_nk = _lengths_fit(cu_q, b, tq, "cu_seqlens_q", "q"), None
+    else:
+        max_nq, max_nk = bounds
     if max_nq == 0:
         return o, lse
     cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d)
@@ -704,6 +719,9 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         page_size = 1
         bt, sbt, lens, cu_k_arg = cu_k, 0, cu_k, cu_k
         tk, n_pages = k.shape[0], 0
+    # Without a caller's bound on the keys, the kernels' own checks (keys inside k, at least as
+    # many as queries) are the whole bound.
+    max_nk = tk if max_nk is None else max_nk
     ok = _bounds.flag(q.device)
     _fwd_kernel[grid](
         q,
@@ -734,6 +752,8 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         tq,
         tk,
         n_pages,
+        max_nq,
+        max_nk,
         HG=hg,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -757,7 +777,8 @@ def _forward(q, k, v, cu_q, cu_k, seq_lens, block_table, causal, scale, key, tab
         _bounds.report(
             ok,
             "attention: cu_seqlens_q/cu_seqlens_k out of range (each must start at 0, never "
-            f"decrease and end at q's {tq} / k's {tk} rows, with keys >= queries per sequence)",
+            f"decrease and end at q's {tq} / k's {tk} rows, with keys >= queries per sequence, "
+            f"and no sequence longer than max_seqlen_q = {max_nq} / max_seqlen_k = {max_nk})",
         )
     return o, lse
 
@@ -857,15 +878,16 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, table):
+    def forward(ctx, q, k, v, cu_q, cu_k, causal, scale, table, bounds):
         o, lse = _forward(
-            q, k, v, cu_q, cu_k, None, None, causal, scale, "attention.fwd", table, True
+            q, k, v, cu_q, cu_k, None, None, causal, scale, "attention.fwd", table, True, bounds
         )
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.causal, ctx.scale, ctx.table = causal, scale, table
-        # (the forward already read cu_q; saved tensors come back as new objects)
-        b = cu_q.numel() - 1
-        ctx.max_lens = (_max_len(cu_q), _lengths_fit(cu_k, b, k.shape[0], "cu_seqlens_k", "k"))
+        if bounds is None:  # the forward already read cu_q (saved tensors are new objects)
+            b = cu_q.numel() - 1
+            bounds = (_max_len(cu_q), _lengths_fit(cu_k, b, k.shape[0], "cu_seqlens_k", "k"))
+        ctx.max_lens = bounds
         return o
 
     @staticmethod
@@ -874,7 +896,7 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = _backward(
             do, q, k, v, o, lse, cu_q, cu_k, ctx.causal, ctx.scale, ctx.table, ctx.max_lens
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention(
@@ -886,21 +908,27 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """Varlen attention: ``q [Tq, Hq, D]``, ``k``/``v [Tk, Hk, D]``, ``cu_seqlens_*`` int32
     ``[B + 1]`` -> ``[Tq, Hq, D]`` in q's dtype. Queries are each sequence's last tokens.
 
+    ``max_seqlen_q``/``max_seqlen_k`` (both or neither): bounds on the sequence lengths that
+    size the grids, so that the offsets are not read on the host (a launch a CUDA graph can
+    capture); a sequence beyond them is a bad offset (NaN rows and the index-check flag).
     Differentiable in q, k, v with a deterministic backward.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    bounds = None if max_seqlen_q is None else (int(max_seqlen_q), int(max_seqlen_k))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, cu_q, cu_k, causal, float(scale), table)
+        return _Attention.apply(q, k, v, cu_q, cu_k, causal, float(scale), table, bounds)
     o, _ = _forward(
-        q, k, v, cu_q, cu_k, None, None, causal, float(scale), "attention.fwd", table, False
+        q, k, v, cu_q, cu_k, None, None, causal, float(scale), "attention.fwd", table, False, bounds
     )
     return o
 

@@ -44,8 +44,12 @@ def _randn(*shape: int, device, grad: bool = False) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(device).requires_grad_(grad)
 
 
-def _attention(cu_q: tuple, cu_k: tuple, train: bool = False) -> Callable:
-    """q of 5 tokens, k/v of 7, 4 query heads on 2 KV heads, head dim 16."""
+def _attention(
+    cu_q: tuple, cu_k: tuple, train: bool = False, bounds: tuple | None = None
+) -> Callable:
+    """q of 5 tokens, k/v of 7, 4 query heads on 2 KV heads, head dim 16; ``bounds``: the
+    ``(max_seqlen_q, max_seqlen_k)`` passed."""
+    extra = {} if bounds is None else {"max_seqlen_q": bounds[0], "max_seqlen_k": bounds[1]}
 
     def build(device):
         q = _randn(5, 4, 16, device=device, grad=train)
@@ -53,7 +57,8 @@ def _attention(cu_q: tuple, cu_k: tuple, train: bool = False) -> Callable:
         v = _randn(7, 2, 16, device=device, grad=train)
 
         def run():
-            o = rlk.attention(q, k, v, _cu(*cu_q, device=device), _cu(*cu_k, device=device))
+            cu_q_t, cu_k_t = _cu(*cu_q, device=device), _cu(*cu_k, device=device)
+            o = rlk.attention(q, k, v, cu_q_t, cu_k_t, **extra)
             if train:
                 o.sum().backward()
             return o
@@ -116,6 +121,18 @@ CASES: dict[str, tuple[Callable, str]] = {
     ),
     "attention cu_seqlens_k[0] < 0 (training)": (
         _attention((0, 2, 5), (-2, 3, 7), train=True),
+        "error",
+    ),
+    "control: attention within max_seqlen": (
+        _attention((0, 2, 5), (0, 3, 7), train=True, bounds=(3, 4)),
+        "ok",
+    ),
+    "attention longer than max_seqlen_q": (
+        _attention((0, 2, 5), (0, 3, 7), bounds=(2, 4)),
+        "error",
+    ),
+    "attention longer than max_seqlen_k (training)": (
+        _attention((0, 2, 5), (0, 3, 7), train=True, bounds=(3, 3)),
         "error",
     ),
     "control: valid paged_attention": (_paged([[0, 1], [2, 3]], [20, 3]), "ok"),

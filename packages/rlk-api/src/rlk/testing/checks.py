@@ -403,11 +403,18 @@ def _attention_train(fn: Callable, p: AttnPath) -> tuple[list[torch.Tensor], Cal
 
 
 def attention_paths(fn: Callable, paths: list[AttnPath], rnd: random.Random) -> Outcome:
-    """Training == prefill == chunked prefill == token-by-token decode, per sequence."""
+    """Training == prefill == chunked prefill == token-by-token decode, per sequence; and the
+    training call with length bounds (``max_seqlen_q/k``, exact and loose) == without."""
     diffs = _Diffs()
     for p in paths:
         train, run = _attention_train(fn, p)
         lengths = [s.q.shape[0] for s in p.seqs]
+        args, _, spans = pack(p.seqs, True, p.scale)
+        longest = max(1, *lengths)
+        for bq, bk in ((longest, longest), (longest + 37, 2 * longest + 5)):
+            out = call(fn, "attention", {**args, "max_seqlen_q": bq, "max_seqlen_k": bk})
+            for i, (a, b) in enumerate(spans["q"]):
+                diffs.compare(f"{p.label}: seq {i}, bounds {bq}/{bk}", out[a:b], train[i])
         # Prefill of the prompt, then decode one token at a time (continuous batching).
         prompt = [max(0, n - p.decode) for n in lengths]
         pre = [i for i, n in enumerate(prompt) if n > 0]
