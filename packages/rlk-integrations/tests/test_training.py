@@ -107,3 +107,21 @@ def test_gpu_graphs_give_the_eager_bits(name, monkeypatch):
     graphed(_samples(v, [(2, 10)], seed=9))
     with pytest.raises(RuntimeError, match="overwritten by a later call"):
         first.sum().backward()
+
+
+def test_grpo_step_with_the_bucket_gives_the_eager_gradients():
+    model = _model()
+    samples = _samples(model.config.vocab_size, [(2, 6), (4, 3), (1, 8), (3, 5)], seed=3)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    eager = training.grpo_step(model, opt, samples, rewards, 2, 2, temperature=0.7)
+    want = _grads(model)
+    bucket = training.GraphedLogprobs(
+        model, max_tokens=24, max_seqs=2, max_seq_len=12, temperature=0.7, capture=False
+    )
+    got = training.grpo_step(model, opt, samples, rewards, 2, 2, temperature=0.7, graphed=bucket)
+    assert got == eager
+    for n, g in _grads(model).items():
+        assert torch.equal(g, want[n]), n
+    with pytest.raises(ValueError, match="temperature 0.7"):
+        training.grpo_step(model, opt, samples, rewards, 2, 2, graphed=bucket)

@@ -58,7 +58,9 @@ rate 0, so that every step does the same work):
   returns), log-probabilities from stock transformers, the loss in torch;
 - ``stock+liger``: the same with Liger's fused linear cross-entropy for the log-probabilities;
 - ``rlk``: :meth:`~rlk_integrations.paged.PagedEngine.generate` (one engine, built before the
-  untimed step), then :func:`~rlk_integrations.training.grpo_step`.
+  untimed step), then :func:`~rlk_integrations.training.grpo_step`, which on a GPU recomputes
+  through one :class:`~rlk_integrations.training.GraphedLogprobs` (its bucket a micro-batch of
+  the longest prompts; the untimed step captures).
 
 A row is the wall time of one step after an untimed one; ``tok_s`` counts the sampled tokens.
 """
@@ -407,15 +409,18 @@ def _stock_update(model, optimizer, samples, rewards, group: int, micro: int, fl
     optimizer.step()
 
 
-def _grpo_step(impl: str, model, optimizer, prompts, new: int, flce, engine=None) -> int:
-    """One GRPO step of ``impl`` (rlk samples with ``engine``); returns the tokens sampled."""
+def _grpo_step(
+    impl: str, model, optimizer, prompts, new: int, flce, engine=None, graphed=None
+) -> int:
+    """One GRPO step of ``impl`` (rlk samples with ``engine`` and recomputes with ``graphed``
+    when given); returns the tokens sampled."""
     if impl == "rlk":
         seeds = list(range(len(prompts)))
         ro = engine.generate(prompts, new, seeds=seeds, progress=False)
         samples = ro.samples
         training.grpo_step(
             model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH,
-            logits_dtype=ro.logits_dtype,
+            logits_dtype=ro.logits_dtype, graphed=graphed,
         )  # fmt: skip
     else:
         samples = _stock_rollout(model, prompts, new)
@@ -424,6 +429,21 @@ def _grpo_step(impl: str, model, optimizer, prompts, new: int, flce, engine=None
             model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH, liger
         )
     return sum(len(s.response) for s in samples)
+
+
+def _grpo_graphed(model, new: int) -> training.GraphedLogprobs | None:
+    """On CUDA, the recompute of a GRPO micro-batch (its largest prompts and all ``new``
+    tokens) as CUDA graphs; elsewhere None (eager)."""
+    if next(model.parameters()).device.type != "cuda":
+        return None
+    longest = PROMPT_LEN[1] + new
+    return training.GraphedLogprobs(
+        model,
+        max_tokens=GRPO_MICRO_BATCH * longest,
+        max_seqs=GRPO_MICRO_BATCH,
+        max_seq_len=longest,
+        max_rows=GRPO_MICRO_BATCH * new,
+    )
 
 
 def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> None:
@@ -437,13 +457,15 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
     for impl in impls:
         (patch_model if impl == "rlk" else unpatch_model)(model)
         _say(f"e2e: {shape} e2e.grpo_step {impl} (1 warm-up, 1 timed)")
-        # rlk's rollout engine is built once, before the warm-up step, like a trainer's.
+        # rlk's rollout engine and its graphed recompute are built once, before the warm-up
+        # step (which captures), like a trainer's.
         engine = _paged_engine(model, prompts, new) if impl == "rlk" else None
+        graphed = _grpo_graphed(model, new) if impl == "rlk" else None
         try:
-            _grpo_step(impl, model, optimizer, prompts, new, flce, engine)
+            _grpo_step(impl, model, optimizer, prompts, new, flce, engine, graphed)
             tokens, seconds = _wall(
-                lambda impl=impl, engine=engine: _grpo_step(
-                    impl, model, optimizer, prompts, new, flce, engine
+                lambda impl=impl, engine=engine, graphed=graphed: _grpo_step(
+                    impl, model, optimizer, prompts, new, flce, engine, graphed
                 ),
                 device,
             )

@@ -402,14 +402,34 @@ def grpo_step(
     order: list[int] | None = None,
     temperature: float = 1.0,
     logits_dtype: torch.dtype | None = None,
+    graphed: GraphedLogprobs | None = None,
 ) -> dict[str, float]:
     """One GRPO update on rlk: recompute log-probs in packed micro-batches (with grad),
     ``grpo_advantages`` per group, ``policy_loss`` against the rollout's log-probs, backward,
     optimizer step. Gradients of the micro-batches are accumulated (each scaled by its share of
     the tokens, so the sum is the token mean over the whole batch).
 
+    ``graphed``: a :class:`GraphedLogprobs` of ``model`` (built with the same ``temperature``
+    and ``logits_dtype``) that recomputes each micro-batch, its bucket holding one; the same
+    bits, replayed as CUDA graphs.
+
     Returns ``loss``, ``max_abs_dlogp`` (rollout vs the recompute, 0 with rlk) and metrics.
     """
+    if graphed is not None:
+        if graphed.model is not model:
+            raise ValueError("graphed is built on another model")
+        want = (temperature if temperature > 0 else 1.0, logits_dtype)
+        if (graphed.temperature, graphed.logits_dtype) != want:
+            raise ValueError(
+                f"graphed has temperature {graphed.temperature} and logits_dtype "
+                f"{graphed.logits_dtype}; this step asks for {want[0]} and {want[1]}"
+            )
+        recompute = graphed
+    else:
+
+        def recompute(batch: list[Sample]) -> list[torch.Tensor]:
+            return packed_logprobs(model, batch, temperature=temperature, logits_dtype=logits_dtype)
+
     device = next(model.parameters()).device
     adv_all = rlk.grpo_advantages(
         rewards.to(device=device, dtype=torch.float32).contiguous(), group_size
@@ -420,8 +440,7 @@ def grpo_step(
     width = max(len(s.response) for s in samples)
     for group in micro_batches(len(samples), micro_batch_size, order):
         batch = [samples[i] for i in group]
-        new = packed_logprobs(model, batch, temperature=temperature, logits_dtype=logits_dtype)
-        new_p, mask = pad_rows(new, width)
+        new_p, mask = pad_rows(recompute(batch), width)
         old_p, _ = pad_rows([s.logprobs.to(device) for s in batch], width)
         max_d = max(max_d, float(((new_p.detach() - old_p).abs() * mask).max()))
         loss, _ = rlk.policy_loss(new_p, old_p, adv_all[group], mask, agg="token-mean")
