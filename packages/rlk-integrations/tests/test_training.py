@@ -125,3 +125,9 @@ def test_grpo_step_with_the_bucket_gives_the_eager_gradients():
         assert torch.equal(g, want[n]), n
     with pytest.raises(ValueError, match="temperature 0.7"):
         training.grpo_step(model, opt, samples, rewards, 2, 2, graphed=bucket)
+    with pytest.raises(ValueError, match="logits_dtype torch.bfloat16; this step asks for 0.7 and"):
+        kw = dict(temperature=0.7, logits_dtype=torch.float32, graphed=bucket)
+        training.grpo_step(model, opt, samples, rewards, 2, 2, **kw)
+    # None is lm_head's dtype: the same setting as bf16 said aloud.
+    kw = dict(temperature=0.7, logits_dtype=torch.bfloat16, graphed=bucket)
+    assert training.grpo_step(model, opt, samples, rewards, 2, 2, **kw) == eager

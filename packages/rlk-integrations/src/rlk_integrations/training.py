@@ -418,11 +418,14 @@ def grpo_step(
     if graphed is not None:
         if graphed.model is not model:
             raise ValueError("graphed is built on another model")
-        want = (temperature if temperature > 0 else 1.0, logits_dtype)
-        if (graphed.temperature, graphed.logits_dtype) != want:
+        # logits_dtype None is the hidden states' dtype: lm_head's.
+        head_dtype = model.get_output_embeddings().weight.dtype
+        have = (graphed.temperature, graphed.logits_dtype or head_dtype)
+        want = (temperature if temperature > 0 else 1.0, logits_dtype or head_dtype)
+        if have != want:
             raise ValueError(
-                f"graphed has temperature {graphed.temperature} and logits_dtype "
-                f"{graphed.logits_dtype}; this step asks for {want[0]} and {want[1]}"
+                f"graphed has temperature {have[0]} and logits_dtype {have[1]}; "
+                f"this step asks for {want[0]} and {want[1]}"
             )
         recompute = graphed
     else:

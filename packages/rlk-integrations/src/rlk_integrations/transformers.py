@@ -165,6 +165,9 @@ def rlk_attention_forward(
     columns of the mask); without one, all of them, except that ``B == 1`` rows whose
     ``position_ids`` restart (or that come with ``cu_seq_lens_q``/``cu_seq_lens_k``) are split
     into packed sequences; a static cache without a mask is cut at the last position + 1.
+    ``cu_seq_lens_q`` with ``max_length_q`` (and ``max_length_k``) go to :func:`rlk.attention`
+    as the offsets and their ``max_seqlen_q/k`` bounds: nothing is read on the host (the
+    packed pass of ``training.GraphedLogprobs``).
     """
     if dropout:
         raise NotImplementedError("rlk attention has no dropout (attention_dropout must be 0)")
