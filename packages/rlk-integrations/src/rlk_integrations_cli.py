@@ -45,10 +45,11 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
     pk.add_argument(
         "--train-engine",
         default="transformers",
-        choices=("transformers", "megatron"),
-        help="training recompute of the rlk rows: the transformers integration or Megatron-core's "
-        "GPTModel with rlk's layer spec (default: transformers; the stock row is always stock "
-        "transformers)",
+        choices=("transformers", "megatron", "transformers-graphs"),
+        help="training recompute of the rlk rows: the transformers integration, Megatron-core's "
+        "GPTModel with rlk's layer spec, or the transformers integration through "
+        "training.GraphedLogprobs (CUDA graphs on a GPU) (default: transformers; the stock row "
+        "is always stock transformers)",
     )
     pk.add_argument(
         "--leaves",

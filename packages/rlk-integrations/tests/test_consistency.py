@@ -32,6 +32,30 @@ def test_cli_tiny_rlk_row_zero(tmp_path, capsys):
     assert "stock" in printed and "rlk" in printed and "max|dlogp|" in printed
 
 
+@pytest.mark.slow
+def test_cli_tiny_graphs_engine_rlk_rows_zero(tmp_path, capsys):
+    """The rlk recompute through training.GraphedLogprobs (on CPU its bucket runs eagerly):
+    padding to the bucket changes no bit, in both rollout modes."""
+    out = tmp_path / "c.json"
+    argv = ["consistency", "--model", "tiny", "--prompts", "4", "--new-tokens", "3"]
+    argv += ["--micro-batch", "3", "--rollout-mode", "both", "--quiet"]
+    rc = cli.main([*argv, "--train-engine", "transformers-graphs", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    report = json.loads(out.read_text())
+    rlk_rows = [r for r in report["rows"] if r["side"] == "rlk"]
+    assert [r["rollout_mode"] for r in rlk_rows] == ["padded", "paged"]
+    for r in rlk_rows:
+        assert r["train_engine"] == "transformers-graphs" and r["tokens"] == 12
+        assert r["max_abs_dlogp"] == 0.0 and r["frac_differ"] == 0.0
+    assert "transformers-graphs" in printed
+
+
+def test_graphs_engine_refuses_tensor_parallel():
+    with pytest.raises(consistency.UsageError, match="train_tp = 1"):
+        consistency.run("tiny", train_engine="transformers-graphs", train_tp=2, leaves=2)
+
+
 def test_ok_and_compare():
     import torch
 
@@ -56,3 +80,18 @@ def test_gpu_configs_rlk_row_zero(model):
     rows = {r["side"]: r for r in report["rows"]}
     assert consistency.ok(report), consistency.format_table(report)
     assert rows["stock"]["max_abs_dlogp"] > 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_engine_rlk_rows_zero(monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("RLK_VALIDATE", "0")  # a capture cannot read values
+    report = consistency.run(
+        "qwen2-0.5b", prompts=16, new_tokens=32, micro_batch=5, sides=("rlk",),
+        train_engine="transformers-graphs",
+    )  # fmt: skip
+    assert consistency.ok(report), consistency.format_table(report)
+    assert {r["train_engine"] for r in report["rows"]} == {"transformers-graphs"}

@@ -19,7 +19,10 @@ Training engines (``train_engine``/``--train-engine``): ``transformers`` recompu
 same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
 ``GPTModel`` built with rlk's layer spec (:mod:`rlk_integrations.megatron`, weights converted by
 ``hf_to_megatron``; Megatron's process groups are set up in this process and torn down after),
-while the rollout stays transformers + rlk. The stock row always trains with stock transformers.
+while the rollout stays transformers + rlk. ``transformers-graphs`` recomputes the rlk rows
+with the transformers model through :class:`rlk_integrations.training.GraphedLogprobs`, its
+bucket the largest micro-batch: on a GPU the pass and its backward replay as CUDA graphs, on CPU
+the same padded bucket runs eagerly. The stock row always trains with stock transformers.
 
 ``leaves`` (``--leaves N``): the rlk side runs ``o_proj``/``down_proj`` (the row-parallel
 linears) on :func:`rlk.parallel.tree_linear` with ``N`` K-leaves in the rollout and the
@@ -45,7 +48,7 @@ import torch
 
 SIDES = ("stock", "rlk")
 ROLLOUT_MODES = ("padded", "paged")
-TRAIN_ENGINES = ("transformers", "megatron")
+TRAIN_ENGINES = ("transformers", "megatron", "transformers-graphs")
 
 
 @dataclass
@@ -105,6 +108,7 @@ def run_side(
     recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
     rollout_fn: Callable[..., Any] | None = None,
     warm_passes: int = 0,
+    train_graphs: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
     """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
@@ -116,7 +120,9 @@ def run_side(
     sample, seconds)``: a training recompute done elsewhere (TP ranks), rlk only.
     ``rollout_fn(mode, prompts, new_tokens, kw) -> RolloutResult``: a rollout done elsewhere
     (TP ranks, :class:`TPRollout`), rlk only. ``warm_passes``: untimed training passes before
-    the timed one (on a GPU the training shapes' kernels compile in the first)."""
+    the timed one (on a GPU the training shapes' kernels compile in the first).
+    ``train_graphs``: the transformers recompute through ``training.GraphedLogprobs`` (rlk
+    only)."""
     from rlk_integrations import paged, rollout, training
 
     if rollout_mode not in ROLLOUT_MODES:
@@ -125,8 +131,11 @@ def run_side(
     use_rlk = side == "rlk"
     if (train_model is not None or recompute is not None or rollout_fn) and not use_rlk:
         raise ValueError("the Megatron and tensor-parallel paths run on rlk only")
+    if train_graphs and (not use_rlk or train_model is not None or recompute is not None):
+        raise ValueError("train_graphs is rlk's transformers recompute in this process")
     trainer = model if train_model is None else train_model
     engine = "transformers" if train_model is None and recompute is None else "megatron"
+    engine = "transformers-graphs" if train_graphs else engine
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
@@ -173,9 +182,13 @@ def run_side(
         train_tokens = sum(len(s.tokens) for s in ro.samples)
         engine = getattr(recompute, "engine", engine)
     else:
+        graphed = None
+        if train_graphs:
+            graphed = _bucket(model, ro.samples, groups, temperature, ro.logits_dtype, device)
         train_lps, train_tokens, train_s = _recompute_here(
-            model, trainer, train_model, ro, groups, temperature, use_rlk, device, warm_passes
-        )
+            model, trainer, train_model, ro, groups, temperature, use_rlk, device, warm_passes,
+            graphed,
+        )  # fmt: skip
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
     if rollout_fn is not None:
         rollout_mode += f"-tp{rollout_fn.world}"
@@ -189,10 +202,29 @@ def run_side(
     )
 
 
+def _bucket(model, samples, groups, temperature, logits_dtype, device):
+    """A :class:`~rlk_integrations.training.GraphedLogprobs` whose bucket holds the largest of
+    ``groups`` (captured on a GPU, eager on CPU)."""
+    from rlk_integrations import training
+
+    batches = [[samples[i] for i in g] for g in groups]
+    return training.GraphedLogprobs(
+        model,
+        max_tokens=max(sum(len(s.tokens) for s in b) for b in batches),
+        max_seqs=max(len(b) for b in batches),
+        max_seq_len=max(len(s.tokens) for s in samples),
+        max_rows=max(sum(len(s.response) for s in b) for b in batches),
+        temperature=temperature,
+        logits_dtype=logits_dtype,
+        capture=device.type == "cuda",
+    )
+
+
 def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rlk, device,
-                    warm_passes=0):  # fmt: skip
+                    warm_passes=0, graphed=None):  # fmt: skip
     """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds).
-    ``warm_passes`` untimed passes first (the training shapes' kernels compile there)."""
+    ``warm_passes`` untimed passes first (the training shapes' kernels compile there; a
+    ``graphed`` recompute captures there)."""
     from rlk_integrations import training
 
     def one_pass():
@@ -201,7 +233,9 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
         with torch.enable_grad():
             for group in groups:
                 batch = [ro.samples[i] for i in group]
-                if train_model is None:
+                if graphed is not None:
+                    lps = graphed(batch)
+                elif train_model is None:
                     lps = training.packed_logprobs(
                         model,
                         batch,
@@ -436,6 +470,8 @@ def check_args(
         raise UsageError(f"rollout modes must be among {ROLLOUT_MODES}, got {rollout_modes!r}")
     if train_engine not in TRAIN_ENGINES:
         raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
+    if train_engine == "transformers-graphs" and train_tp > 1:
+        raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
     if leaves is not None and (
         isinstance(leaves, bool)
         or not isinstance(leaves, int)
@@ -618,6 +654,7 @@ def _run(
                 kw["warm_passes"] = 1 if warmup else 0
                 if side == "rlk":
                     kw.update(train_model=train_model, recompute=recompute, rollout_fn=rollout_fn)
+                    kw["train_graphs"] = train_engine == "transformers-graphs"
                 if warmup:
                     # In this process only: spawned TP workers warm up themselves.
                     say(f"[{side}] warm-up")
@@ -689,7 +726,7 @@ def format_table(report: dict[str, Any]) -> str:
     if leaves:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
     cols = (
-        f"{'side':<6} {'rollout':<10} {'train':<15} {'tokens':>7} {'max|dlogp|':>11} "
+        f"{'side':<6} {'rollout':<10} {'train':<19} {'tokens':>7} {'max|dlogp|':>11} "
         f"{'mean|dlogp|':>12} "
         f"{'differ':>7} "
         f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
@@ -698,7 +735,7 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lines.append(
             f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<10} "
-            f"{r.get('train_engine', 'transformers'):<15} {r['tokens']:>7d} "
+            f"{r.get('train_engine', 'transformers'):<19} {r['tokens']:>7d} "
             f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
             f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
