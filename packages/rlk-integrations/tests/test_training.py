@@ -73,6 +73,10 @@ def test_bucket_rejects_what_does_not_fit():
         bucket.pack(_samples(v, [(1, 15), (2, 15)]))
     with pytest.raises(ValueError, match="prompt token"):
         bucket.pack([Sample([], [1, 2], torch.zeros(2))])
+    with pytest.raises(ValueError, match="prompt token"):
+        training.packed_logprobs(
+            model, _samples(v, [(2, 3)]) + [Sample([], [1, 2], torch.zeros(2))]
+        )
     with pytest.raises(TypeError, match="max_seqs"):
         training.GraphedLogprobs(model, max_tokens=32, max_seqs=2.0, capture=False)
     with pytest.raises(ValueError, match="max_seq_len = 64 exceeds max_tokens = 32"):
@@ -107,6 +111,18 @@ def test_gpu_graphs_give_the_eager_bits(name, monkeypatch):
     graphed(_samples(v, [(2, 10)], seed=9))
     with pytest.raises(RuntimeError, match="overwritten by a later call"):
         first.sum().backward()
+    # A replaced weight (not an in-place update) moves an address the graphs read: the next
+    # call captures again, and follows the new weight.
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach() * 2)
+    samples = _samples(v, [(3, 20)], seed=11)
+    want_lp, want_g = _step(model, lambda s: training.packed_logprobs(model, s), samples)
+    got_lp, got_g = _step(model, graphed, samples)
+    assert torch.equal(want_lp[0], got_lp[0])
+    for n in want_g:
+        assert torch.equal(want_g[n], got_g[n]), f"{n}: gradient differs after the recapture"
+    with torch.no_grad():  # a call without grad: the same log-probs, nothing to backward
+        assert torch.equal(graphed(samples)[0], want_lp[0])
 
 
 def test_grpo_step_with_the_bucket_gives_the_eager_gradients():

@@ -51,6 +51,7 @@ import rlk
 from rlk._validate import validate_requested
 from rlk_integrations.rollout import RolloutResult, Sample
 from rlk_integrations.tp import local_kv_heads
+from rlk_integrations.transformers import graph_reads
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -439,16 +440,6 @@ def _eager_step(model, base, cache, batch, sample_kw: dict, lp_temperature: floa
     return sampled, tok.tolist(), lp.float(), logits.dtype  # tolist: the step's one device read
 
 
-def _capture_state(model: torch.nn.Module, base: torch.nn.Module, device) -> tuple[int, ...]:
-    """The addresses a captured decode graph reads besides its own buffers: every parameter
-    and buffer of ``model`` and the device copy of the rotary table. A graph replays those
-    addresses, so once any of them moves (weights replaced rather than updated in place, a
-    table grown by a longer rollout) the graphs must be captured again."""
-    table = base.rotary_emb._rlk_table.on.get(device)
-    ptrs = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
-    return tuple(ptrs + ([t.data_ptr() for t in table] if table is not None else []))
-
-
 class PagedEngine:
     """A rollout engine on a paged KV cache that keeps its cache and CUDA graphs between calls.
 
@@ -569,7 +560,7 @@ class PagedEngine:
         self.graphs: _DecodeGraphs | None = None
         if padded_decode:
             self.graphs = self._new_graphs()
-        self._state = _capture_state(model, base, device)
+        self._state = graph_reads(model, device)
 
     def _new_graphs(self) -> _DecodeGraphs:
         return _DecodeGraphs(
@@ -610,12 +601,12 @@ class PagedEngine:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                 f"engine's max_len={self.max_len}"
             )
-        state = _capture_state(self.model, self.base, self.device)
+        state = graph_reads(self.model, self.device)
         if state != self._state:  # the graphs would read where the weights used to be
             self.base.rotary_emb._rlk_table.gather(torch.tensor([self.max_len], device=self.device))
             if self.graphs is not None:
                 self.graphs = self._new_graphs()
-            self._state = _capture_state(self.model, self.base, self.device)
+            self._state = graph_reads(self.model, self.device)
         return _schedule(self, prompts, max_new_tokens, seeds, eos_token_id, progress)
 
 

@@ -33,6 +33,8 @@ def _pack(samples: list[Sample], device: torch.device):
         ids += toks
         pos += list(range(len(toks)))
         p = len(s.prompt)
+        if p < 1:  # its first row would be the previous sequence's last token
+            raise ValueError("every sample needs a prompt token (its first logprob's context)")
         # The hidden state at position j predicts the token at j + 1.
         rows += range(offset + p - 1, offset + len(toks) - 1)
         targets += s.response
@@ -141,7 +143,10 @@ class GraphedLogprobs:
 
     - run a call's backward before the next call: the next forward replay overwrites the saved
       activations, and a backward after it raises ``RuntimeError`` (no stale gradient);
-    - the parameters must stay the same tensors (an in-place optimizer step is fine);
+    - the graphs read the parameters where they were at capture: an in-place update (an
+      optimizer step, ``load_state_dict``) is fine; when a parameter, a buffer or the rotary
+      table has moved, or a parameter's ``requires_grad`` has changed, the next call captures
+      again;
     - ``RLK_VALIDATE`` reads values on the host, which a capture cannot: it raises.
 
     ``capture=False`` runs the same padded pass eagerly (any device): the bucket without the
@@ -186,11 +191,11 @@ class GraphedLogprobs:
             raise ValueError(f"max_seq_len = {max_seq_len} exceeds max_tokens = {max_tokens}")
         if getattr(model, "_rlk_tp", None) is not None or hasattr(model, FSDP_FORWARD):
             raise ValueError("GraphedLogprobs takes an unsharded model (no TP, no FSDP)")
-        from rlk_integrations.transformers import decoder
+        from rlk_integrations.transformers import decoder, is_patched
 
-        self.rotary = getattr(getattr(decoder(model), "rotary_emb", None), "_rlk_table", None)
-        if self.rotary is None:
+        if not is_patched(model):
             raise ValueError("the model is not patched by rlk: patch_model(model) first")
+        self.rotary = decoder(model).rotary_emb._rlk_table
         self.device = next(model.parameters()).device
         if capture and self.device.type != "cuda":
             raise ValueError(
@@ -215,7 +220,8 @@ class GraphedLogprobs:
         self.n_offsets = max_seqs + -(-max_tokens // max_seq_len) + 1
         n = 2 * max_tokens + self.n_offsets + 2 * max_rows
         self.inputs = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params: list[torch.nn.Parameter] = []
+        self.state: tuple = ()  # what the graphs read and differentiate (see _state)
         self.replays = 0  # forward passes run: a backward belongs to the latest one only
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
@@ -288,23 +294,40 @@ class GraphedLogprobs:
             logits_dtype=self.logits_dtype,
         )
 
+    def _state(self) -> tuple:
+        """The addresses the graphs read besides their own buffers (parameters, buffers, the
+        rotary table) and which parameters they differentiate: a change means capturing
+        again (an in-place update, an optimizer step, changes nothing)."""
+        from rlk_integrations.transformers import graph_reads
+
+        grads = tuple(p.requires_grad for p in self.model.parameters())
+        return graph_reads(self.model, self.device), grads
+
+    @torch.enable_grad()  # the forward graph saves what the backward needs, whatever the call
     def _capture(self) -> None:
+        # The old graphs, their pool and buffers go first: one bucket's memory at a time.
+        self.fwd_graph = self.bwd_graph = self.out = self.grad_out = None
+        self.grads = ()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.rotary.reserve(self.seq_len)  # a capture cannot extend it (that reads positions)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles every kernel, and warms the allocator
                 out = self._pass()
-                torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
+                if self.params:
+                    torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
             del out
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph):
             out = self._pass()
-        self.grad_out = torch.empty_like(out)
-        with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
-            self.grads = torch.autograd.grad(out, self.params, self.grad_out, allow_unused=True)
+        if self.params:  # else a forward-only pass: nothing to differentiate
+            self.grad_out = torch.empty_like(out)
+            with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
+                self.grads = torch.autograd.grad(out, self.params, self.grad_out, allow_unused=True)
         self.out = out.detach()
+        self.state = self._state()
 
     def __call__(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Each sample's response log-probs, float32 ``[len(response)]`` (differentiable in the
@@ -315,7 +338,7 @@ class GraphedLogprobs:
         n_rows = sum(sizes)
         if not self.capture:
             return list(self._pass()[:n_rows].split(sizes))
-        if self.fwd_graph is None:
+        if self.fwd_graph is None or self._state() != self.state:
             self._capture()
         grad = torch.is_grad_enabled() and bool(self.params)
         lp = _GraphReplay.apply(self, *self.params) if grad else self._replay().clone()

@@ -651,6 +651,16 @@ def is_patched(model: nn.Module) -> bool:
     return getattr(model, "_rlk_patched", None) is not None
 
 
+def graph_reads(model: nn.Module, device: torch.device) -> tuple[int, ...]:
+    """The addresses a CUDA graph of a patched model's pass reads besides its own buffers:
+    every parameter and buffer of ``model`` and the device copy of the rotary table. A graph
+    replays those addresses, so once any of them moves (weights replaced rather than updated
+    in place, a table grown by a longer sequence) its graphs must be captured again."""
+    table = decoder(model).rotary_emb._rlk_table.on.get(device)
+    ptrs = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
+    return tuple(ptrs + ([t.data_ptr() for t in table] if table is not None else []))
+
+
 def decoder(model: nn.Module) -> nn.Module:
     """The base model (``model.model``) of a ``*ForCausalLM``."""
     return getattr(model, model.base_model_prefix, model)
