@@ -111,6 +111,10 @@ def test_gpu_graphs_give_the_eager_bits(name, monkeypatch):
     graphed(_samples(v, [(2, 10)], seed=9))
     with pytest.raises(RuntimeError, match="overwritten by a later call"):
         first.sum().backward()
+    again = torch.cat(graphed(_samples(v, [(2, 10)])))
+    again.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        again.sum().backward()
     # A replaced weight (not an in-place update) moves an address the graphs read: the next
     # call captures again, and follows the new weight.
     head = model.get_output_embeddings()

@@ -141,8 +141,9 @@ class GraphedLogprobs:
     kernels); its shape is every later call's. The graphs own the activations of one pass, and
     the parameters' gradients of one backward, in a private memory pool. So:
 
-    - run a call's backward before the next call: the next forward replay overwrites the saved
-      activations, and a backward after it raises ``RuntimeError`` (no stale gradient);
+    - run a call's backward before the next call, and once: the next forward replay overwrites
+      the saved activations, and so may the backward itself; a backward after the next call,
+      or a second one, raises ``RuntimeError`` (no stale gradient);
     - the graphs read the parameters where they were at capture: an in-place update (an
       optimizer step, ``load_state_dict``) is fine; when a parameter, a buffer or the rotary
       table has moved, or a parameter's ``requires_grad`` has changed, the next call captures
@@ -223,6 +224,7 @@ class GraphedLogprobs:
         self.params: list[torch.nn.Parameter] = []
         self.state: tuple = ()  # what the graphs read and differentiate (see _state)
         self.replays = 0  # forward passes run: a backward belongs to the latest one only
+        self.backed = 0  # the replay whose backward ran (it may reuse the activations' memory)
         self.fwd_graph: torch.cuda.CUDAGraph | None = None
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
@@ -370,8 +372,13 @@ class _GraphReplay(torch.autograd.Function):
                 "GraphedLogprobs: this backward's activations were overwritten by a later call; "
                 "run each call's backward before the next call"
             )
+        if graphed.backed == ctx.replay:
+            # The backward graph frees saved activations as it goes, and its later kernels may
+            # write into that memory: a second run would read garbage.
+            raise RuntimeError("GraphedLogprobs: a call's backward runs once (no retain_graph)")
         graphed.grad_out.copy_(grad)
         graphed.bwd_graph.replay()
+        graphed.backed = ctx.replay
         # The graph's gradient buffers: autograd copies them into fresh .grad tensors (it does
         # not steal a tensor held elsewhere) or adds them into existing ones.
         return (None, *graphed.grads)
