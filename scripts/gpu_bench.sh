@@ -5,7 +5,7 @@
 #                                        families alone; DEADLINE seconds, default 560;
 #                                        LANE0, LANE1: each lane's steps, default below;
 #                                        CHECK_OPS: the ops of `checks`; TESTS: test files of
-#                                        `gputests`)
+#                                        `gputests`, TESTS_SECS its time limit, default 240)
 # The default lanes leave out e2e-long (the long rollouts, about 5 minutes): run it on its own,
 # ONLY=e2e-long. Each family runs as its own `rlk bench --only <family>` process with its own
 # time limit (the report is rewritten after every row, so a family cut short keeps what it
@@ -37,7 +37,7 @@ checks() {  # real-shape conformance of the kernels changed since the last GPU r
 }
 gputests() {  # the GPU tests of the files changed since the last GPU run
   # shellcheck disable=SC2086
-  step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${TESTS:-}
+  step gpu_tests "${TESTS_SECS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${TESTS:-}
 }
 decode() {  # a decode step's GPU time per kernel and its share of the HBM roofline
   step decode_b64 150 python3 scripts/profile_decode.py --batch 64
@@ -46,6 +46,11 @@ decode() {  # a decode step's GPU time per kernel and its share of the HBM roofl
 consistency() {  # the contract at this commit on the GPU, both rollout modes
   step consistency 150 rlk consistency --model qwen2-0.5b --prompts 64 --new-tokens 128 \
     --micro-batch 8 --rollout-mode both --quiet --json "$OUT/consistency.json"
+}
+consistency_graphs() {  # the same, the training recompute replayed as CUDA graphs
+  step consistency_graphs 150 rlk consistency --model qwen2-0.5b --prompts 64 --new-tokens 128 \
+    --micro-batch 8 --rollout-mode both --train-engine transformers-graphs --quiet \
+    --json "$OUT/consistency_graphs.json"
 }
 lane0() { eval "${LANE0:-fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks}"; }
 lane1() { eval "${LANE1:-consistency; fam e2e 400; fam logprobs 200}"; }
@@ -67,6 +72,6 @@ mkdir -p "$RESULTS"; tar czf "$RESULTS/logs.tgz" -C "$W" .
 for f in h200.json h200.md summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
 echo "== $(( $(date +%s) - T0 ))s; $(tr '\n' ' ' < "$OUT/gpu.txt")"
 cat "$OUT/summary.txt"
-for f in conformance consistency gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
+for f in conformance consistency consistency_graphs gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
 for f in decode_b64 decode_b8; do [ -f "$OUT/$f.txt" ] && tail -9 "$OUT/$f.txt"; done
 [ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/h200.md"
