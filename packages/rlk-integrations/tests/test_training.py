@@ -59,6 +59,18 @@ def test_bucket_gives_the_eager_bits(name):
         assert torch.equal(want_g[n], got_g[n]), f"{n}: gradient changed by the padding"
 
 
+def test_bucket_for_batches_is_the_smallest_that_holds_each():
+    model = _model()
+    v = model.config.vocab_size
+    batches = [_samples(v, [(3, 9), (1, 20)]), _samples(v, [(7, 4)] * 3, seed=1)]
+    bucket = training.GraphedLogprobs.for_batches(model, batches, capture=False)
+    assert (bucket.tokens, bucket.seqs, bucket.seq_len, bucket.rows) == (33, 3, 21, 29)
+    for b in batches:
+        bucket.pack(b)  # fits
+    with pytest.raises(ValueError, match="non-empty"):
+        training.GraphedLogprobs.for_batches(model, [[]], capture=False)
+
+
 def test_bucket_rejects_what_does_not_fit():
     model = _model()
     bucket = training.GraphedLogprobs(

@@ -207,13 +207,9 @@ def _bucket(model, samples, groups, temperature, logits_dtype, device):
     ``groups`` (captured on a GPU, eager on CPU)."""
     from rlk_integrations import training
 
-    batches = [[samples[i] for i in g] for g in groups]
-    return training.GraphedLogprobs(
+    return training.GraphedLogprobs.for_batches(
         model,
-        max_tokens=max(sum(len(s.tokens) for s in b) for b in batches),
-        max_seqs=max(len(b) for b in batches),
-        max_seq_len=max(len(s.tokens) for s in samples),
-        max_rows=max(sum(len(s.response) for s in b) for b in batches),
+        [[samples[i] for i in g] for g in groups],
         temperature=temperature,
         logits_dtype=logits_dtype,
         capture=device.type == "cuda",

@@ -274,16 +274,7 @@ def _graphed_step() -> Callable:
 
     def step(model, samples: list[Sample]) -> None:
         if not held:
-            tokens = sum(len(s.tokens) for s in samples)
-            held.append(
-                training.GraphedLogprobs(
-                    model,
-                    max_tokens=tokens,
-                    max_seqs=len(samples),
-                    max_seq_len=max(len(s.tokens) for s in samples),
-                    max_rows=sum(len(s.response) for s in samples),
-                )
-            )
+            held.append(training.GraphedLogprobs.for_batches(model, [samples]))
         torch.cat(held[0](samples)).sum().backward()
 
     return step

@@ -231,6 +231,23 @@ class GraphedLogprobs:
         self.grad_out: torch.Tensor | None = None
         self.grads: tuple[torch.Tensor | None, ...] = ()
 
+    @classmethod
+    def for_batches(
+        cls, model: torch.nn.Module, batches: list[list[Sample]], **kwargs: Any
+    ) -> GraphedLogprobs:
+        """The smallest bucket that holds each of ``batches`` (micro-batches of samples);
+        ``kwargs`` are the constructor's other arguments."""
+        if not batches or not all(batches):
+            raise ValueError("batches must hold at least one non-empty micro-batch")
+        return cls(
+            model,
+            max_tokens=max(sum(len(s.tokens) for s in b) for b in batches),
+            max_seqs=max(len(b) for b in batches),
+            max_seq_len=max(len(s.tokens) for b in batches for s in b),
+            max_rows=max(max(1, sum(len(s.response) for s in b)) for b in batches),
+            **kwargs,
+        )
+
     def _views(self) -> tuple[torch.Tensor, ...]:
         t, r = self.tokens, self.rows
         ids, pos, cu, rows, targets = self.inputs.split([t, t, self.n_offsets, r, r])
