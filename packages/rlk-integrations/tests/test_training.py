@@ -59,6 +59,32 @@ def test_bucket_gives_the_eager_bits(name):
         assert torch.equal(want_g[n], got_g[n]), f"{n}: gradient changed by the padding"
 
 
+def _entropy_step(model, fn, samples):
+    model.zero_grad(set_to_none=True)
+    lps, ents = fn(samples)
+    (torch.cat(lps).sum() - 0.3 * torch.cat(ents).sum()).backward()
+    return [lp.detach() for lp in lps], [e.detach() for e in ents], _grads(model)
+
+
+def test_bucket_with_entropy_gives_the_eager_bits():
+    model = _model("tiny-qwen3")
+    samples = _samples(model.config.vocab_size, [(2, 7), (5, 11)], seed=4)
+    want = _entropy_step(
+        model, lambda s: training.packed_logprobs(model, s, return_entropy=True), samples
+    )
+    bucket = training.GraphedLogprobs.for_batches(
+        model, [samples, samples[:1] * 3], return_entropy=True, capture=False
+    )
+    got = _entropy_step(model, bucket, samples)
+    for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+        assert torch.equal(a, b)
+    for n in want[2]:
+        assert torch.equal(want[2][n], got[2][n]), n
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="entropies"):
+        training.grpo_step(model, opt, samples, torch.ones(2), 2, 2, graphed=bucket)
+
+
 def test_bucket_for_batches_is_the_smallest_that_holds_each():
     model = _model()
     v = model.config.vocab_size
@@ -139,6 +165,25 @@ def test_gpu_graphs_give_the_eager_bits(name, monkeypatch):
         assert torch.equal(want_g[n], got_g[n]), f"{n}: gradient differs after the recapture"
     with torch.no_grad():  # a call without grad: the same log-probs, nothing to backward
         assert torch.equal(graphed(samples)[0], want_lp[0])
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_with_entropy_give_the_eager_bits(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("RLK_VALIDATE", "0")
+    model = _model("tiny", device="cuda")
+    samples = _samples(model.config.vocab_size, [(4, 30), (9, 17)], seed=5)
+    want = _entropy_step(
+        model, lambda s: training.packed_logprobs(model, s, return_entropy=True), samples
+    )
+    graphed = training.GraphedLogprobs.for_batches(model, [samples], return_entropy=True)
+    for _ in range(2):  # the first call captures, the second replays
+        got = _entropy_step(model, graphed, samples)
+        for a, b in zip(want[0] + want[1], got[0] + got[1], strict=True):
+            assert torch.equal(a, b)
+        for n in want[2]:
+            assert torch.equal(want[2][n], got[2][n]), n
 
 
 def test_grpo_step_with_the_bucket_gives_the_eager_gradients():

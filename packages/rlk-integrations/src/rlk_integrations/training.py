@@ -130,7 +130,8 @@ class GraphedLogprobs:
     cost of one launch. A graph has one shape, so every call packs its samples into a fixed
     bucket: ``max_tokens`` tokens in at most ``max_seqs`` sequences, each at most
     ``max_seq_len`` tokens, with at most ``max_rows`` response tokens in all (default
-    ``max_tokens``). The tokens left over form padding sequences of their own (of at most
+    ``max_tokens``). ``temperature``, ``logits_dtype`` and ``return_entropy`` are
+    :func:`packed_logprobs`'s. The tokens left over form padding sequences of their own (of at most
     ``max_seq_len`` tokens, position 0 up), and the rows left over read the last token.
 
     Bits: rlk's ops are batch invariant and attention stays within a sequence, so the padding
@@ -172,6 +173,7 @@ class GraphedLogprobs:
         max_rows: int | None = None,
         temperature: float = 1.0,
         logits_dtype: torch.dtype | None = None,
+        return_entropy: bool = False,
         capture: bool = True,
     ) -> None:
         from rlk import _validate
@@ -216,6 +218,7 @@ class GraphedLogprobs:
         )
         self.temperature = temperature if temperature > 0 else 1.0
         self.logits_dtype = logits_dtype
+        self.entropy = _validate.flag("return_entropy", return_entropy)
         # Offsets: the real sequences, then padding sequences of at most max_seq_len tokens,
         # then empty ones up to a fixed count.
         self.n_offsets = max_seqs + -(-max_tokens // max_seq_len) + 1
@@ -289,7 +292,8 @@ class GraphedLogprobs:
         return torch.tensor(ids + pos + cu + rows + targets, dtype=torch.long)
 
     def _pass(self) -> torch.Tensor:
-        """The bucket's forward from ``self.inputs``: ``[max_rows]`` float32 log-probs."""
+        """The bucket's forward from ``self.inputs``: float32 ``[1, max_rows]`` log-probs, or
+        ``[2, max_rows]`` log-probs and entropies (one output buffer for the graph)."""
         from rlk_integrations.transformers import decoder
 
         ids, pos, cu, rows, targets = self._views()
@@ -304,14 +308,16 @@ class GraphedLogprobs:
             max_length_k=self.seq_len,
         ).last_hidden_state.squeeze(0)
         head = self.model.get_output_embeddings()
-        return rlk.linear_logprobs(
+        out = rlk.linear_logprobs(
             hidden.index_select(0, rows),
             head.weight,
             targets,
             bias=head.bias,
             temperature=self.temperature,
+            return_entropy=self.entropy,
             logits_dtype=self.logits_dtype,
         )
+        return torch.stack(out) if self.entropy else out[None]
 
     def _state(self) -> tuple:
         """The addresses the graphs read besides their own buffers (parameters, buffers, the
@@ -348,20 +354,25 @@ class GraphedLogprobs:
         self.out = out.detach()
         self.state = self._state()
 
-    def __call__(self, samples: list[Sample]) -> list[torch.Tensor]:
+    def __call__(
+        self, samples: list[Sample]
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each sample's response log-probs, float32 ``[len(response)]`` (differentiable in the
-        model's parameters when grad is on)."""
+        model's parameters when grad is on); with ``return_entropy`` a pair of such lists, the
+        log-probs and the entropies, as :func:`packed_logprobs` returns them."""
         host = self.pack(samples)
         self.inputs.copy_(host.pin_memory() if self.capture else host, non_blocking=True)
         sizes = [len(s.response) for s in samples]
         n_rows = sum(sizes)
         if not self.capture:
-            return list(self._pass()[:n_rows].split(sizes))
-        if self.fwd_graph is None or self._state() != self.state:
-            self._capture()
-        grad = torch.is_grad_enabled() and bool(self.params)
-        lp = _GraphReplay.apply(self, *self.params) if grad else self._replay().clone()
-        return list(lp[:n_rows].split(sizes))
+            out = self._pass()
+        else:
+            if self.fwd_graph is None or self._state() != self.state:
+                self._capture()
+            grad = torch.is_grad_enabled() and bool(self.params)
+            out = _GraphReplay.apply(self, *self.params) if grad else self._replay().clone()
+        lps = list(out[0, :n_rows].split(sizes))
+        return (lps, list(out[1, :n_rows].split(sizes))) if self.entropy else lps
 
     def _replay(self) -> torch.Tensor:
         self.fwd_graph.replay()
@@ -465,6 +476,10 @@ def grpo_step(
     if graphed is not None:
         if graphed.model is not model:
             raise ValueError("graphed is built on another model")
+        if graphed.entropy:
+            raise ValueError(
+                "graphed returns entropies (return_entropy=True); grpo_step's does not"
+            )
         # logits_dtype None is the hidden states' dtype: lm_head's.
         head_dtype = model.get_output_embeddings().weight.dtype
         have = (graphed.temperature, graphed.logits_dtype or head_dtype)
