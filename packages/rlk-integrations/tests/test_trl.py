@@ -273,3 +273,29 @@ def test_char_tokenizer_round_trip():
     assert tok.decode(ids) == "13+24="
     assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "13+24="
     assert len(tok) == 512
+
+
+def test_graph_logprobs_gives_the_eager_bits(tmp_path):
+    """graph_logprobs=True (on CPU the bucket runs eagerly, the same padded pass the graphs
+    replay): every log-probability TRL's loss sees, and the trained weights, are the eager
+    trainer's bits; the buckets are powers of two that hold every micro-batch."""
+    runs = []
+    for graphs in (False, True):
+        trainer = _trainer(_Recording, _config(tmp_path / str(graphs)), graph_logprobs=graphs)
+        trainer.train()
+        runs.append(trainer)
+    eager, graphed = runs
+    assert len(eager.seen) == len(graphed.seen) == 2
+    for a, b in zip(eager.seen, graphed.seen, strict=True):
+        for k in ("old", "current"):
+            assert torch.equal(a[k], b[k]), k
+    for (n, p), q in zip(eager.model.named_parameters(), graphed.model.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert not eager._rlk_graphs and graphed._rlk_graphs
+    for g in graphed._rlk_graphs.values():
+        assert all(v & (v - 1) == 0 for v in g.bucket.values()), g.bucket
+
+
+def test_graph_logprobs_must_be_a_bool(tmp_path):
+    with pytest.raises(TypeError, match="graph_logprobs"):
+        _trainer(RLKGRPOTrainer, _config(tmp_path), graph_logprobs=1)

@@ -121,6 +121,19 @@ def packed_logprobs(
     return list(lp.split(sizes))
 
 
+def bucket_of(batches: list[list[Sample]]) -> dict[str, int]:
+    """The smallest :class:`GraphedLogprobs` bucket that holds each of ``batches``:
+    ``max_tokens``, ``max_seqs``, ``max_seq_len`` and ``max_rows``."""
+    if not batches or not all(batches):
+        raise ValueError("batches must hold at least one non-empty micro-batch")
+    return {
+        "max_tokens": max(sum(len(s.tokens) for s in b) for b in batches),
+        "max_seqs": max(len(b) for b in batches),
+        "max_seq_len": max(len(s.tokens) for b in batches for s in b),
+        "max_rows": max(max(1, sum(len(s.response) for s in b)) for b in batches),
+    }
+
+
 class GraphedLogprobs:
     """:func:`packed_logprobs` (rlk) with its forward, and its backward to the model's trainable
     parameters, each replayed as one CUDA graph.
@@ -216,6 +229,13 @@ class GraphedLogprobs:
             max_seq_len,
             max_rows,
         )
+        #: The bucket, in the constructor's names.
+        self.bucket = {
+            "max_tokens": max_tokens,
+            "max_seqs": max_seqs,
+            "max_seq_len": max_seq_len,
+            "max_rows": max_rows,
+        }
         self.temperature = temperature if temperature > 0 else 1.0
         self.logits_dtype = logits_dtype
         self.entropy = _validate.flag("return_entropy", return_entropy)
@@ -238,18 +258,9 @@ class GraphedLogprobs:
     def for_batches(
         cls, model: torch.nn.Module, batches: list[list[Sample]], **kwargs: Any
     ) -> GraphedLogprobs:
-        """The smallest bucket that holds each of ``batches`` (micro-batches of samples);
-        ``kwargs`` are the constructor's other arguments."""
-        if not batches or not all(batches):
-            raise ValueError("batches must hold at least one non-empty micro-batch")
-        return cls(
-            model,
-            max_tokens=max(sum(len(s.tokens) for s in b) for b in batches),
-            max_seqs=max(len(b) for b in batches),
-            max_seq_len=max(len(s.tokens) for b in batches for s in b),
-            max_rows=max(max(1, sum(len(s.response) for s in b)) for b in batches),
-            **kwargs,
-        )
+        """The smallest bucket that holds each of ``batches`` (micro-batches of samples,
+        :func:`bucket_of`); ``kwargs`` are the constructor's other arguments."""
+        return cls(model, **bucket_of(batches), **kwargs)
 
     def _views(self) -> tuple[torch.Tensor, ...]:
         t, r = self.tokens, self.rows

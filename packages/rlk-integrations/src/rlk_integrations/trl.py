@@ -13,7 +13,8 @@
 - computes every per-token log-probability TRL asks for (old, current, reference) and the
   entropies with :func:`rlk.linear_logprobs` on the patched model, each micro-batch of rows
   packed into one ``[1, T]`` row (:func:`rlk_integrations.training.packed_logprobs`) at the
-  rollout's temperature and logits dtype.
+  rollout's temperature and logits dtype (``graph_logprobs=True``: through
+  :class:`rlk_integrations.training.GraphedLogprobs`, CUDA graphs on a GPU, the same bits).
 
 So wherever the weights are those that sampled (the old log-probabilities, and the current ones
 in the first iteration over a batch), TRL's log-probabilities are the sampling ones bit for bit,
@@ -86,7 +87,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from rlk_integrations.paged import PagedEngine, generate_paged
 from rlk_integrations.rollout import Sample
-from rlk_integrations.training import packed_logprobs, pad_rows
+from rlk_integrations.training import GraphedLogprobs, bucket_of, packed_logprobs, pad_rows
 from rlk_integrations.transformers import is_patched, patch_model
 
 #: The oldest and newest TRL releases (major.minor) this integration is tested with; the extra
@@ -371,6 +372,14 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
       either way.
     - ``check_logprobs`` (default True): raise ``RuntimeError`` when a log-probability computed
       under the weights that sampled differs from the sampling one (False: log it only).
+    - ``graph_logprobs`` (default False): compute the log-probabilities through
+      :class:`~rlk_integrations.training.GraphedLogprobs`, one per model (policy, reference)
+      and entropy setting, kept across steps: on a GPU each micro-batch's forward and backward
+      replay as CUDA graphs, for small models whose eager pass is bound by the host. Its bucket
+      is sized in powers of two to the micro-batches seen, and built again, larger, when one
+      does not fit. The bits are those of the eager recompute. A call that needs gradients
+      for more than one micro-batch at once (``batch_size`` below the rows) runs eagerly: a
+      graphed call's backward must come before the next call.
 
     The model (an instance, or a name TRL loads) must be a Llama, Qwen2 or Qwen3 causal LM; it
     is patched in place. An option the trainer cannot honour is a ``ValueError`` naming it,
@@ -398,12 +407,14 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         rollout_kwargs: dict[str, Any] | None = None,
         check_logprobs: bool = True,
         keep_rollout_engine: bool = True,
+        graph_logprobs: bool = False,
         **kwargs: Any,
     ) -> None:
         _check_trl_version()
         for name, flag in (
             ("check_logprobs", check_logprobs),
             ("keep_rollout_engine", keep_rollout_engine),
+            ("graph_logprobs", graph_logprobs),
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -435,6 +446,8 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         self._rlk_round = 0
         self._rlk_keep_engine = keep_rollout_engine
         self._rlk_engine: PagedEngine | None = None
+        self._rlk_graph_logprobs = graph_logprobs
+        self._rlk_graphs: dict[tuple[int, bool], GraphedLogprobs] = {}
         self._init_check()
 
         bad = _unsupported_model(self.model, self.processing_class)
@@ -566,18 +579,14 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
             samples.append(Sample(prompt, ids[r, p : p + n].tolist(), torch.empty(0)))
         lps, ents = [], []
         step = batch_size or b
+        groups = [samples[start : start + step] for start in range(0, b, step)]
+        recompute = self._rlk_recompute(model, groups, compute_entropy)
         # The rollout ran without autocast: so does the recompute (the weights' own dtype).
         with torch.autocast(input_ids.device.type, enabled=False):
-            for start in range(0, b, step):
+            for group in groups:
                 # A group without completion tokens (mask_truncated_completions) still runs:
                 # its empty result keeps the loss in the graph, zero gradients as in TRL.
-                out = packed_logprobs(
-                    model,
-                    samples[start : start + step],
-                    temperature=self.temperature,
-                    logits_dtype=self.logits_dtype,
-                    return_entropy=compute_entropy,
-                )
+                out = recompute(group)
                 lp, ent = out if compute_entropy else (out, None)
                 lps += lp
                 ents += ent if ent is not None else []
@@ -585,6 +594,30 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         entropies = pad_rows(ents, logits_to_keep)[0] if compute_entropy else None
         self._rlk_current = logps.detach()
         return logps, entropies, None
+
+    def _rlk_recompute(self, model, groups: list[list[Sample]], entropy: bool) -> Callable:
+        """What computes one group's log-probabilities: :func:`packed_logprobs`, or with
+        ``graph_logprobs`` this model's :class:`GraphedLogprobs`, its bucket grown to hold
+        every group (each size a power of two, never below the old one)."""
+        kw = dict(
+            temperature=self.temperature, logits_dtype=self.logits_dtype, return_entropy=entropy
+        )
+        if not self._rlk_graph_logprobs or (torch.is_grad_enabled() and len(groups) > 1):
+            return lambda group: packed_logprobs(model, group, **kw)
+        key = (id(model), entropy)
+        old = self._rlk_graphs.get(key)
+        need = bucket_of(groups)
+        have = {} if old is None or old.model is not model else old.bucket
+        if have and all(need[k] <= have[k] for k in need):
+            return old
+        self._rlk_graphs.pop(key, None)  # the old graphs' memory goes before the new capture
+        grow = {k: max(1 << (n - 1).bit_length(), have.get(k, 0)) for k, n in need.items()}
+        grow["max_seq_len"] = min(grow["max_seq_len"], grow["max_tokens"])
+        graphed = GraphedLogprobs(
+            model, **grow, capture=next(model.parameters()).device.type == "cuda", **kw
+        )
+        self._rlk_graphs[key] = graphed
+        return graphed
 
 
 class StockGRPOTrainer(_LogprobCheck, GRPOTrainer):
