@@ -259,7 +259,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"- command: `{m['command']}`"
         if "parts" not in m
-        else "- commands (one process each, same machine): "
+        else f"- commands (one process each{'' if m.get('commit_note') else ', same machine'}): "
         + "; ".join(f"`{p['command']}`" for p in m["parts"]),
         f"- commit measured: `{m['commit']}`, {m['date']}"
         + (f" ({m['commit_note']})" if m.get("commit_note") else ""),
