@@ -314,15 +314,12 @@ def attention(
         raise ValueError("a sequence has more queries than keys (cu_seqlens_q vs cu_seqlens_k)")
     if (max_seqlen_q is None) != (max_seqlen_k is None):
         raise ValueError("give both max_seqlen_q and max_seqlen_k, or neither")
-    if max_seqlen_q is None:
-        return _call("attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]))
-    bounds = {
-        "max_seqlen_q": chk.length_bound("max_seqlen_q", max_seqlen_q, cu_q),
-        "max_seqlen_k": chk.length_bound("max_seqlen_k", max_seqlen_k, cu_k),
-    }
-    return _call(
-        "attention", device, q, k, v, cu_q, cu_k, causal, _scale(scale, q.shape[2]), **bounds
-    )
+    bounds = {}  # passed only when given: a backend without them keeps its signature
+    if max_seqlen_q is not None:
+        bounds["max_seqlen_q"] = chk.length_bound("max_seqlen_q", max_seqlen_q, cu_q)
+        bounds["max_seqlen_k"] = chk.length_bound("max_seqlen_k", max_seqlen_k, cu_k)
+    scale = _scale(scale, q.shape[2])
+    return _call("attention", device, q, k, v, cu_q, cu_k, causal, scale, **bounds)
 
 
 def paged_attention(

@@ -132,13 +132,19 @@ def choice(name: str, v: object, options: Sequence[str]) -> str:
     return v
 
 
-def length_bound(name: str, v: object, cu: torch.Tensor) -> int:
-    """A caller's bound (an int >= 1) on the sequence lengths of the offsets ``cu``; checked
-    against them only when value checks are on."""
+def positive_int(name: str, v: object) -> int:
+    """An int (not a bool) >= 1."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
+    return v
+
+
+def length_bound(name: str, v: object, cu: torch.Tensor) -> int:
+    """A caller's bound (an int >= 1) on the sequence lengths of the offsets ``cu``; checked
+    against them only when value checks are on."""
+    positive_int(name, v)
     if cu.numel() > 1 and value_checks_enabled(cu):
         longest = int((cu[1:] - cu[:-1]).max())
         if longest > v:

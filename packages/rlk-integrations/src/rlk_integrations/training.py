@@ -199,10 +199,7 @@ class GraphedLogprobs:
             ("max_seq_len", max_seq_len),
             ("max_rows", max_rows),
         ):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+            _validate.positive_int(name, v)
         if max_seq_len > max_tokens:
             raise ValueError(f"max_seq_len = {max_seq_len} exceeds max_tokens = {max_tokens}")
         if getattr(model, "_rlk_tp", None) is not None or hasattr(model, FSDP_FORWARD):
@@ -229,13 +226,6 @@ class GraphedLogprobs:
             max_seq_len,
             max_rows,
         )
-        #: The bucket, in the constructor's names.
-        self.bucket = {
-            "max_tokens": max_tokens,
-            "max_seqs": max_seqs,
-            "max_seq_len": max_seq_len,
-            "max_rows": max_rows,
-        }
         self.temperature = temperature if temperature > 0 else 1.0
         self.logits_dtype = logits_dtype
         self.entropy = _validate.flag("return_entropy", return_entropy)
@@ -261,6 +251,16 @@ class GraphedLogprobs:
         """The smallest bucket that holds each of ``batches`` (micro-batches of samples,
         :func:`bucket_of`); ``kwargs`` are the constructor's other arguments."""
         return cls(model, **bucket_of(batches), **kwargs)
+
+    @property
+    def bucket(self) -> dict[str, int]:
+        """The bucket, in the constructor's names (what :func:`bucket_of` returns)."""
+        return {
+            "max_tokens": self.tokens,
+            "max_seqs": self.seqs,
+            "max_seq_len": self.seq_len,
+            "max_rows": self.rows,
+        }
 
     def _views(self) -> tuple[torch.Tensor, ...]:
         t, r = self.tokens, self.rows
