@@ -5,7 +5,8 @@
 #                                        families alone; DEADLINE seconds, default 560;
 #                                        LANE0, LANE1: each lane's steps, default below;
 #                                        CHECK_OPS: the ops of `checks`; TESTS: test files of
-#                                        `gputests`, TESTS_SECS its time limit, default 240)
+#                                        `gputests`, TESTS_SECS its time limit, default 240;
+#                                        RLK_E2E_MODELS: the models of the e2e families)
 # The default lanes leave out e2e-long (the long rollouts, about 5 minutes): run it on its own,
 # ONLY=e2e-long. Each family runs as its own `rlk bench --only <family>` process with its own
 # time limit (the report is rewritten after every row, so a family cut short keeps what it
@@ -52,6 +53,14 @@ consistency_graphs() {  # the same, the training recompute replayed as CUDA grap
     --micro-batch 8 --rollout-mode both --train-engine transformers-graphs --quiet \
     --json "$OUT/consistency_graphs.json"
 }
+consistency_heldout() {  # the held-out shapes at 32 x 128 tokens, recompute as CUDA graphs
+  local m
+  for m in llama3.2-1b-4layers qwen2.5-1.5b-4layers; do
+    step "consistency_$m" 150 rlk consistency --model "$m" --prompts 32 --new-tokens 128 \
+      --micro-batch 8 --rollout-mode both --train-engine transformers-graphs --quiet \
+      --json "$OUT/consistency_$m.json"
+  done
+}
 lane0() { eval "${LANE0:-fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks}"; }
 lane1() { eval "${LANE1:-consistency; fam e2e 400; fam logprobs 200}"; }
 
@@ -72,6 +81,7 @@ mkdir -p "$RESULTS"; tar czf "$RESULTS/logs.tgz" -C "$W" .
 for f in h200.json h200.md summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
 echo "== $(( $(date +%s) - T0 ))s; $(tr '\n' ' ' < "$OUT/gpu.txt")"
 cat "$OUT/summary.txt"
-for f in conformance consistency consistency_graphs gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
+for f in conformance consistency consistency_graphs consistency_llama3.2-1b-4layers \
+  consistency_qwen2.5-1.5b-4layers gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
 for f in decode_b64 decode_b8; do [ -f "$OUT/$f.txt" ] && tail -9 "$OUT/$f.txt"; done
 [ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/h200.md"

@@ -21,6 +21,7 @@ def test_the_command_and_the_family_are_registered():
     assert bench.available() == list(bench.FAMILIES)
     assert bench.family_module("e2e") is e2e_bench
     assert bench.family_module("e2e-long") is e2e_bench.LONG
+    assert bench.family_module("e2e-heldout") is e2e_bench.HELDOUT_FAMILY
 
 
 def test_help_lists_the_command(capsys):

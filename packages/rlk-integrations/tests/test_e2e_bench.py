@@ -55,3 +55,33 @@ def test_e2e_family_runs(monkeypatch):
     }
     # A GRPO step samples every completion of every group in full.
     assert {r["new_tokens"] for r in rows if r["op"] == "e2e.grpo_step"} == {2 * 2 * 2}
+
+
+def test_heldout_family_and_model_filter(monkeypatch):
+    # The held-out family gives the training rows (every impl the CPU has) of its models, and
+    # RLK_E2E_MODELS keeps only the models it names; a name the family lacks is an error.
+    monkeypatch.setattr(_timing, "DEVICE", "cpu")
+    for name, value in dict(
+        HELDOUT_MODELS=("tiny", "tiny-llama"), QUICK_TRAIN_SEQS=2, QUICK_TRAIN_LEN=8, TRAIN_ITERS=1
+    ).items():
+        monkeypatch.setattr(e2e_bench, name, value)
+    monkeypatch.setenv("RLK_E2E_MODELS", "tiny-llama")
+    rows = []
+    e2e_bench.HELDOUT_FAMILY.run(quick=True, emit=rows.append)
+    assert {r["op"] for r in rows} == {"e2e.train"}
+    assert {r["shape"] for r in rows} == {"tiny-llama 2x8"}
+    assert {"stock", "rlk"} <= {r["impl"] for r in rows}
+    monkeypatch.setenv("RLK_E2E_MODELS", "tiny-qwen3")
+    with pytest.raises(ValueError, match="RLK_E2E_MODELS"):
+        e2e_bench.HELDOUT_FAMILY.run(quick=True, emit=rows.append)
+
+
+def test_heldout_shapes():
+    # The held-out configs keep the features they stand for.
+    from rlk_integrations.models import HELDOUT, make_config
+
+    llama, qwen = (make_config(n) for n in HELDOUT)
+    assert llama.head_dim == 64 and llama.tie_word_embeddings
+    assert llama.rope_parameters["rope_type"] == "llama3"
+    assert qwen.model_type == "qwen2" and qwen.num_attention_heads // qwen.num_key_value_heads == 6
+    assert llama.num_hidden_layers == qwen.num_hidden_layers == 4

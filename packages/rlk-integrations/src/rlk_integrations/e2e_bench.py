@@ -63,11 +63,18 @@ rate 0, so that every step does the same work):
   the longest prompts; the untimed step captures).
 
 A row is the wall time of one step after an untimed one; ``tok_s`` counts the sampled tokens.
+
+The family ``e2e-heldout`` runs the training rows alone on the held-out shapes
+(:data:`rlk_integrations.models.HELDOUT`), whose kernel configurations were never measured.
+
+``RLK_E2E_MODELS`` (comma-separated built-in names) restricts the e2e families to those of their
+models it names, so that a family can be split over runs of a time-limited machine.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
 import time
@@ -80,7 +87,7 @@ import torch
 from rlk.bench import _timing
 from rlk_integrations import paged, rollout, training
 from rlk_integrations.consistency import _sync, random_prompts
-from rlk_integrations.models import load_model
+from rlk_integrations.models import HELDOUT, load_model
 from rlk_integrations.rollout import Sample
 from rlk_integrations.transformers import decoder, patch_model, unpatch_model
 
@@ -91,6 +98,8 @@ TRAIN_SEQS = 8
 TRAIN_LEN = 512
 
 QUICK_MODELS = ("qwen2-0.5b",)
+#: The ``e2e-heldout`` family's models (both runs).
+HELDOUT_MODELS = HELDOUT
 QUICK_BATCHES = (8,)
 QUICK_NEW_TOKENS = 32
 QUICK_TRAIN_SEQS = 8
@@ -509,12 +518,27 @@ def _settings(quick: bool):
             (LONG_PROMPT_LEN, LONG_NEW_TOKENS))  # fmt: skip
 
 
+def _selected(models) -> tuple[str, ...]:
+    """``models``, restricted to those ``RLK_E2E_MODELS`` names when it is set (an unknown name
+    is an error: a typo must not measure nothing)."""
+    wanted = os.environ.get("RLK_E2E_MODELS", "").strip()
+    if not wanted:
+        return tuple(models)
+    names = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [w for w in names if w not in models]
+    if unknown:
+        raise ValueError(
+            f"RLK_E2E_MODELS names {unknown}, not models of this family ({', '.join(models)})"
+        )
+    return tuple(m for m in models if m in names)
+
+
 def _run(quick: bool, emit: Callable[[dict], None], long: bool) -> None:
     _T0[0] = time.perf_counter()
     device = torch.device(_timing.DEVICE)
     models, batches, new, n, length, grpo, long_setting = _settings(quick)
     flce = None if long else _liger()
-    for name in models:
+    for name in _selected(models):
         # The model is local to _bench_model: gone on return, so its memory can be released
         # before the next one loads.
         setting = long_setting if long else None
@@ -533,5 +557,25 @@ def run_long(quick: bool, emit: Callable[[dict], None]) -> None:
     _run(quick, emit, long=True)
 
 
+def run_heldout(quick: bool, emit: Callable[[dict], None]) -> None:
+    """The ``e2e-heldout`` family: the training rows on the held-out shapes (``quick``: the
+    quick run's training length)."""
+    _T0[0] = time.perf_counter()
+    device = torch.device(_timing.DEVICE)
+    _, _, _, n, length, _, _ = _settings(quick)
+    flce = _liger()
+    for name in _selected(HELDOUT_MODELS):
+        _say(f"e2e: loading {name} (random weights, bf16, {device})")
+        model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
+        try:
+            _trainings(model, name, n, length, device, emit, flce)
+        finally:
+            unpatch_model(model)
+        del model
+        _free(device)
+
+
 #: The ``e2e-long`` family's entry (``rlk bench --only e2e-long``).
 LONG = types.SimpleNamespace(run=run_long)
+#: The ``e2e-heldout`` family's entry (``rlk bench --only e2e-heldout``).
+HELDOUT_FAMILY = types.SimpleNamespace(run=run_heldout)

@@ -4,6 +4,12 @@
 key/value heads split over 4 / 8 tensor-parallel ranks) are small enough for the Triton
 interpreter on a CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes
 of the real models (random weights, nothing downloaded) for GPU runs.
+
+``llama3.2-1b-4layers`` and ``qwen2.5-1.5b-4layers`` (:data:`HELDOUT`) are held out: the layer
+shapes of Llama-3.2-1B (head_dim 64, llama3 rope scaling, tied embeddings) and Qwen2.5-1.5B
+(q/k/v bias, GQA 6) with 4 layers. No kernel configuration is chosen by measuring them; the
+benchmarks and ``rlk consistency`` run them to show that speed and the contract carry over to
+shapes the tuning never saw.
 """
 
 from __future__ import annotations
@@ -25,6 +31,18 @@ _TINY = dict(
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
 )
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3's rope scaling (the 8B's factor 8, the 3.2 models' 32)."""
+    return dict(
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("qwen2", dict(_TINY, tie_word_embeddings=True)),
@@ -86,17 +104,47 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
+            rope_scaling=_llama3_rope(8.0),
             tie_word_embeddings=False,
         ),
     ),
+    "llama3.2-1b-4layers": (
+        "llama",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_llama3_rope(32.0),
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen2 layers always carry q/k/v biases.
+    "qwen2.5-1.5b-4layers": (
+        "qwen2",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=1536,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+
+#: The held-out shapes (see the module docstring).
+HELDOUT = ("llama3.2-1b-4layers", "qwen2.5-1.5b-4layers")
 
 
 def make_config(name: str) -> Any:

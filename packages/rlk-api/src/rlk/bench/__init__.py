@@ -2,7 +2,8 @@
 
 Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling`` here; in
 rlk-integrations, found through the entry-point group ``rlk.bench``, ``e2e``, the rollout and
-training engines, and ``e2e-long``, their rollouts at long prompts and outputs) has
+training engines, ``e2e-long``, their rollouts at long prompts and outputs, and
+``e2e-heldout``, the training rows on held-out model shapes) has
 ``run(quick, emit)``, which times rlk's public op and its peers on the same random inputs, in
 this process, and passes each result row to ``emit`` as soon as it is measured.
 A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s]}``; ``impl`` is ``rlk`` or
@@ -33,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 #: Every family, in the order ``rlk bench`` runs them.
-FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e", "e2e-long")
+FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e", "e2e-long", "e2e-heldout")
 
 #: The families of other distributions (entry-point group ``rlk.bench``, each naming the family's
 #: module) and the install that brings them: without it, asking for one is an error.
 PLUGIN_FAMILIES = {
     "e2e": 'rlk-integrations (pip install "rlk[transformers]")',
     "e2e-long": 'rlk-integrations (pip install "rlk[transformers]")',
+    "e2e-heldout": 'rlk-integrations (pip install "rlk[transformers]")',
 }
 BENCH_GROUP = "rlk.bench"
 
