@@ -22,8 +22,8 @@ Three measurements, each side by side with cuBLAS (``F.linear``) in this process
    launch of the same kernel, and ``F.linear``; each timed over a loop of many calls.
 2. GPU time per product (CUDA graph of products over distinct weights, so W comes from HBM):
    cuBLAS, rlk's chosen config, and every decode candidate (BLOCK_M 64, BLOCK_N 16-128,
-   stages 3-8). Every candidate's output is compared bitwise with the chosen config's: launch
-   configs must never change a bit.
+   stages 3-8 or ``--stages``, through pointers or descriptors). Every candidate's output is
+   compared bitwise with the chosen config's: launch configs must never change a bit.
 3. The same for a split-K variant with a fixed leaf width (K reduced per leaf by the same
    k-loop, leaves summed in ascending order by a second kernel): a different numerics, timed
    here only to see what more programs per SM would buy.
@@ -50,6 +50,8 @@ from rlk_triton._triton import jit, tl, triton
 SHAPES = [("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096), ("q05_up", 896, 4864)]
 MS = [1, 16, 64, 256]
 STREAM_BYTES = 256 << 20
+#: The decode part's selection (main's --shapes, --ms, --stages, --no-leaf).
+DECODE: dict = {"shapes": None, "ms": MS, "stages": [3, 4, 6, 8], "leaf": True}
 
 
 def graph_ms(fn, n_inner: int) -> float:
@@ -587,8 +589,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="decode,tma,rotary,attention")
+    ap.add_argument("--shapes", default=None, help="decode: GEMM shapes (o_proj,up,down,q05_up)")
+    ap.add_argument("--ms", default=None, help="decode: comma-separated M (default 1,16,64,256)")
+    ap.add_argument("--stages", default=None, help="decode: pipeline depths (default 3,4,6,8)")
+    ap.add_argument("--no-leaf", action="store_true", help="decode: skip the split-K variant")
     args = ap.parse_args()
     parts = args.parts.split(",")
+    DECODE.update(
+        shapes=args.shapes.split(",") if args.shapes else None,
+        ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,
+        stages=[int(t) for t in args.stages.split(",")] if args.stages else [3, 4, 6, 8],
+        leaf=not args.no_leaf,
+    )
     rows: list[dict] = []
     runs = {
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
@@ -629,16 +641,26 @@ def decode_part(rows) -> None:
     rows.append({"part": "eager_us", **{k: round(v, 2) for k, v in eager.items()}})
 
     # 2. and 3. GPU time per product
+    # Pointer-kernel candidates, and descriptor ones (TMA: the tile of W is one bulk copy).
     cands = [
-        {"BLOCK_M": 64, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": st}
+        gemm._cfg(64, bn, 4, st, tma=tma)
+        for tma in (False, True)
         for bn in (16, 32, 64, 128)
-        for st in (3, 4, 6, 8)
+        for st in DECODE["stages"]
+        if not (tma and bn < 32)  # a descriptor's box is at least 16 bytes wide per row
     ]
-    leaf_cands = [(lk, c) for lk in (512, 1024) for c in cands if c["num_stages"] in (4, 6)]
+    leaf_cands = [
+        (lk, c)
+        for lk in (512, 1024)
+        for c in cands
+        if c["num_stages"] in (4, 6) and not c["TMA"] and DECODE["leaf"]
+    ]
     for name, K, N in SHAPES:
+        if DECODE["shapes"] is not None and name not in DECODE["shapes"]:
+            continue
         n = max(1, min(16, math.ceil(STREAM_BYTES / (N * K * 2))))
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(n)]
-        for M in MS:
+        for M in DECODE["ms"]:
             x = torch.randn(M, K, device=dev, dtype=dt)
             wbytes = N * K * 2
             cub = products_ms(F.linear, x, ws)
@@ -695,11 +717,12 @@ def print_tables(rows) -> None:
     for r in dec:
         bc, lc = r["best_cfg"], r["leaf_cfg"]
         lcs = f"{lc[0]}:{lc[1]['BLOCK_N']},{lc[1]['num_stages']}" if lc else "-"
+        bcs = f"{bc['BLOCK_N']},{bc['num_stages']}{',tma' if bc.get('TMA') else ''}"
         print(
             f"{r['shape']:8} {r['M']:>5} {r['cublas_us']:>7} {r['chosen_us']:>7} "
             f"{r['best_us']:>7} {r['leaf_us']:>7} {r['cublas_us'] / r['chosen_us']:>8.2f} "
             f"{r['cublas_us'] / r['best_us']:>6.2f} {r['cublas_us'] / r['leaf_us']:>6.2f} "
-            f"{'ok' if r['bits_equal'] else 'DIFF'}  {bc['BLOCK_N']},{bc['num_stages']} / {lcs}"
+            f"{'ok' if r['bits_equal'] else 'DIFF'}  {bcs} / {lcs}"
         )
     tma = [r for r in rows if r["part"] == "tma"]
     if tma:

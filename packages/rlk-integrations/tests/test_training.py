@@ -126,6 +126,22 @@ def test_bucket_rejects_what_does_not_fit():
         training.GraphedLogprobs(unpatched, max_tokens=32, max_seqs=2, capture=False)
 
 
+def test_capture_leaves_alias_the_parameters():
+    # The capture differentiates new leaves on the parameters' memory (tied weights by one),
+    # and the model has its own parameters back afterwards.
+    model = _model("tiny")
+    params = [p for p in model.parameters() if p.requires_grad]
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.weight is embed.weight  # tied
+    with training._capture_leaves(model, params) as leaves:
+        assert len(leaves) == len(params)
+        for p, leaf in zip(params, leaves, strict=True):
+            assert leaf is not p and leaf.data_ptr() == p.data_ptr() and leaf.is_leaf
+        assert head.weight is embed.weight and head.weight is not params[0]
+        assert {id(p) for p in model.parameters()} == {id(x) for x in leaves}
+    assert [id(p) for p in model.parameters() if p.requires_grad] == [id(p) for p in params]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen3"])
 def test_gpu_graphs_give_the_eager_bits(name, monkeypatch):

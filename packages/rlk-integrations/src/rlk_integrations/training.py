@@ -10,7 +10,9 @@ The stock path (``use_rlk=False``) takes ``model(...).logits`` and an fp32 ``log
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,6 +134,34 @@ def bucket_of(batches: list[list[Sample]]) -> dict[str, int]:
         "max_seq_len": max(len(s.tokens) for b in batches for s in b),
         "max_rows": max(max(1, sum(len(s.response) for s in b)) for b in batches),
     }
+
+
+@contextlib.contextmanager
+def _capture_leaves(
+    model: torch.nn.Module, params: list[torch.nn.Parameter]
+) -> Iterator[list[torch.nn.Parameter]]:
+    """``params`` replaced in ``model``, for the duration, by new Parameters on the same memory
+    (tied weights by one), which it yields in order.
+
+    Why: autograd runs a leaf's gradient on the stream its AccumulateGrad node was made on. A
+    node the eager code made on the default stream, and that something still references (an
+    earlier call's output the caller keeps), would make a captured backward wait on the
+    default stream, which a capture cannot do (``cudaErrorStreamCaptureImplicit``). New leaves
+    get their nodes on the capture's stream. The graphs read the same addresses."""
+    alias = {id(p): torch.nn.Parameter(p.detach(), requires_grad=True) for p in params}
+    swapped = [
+        (module, name, p)
+        for module in model.modules()
+        for name, p in module._parameters.items()
+        if p is not None and id(p) in alias
+    ]
+    for module, name, p in swapped:
+        module._parameters[name] = alias[id(p)]
+    try:
+        yield [alias[id(p)] for p in params]
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
 
 
 class GraphedLogprobs:
@@ -348,20 +378,21 @@ class GraphedLogprobs:
         self.rotary.reserve(self.seq_len)  # a capture cannot extend it (that reads positions)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _capture_leaves(self.model, self.params) as leaves:
             for _ in range(2):  # compiles every kernel, and warms the allocator
                 out = self._pass()
-                if self.params:
-                    torch.autograd.grad(out, self.params, torch.ones_like(out), allow_unused=True)
+                if leaves:
+                    torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
             del out
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd_graph):
-            out = self._pass()
-        if self.params:  # else a forward-only pass: nothing to differentiate
-            self.grad_out = torch.empty_like(out)
-            with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
-                self.grads = torch.autograd.grad(out, self.params, self.grad_out, allow_unused=True)
+        with _capture_leaves(self.model, self.params) as leaves:
+            with torch.cuda.graph(self.fwd_graph):
+                out = self._pass()
+            if leaves:  # else a forward-only pass: nothing to differentiate
+                self.grad_out = torch.empty_like(out)
+                with torch.cuda.graph(self.bwd_graph, pool=self.fwd_graph.pool()):
+                    self.grads = torch.autograd.grad(out, leaves, self.grad_out, allow_unused=True)
         self.out = out.detach()
         self.state = self._state()
 

@@ -528,6 +528,43 @@ def _dq_kernel(
 
 
 @jit
+def _dkdv_chunk(
+    dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
+    stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of one KV tile += the query chunk ``it`` of head chunk ``hc``. Without MASK the
+    caller knows every row of the chunk sees every key; rows the loads zero (a chunk's padding
+    rows, heads past the group) then give p = 1 against zero q and dO, which adds exact zeros,
+    as the masked p = 0 does."""
+    TOK: tl.constexpr = BLOCK_M // HG
+    g = hc * HG + r % HG
+    h = kvh * GROUP + g
+    tok = it * TOK + r // HG
+    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    stat_off = (q_start + tok).to(tl.int64) * Hq + h
+    lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+
+    st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
+    if MASK:
+        visible = k_ok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            visible = visible & (kpos[:, None] <= (nk - nq + tok)[None, :])
+        pt = tl.where(visible, pt, 0.0)
+    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@jit
 def _dkdv_kernel(
     Q,
     K,
@@ -600,37 +637,31 @@ def _dkdv_kernel(
 
     if CAUSAL:
         first_tok = tl.maximum(n0 - (nk - nq), 0)
+        # The first chunk whose every token sees every key of this tile.
+        it_vis = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (nk - nq), 0), TOK)
     else:
         first_tok = 0
+        it_vis = 0
     it0 = first_tok // TOK
     n_it = tl.cdiv(nq, TOK)
+    # Chunks [it_vis, it_end) need no mask: all their tokens exist and see the whole tile,
+    # whose keys all exist. The others run the masked body. The three loops keep the ascending
+    # chunk order, and the mask of a fully visible chunk is all true: the same bits.
+    it_vis = tl.minimum(tl.maximum(it_vis, it0), n_it)
+    it_end = tl.maximum(tl.minimum(nq // TOK, n_it), it_vis)
+    if n0 + BLOCK_N > nk:
+        it_end = it_vis
     r = tl.arange(0, BLOCK_M)
     n_hc = tl.cdiv(GROUP, HG)
+    args = (Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt, stride_qh,
+            qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
     for hc in range(0, n_hc):
-        g = hc * HG + r % HG
-        h = kvh * GROUP + g
-        for it in range(it0, n_it):
-            tok = it * TOK + r // HG
-            row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-            pos = nk - nq + tok
-            q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-            qmask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-            do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-            stat_off = (q_start + tok).to(tl.int64) * Hq + h
-            lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
-
-            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-            pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
-            visible = k_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                visible = visible & (kpos[:, None] <= pos[None, :])
-            pt = tl.where(visible, pt, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        for it in range(it0, it_vis):
+            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True, DOT_PREC)
+        for it in range(it_vis, it_end):
+            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False, DOT_PREC)
+        for it in range(it_end, n_it):
+            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True, DOT_PREC)
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
