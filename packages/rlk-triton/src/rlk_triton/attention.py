@@ -413,6 +413,19 @@ def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.const
 
 
 @jit
+def _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh, Hq, d, d_ok):
+    """A backward program's query rows: q, dO, lse and delta (zeros where ``row_ok`` is false)."""
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
+    stat_off = (q_start + tok).to(tl.int64) * Hq + h
+    lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@jit
 def _dq_tile(
     dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr
 ):
@@ -487,13 +500,10 @@ def _dq_kernel(
     pos = nk - nq + tok
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
+                                Hq, d, d_ok)  # fmt: skip
     q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-    do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-    stat_off = (q_start + tok).to(tl.int64) * Hq + h
-    lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
 
     t_last = tl.minimum(t0 + TOK, nq) - 1
     if CAUSAL:
@@ -542,13 +552,8 @@ def _dkdv_chunk(
     h = kvh * GROUP + g
     tok = it * TOK + r // HG
     row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-    qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-    do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-    stat_off = (q_start + tok).to(tl.int64) * Hq + h
-    lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
+    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
+                                Hq, d, d_ok)  # fmt: skip
 
     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
