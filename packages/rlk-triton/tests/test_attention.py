@@ -278,6 +278,29 @@ def test_backward_determinism_and_batch_invariance(causal):
         assert torch.equal(a[s], b), f"{name} depends on the batch"
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_unmasked_dkdv_chunks_change_no_bits(causal, monkeypatch):
+    """The dK/dV kernel's unmasked loop (query chunks that see a whole KV tile) gives the bits
+    of the masked loop alone, with padding rows (group 3 packs 21 of 64 rows per token chunk),
+    nq < nk, a ragged last tile and every backward config."""
+    hq, hk, d = 6, 2, 16
+    lens_q, lens_k = [150, 9, 64], [170, 9, 64]
+    if not causal:
+        lens_q = lens_k
+    q, _, _ = _qkv(sum(lens_q), hq, hk, d, torch.bfloat16, seed=24)
+    _, k, v = _qkv(sum(lens_k), hq, hk, d, torch.bfloat16, seed=25)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(26)).to(torch.bfloat16)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    for cfg in TABLE["attention.bwd"].configs:
+        got = {}
+        for split in (False, True):
+            monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim, split=split: split)
+            with tuning.force("attention", {"attention.bwd": cfg}):
+                got[split] = _fwd_bwd(q, k, v, cu_q, cu_k, do, causal)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], got[False], got[True], strict=True):
+            assert torch.equal(a, b), f"{name} changed with the unmasked loop ({cfg})"
+
+
 def test_length_bounds_change_no_bits():
     """Caller's bounds on the sequence lengths (no host read of the offsets) size the grids
     only: forward and backward give the bits of the bounds read from the offsets."""

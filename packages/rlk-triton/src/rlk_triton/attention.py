@@ -597,6 +597,7 @@ def _dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
@@ -649,9 +650,10 @@ def _dkdv_kernel(
         it_vis = 0
     it0 = first_tok // TOK
     n_it = tl.cdiv(nq, TOK)
-    # Chunks [it_vis, it_end) need no mask: all their tokens exist and see the whole tile,
-    # whose keys all exist. The others run the masked body. The three loops keep the ascending
-    # chunk order, and the mask of a fully visible chunk is all true: the same bits.
+    # SPLIT: chunks [it_vis, it_end) run without the mask: all their tokens exist and see the
+    # whole tile, whose keys all exist. The others run the masked body. The three loops keep
+    # the ascending chunk order, and the mask of a fully visible chunk is all true: the same
+    # bits with or without SPLIT (see _split_dkdv).
     it_vis = tl.minimum(tl.maximum(it_vis, it0), n_it)
     it_end = tl.maximum(tl.minimum(nq // TOK, n_it), it_vis)
     if n0 + BLOCK_N > nk:
@@ -661,12 +663,20 @@ def _dkdv_kernel(
     args = (Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt, stride_qh,
             qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
     for hc in range(0, n_hc):
-        for it in range(it0, it_vis):
-            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True, DOT_PREC)
-        for it in range(it_vis, it_end):
-            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False, DOT_PREC)
-        for it in range(it_end, n_it):
-            dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True, DOT_PREC)
+        if SPLIT:
+            for it in range(it0, it_vis):
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
+            for it in range(it_vis, it_end):
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False,
+                                     DOT_PREC)  # fmt: skip
+            for it in range(it_end, n_it):
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
+        else:
+            for it in range(it0, n_it):
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -685,6 +695,14 @@ def _group_tile(group: int, block_m: int) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: full-precision FMA dot (no TF32); bf16/fp16: the tensor-core dot.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _split_dkdv(head_dim: int) -> bool:
+    """Whether the dK/dV kernel runs the query chunks that see a whole KV tile without the
+    mask (the bits are the same either way). On an H200 that made the causal backward
+    1.02-1.05x faster at head_dim 128 and 0.80x as fast at head_dim 64 (GQA 7), where the
+    kernel with three loop bodies ran slower."""
+    return head_dim > 64
 
 
 def _stages(cfg, head_dim: int) -> int:
@@ -877,6 +895,7 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         BLOCK_M=BWD_BLOCK_M,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_D=block_d,
+        SPLIT=_split_dkdv(d),
         **common,
     )
     if max_nq:
