@@ -98,7 +98,7 @@ TRAIN_SEQS = 8
 TRAIN_LEN = 512
 
 QUICK_MODELS = ("qwen2-0.5b",)
-#: The ``e2e-heldout`` family's models (both runs).
+#: The ``e2e-heldout`` family's models (the quick run and the full one).
 HELDOUT_MODELS = HELDOUT
 QUICK_BATCHES = (8,)
 QUICK_NEW_TOKENS = 32
