@@ -62,7 +62,7 @@ consistency_heldout() {  # the held-out shapes at 32 x 128 tokens, recompute as 
   done
 }
 lane0() { eval "${LANE0:-fam gemm 150; fam attention 150; fam norm 240; fam sampling 100; checks}"; }
-lane1() { eval "${LANE1:-consistency; fam e2e 400; fam logprobs 200}"; }
+lane1() { eval "${LANE1:-consistency; fam e2e 400; fam e2e-heldout 100; fam logprobs 200}"; }
 
 if [ -n "${ONLY:-}" ]; then
   for f in ${ONLY//,/ }; do fam "$f" 400; done
