@@ -27,20 +27,26 @@ def micro_batches(n: int, size: int, order: list[int] | None = None) -> list[lis
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def _pack(samples: list[Sample], device: torch.device):
-    ids, pos, rows, targets = [], [], [], []
-    offset = 0
+def _pack_lists(samples: list[Sample]) -> tuple[list[int], ...]:
+    """``samples`` packed into one row, as host lists: token ids, positions (0 up per sample),
+    offsets (``[0, end_1, ...]``), the rows whose hidden state predicts a response token, and
+    those tokens."""
+    ids, pos, cu, rows, targets = [], [], [0], [], []
     for s in samples:
-        toks = s.tokens
-        ids += toks
-        pos += list(range(len(toks)))
-        p = len(s.prompt)
+        p, n = len(s.prompt), len(s.tokens)
         if p < 1:  # its first row would be the previous sequence's last token
             raise ValueError("every sample needs a prompt token (its first logprob's context)")
         # The hidden state at position j predicts the token at j + 1.
-        rows += range(offset + p - 1, offset + len(toks) - 1)
+        rows += range(cu[-1] + p - 1, cu[-1] + n - 1)
         targets += s.response
-        offset += len(toks)
+        ids += s.tokens
+        pos += range(n)
+        cu.append(cu[-1] + n)
+    return ids, pos, cu, rows, targets
+
+
+def _pack(samples: list[Sample], device: torch.device):
+    ids, pos, _, rows, targets = _pack_lists(samples)
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
     return as_long(ids)[None], as_long(pos)[None], as_long(rows), as_long(targets)
 
@@ -312,16 +318,7 @@ class GraphedLogprobs:
         ):
             if got > cap:
                 raise ValueError(f"the samples have {got} {what}, the bucket holds {cap}")
-        if min(len(s.prompt) for s in samples) < 1:
-            raise ValueError("every sample needs a prompt token (its first logprob's context)")
-        ids, pos, cu, rows, targets = [], [], [0], [], []
-        for s in samples:
-            p, n = len(s.prompt), len(s.tokens)
-            rows += range(cu[-1] + p - 1, cu[-1] + n - 1)
-            targets += s.response
-            ids += s.tokens
-            pos += range(n)
-            cu.append(cu[-1] + n)
+        ids, pos, cu, rows, targets = _pack_lists(samples)
         while cu[-1] < self.tokens:  # padding sequences (token 0, positions from 0)
             n = min(self.seq_len, self.tokens - cu[-1])
             ids += [0] * n
@@ -386,6 +383,7 @@ class GraphedLogprobs:
             del out
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # Fresh leaves again: none of their nodes can come from the warm-up's stream.
         with _capture_leaves(self.model, self.params) as leaves:
             with torch.cuda.graph(self.fwd_graph):
                 out = self._pass()
