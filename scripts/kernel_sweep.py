@@ -9,8 +9,10 @@ backend, and the forward with 128-key tiles, a different numerics timed only to 
 division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and ``norm``
 (``silu_and_mul`` and ``rms_norm`` forward configs against Liger; for ``norm`` also a copy of the
 forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs),
-``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills the
-GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p).
+``normbwd`` (rms_norm's backward: each launch config, its pieces, other dweight row
+partitions and a plain-sum copy, both timed only, against Liger and ``torch.compile``),
+``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
+the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -529,6 +531,7 @@ def _norm_shape(rows, T: int, H: int) -> None:
     w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
     peer = _liger_ms("LigerRMSNormFunction", lambda Fn: Fn.apply(x, w, 1e-6, 0.0, "gemma", False))
     configs = [{"tile": t, "num_warps": nw} for t in (2048, 4096, 8192) for nw in (4, 8, 16)]
+    configs += [{"tile": t, "num_warps": nw} for t in (1024, 2048, 4096) for nw in (1, 2)]
     _config_sweep(
         rows, "norm", f"T={T} H={H}", lambda: rlk.rms_norm(x, w, 1e-6), "rms_norm.fwd",
         configs, 2 * T * H * 2, peer,
@@ -540,6 +543,115 @@ def _norm_shape(rows, T: int, H: int) -> None:
          "us": round(_plain_norm_us(x, w, chosen), 2), "peer_us": round(peer * 1e3, 2)}  # fmt: skip
     rows.append(r)
     print(json.dumps(r), flush=True)
+
+
+def norm_bwd_part(rows) -> None:
+    for T, H in ((16384, 4096), (65536, 2048), (65536, 896)):
+        _norm_bwd_shape(rows, T, H)
+
+
+@jit
+def _plain_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DWP, n_rows, H, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    DW_ROWS: tl.constexpr,
+):  # fmt: skip
+    # rms_norm's backward with plain fp32 tl.sum row and column sums: a numerics whose bits
+    # follow the layout, timed only to see what the exact sums cost.
+    block = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for i in range(DW_ROWS // ROWS):
+        r = block * DW_ROWS + i * ROWS + tl.arange(0, ROWS)
+        mask = (r < n_rows)[:, None] & col_ok[None, :]
+        offs = r.to(tl.int64)[:, None] * H + cols[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r, mask=r < n_rows, other=0.0)
+        x_hat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * x_hat, 1) / H
+        tl.store(DX + offs, ((g - x_hat * c[:, None]) * rstd[:, None]).to(DX.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+        acc += dy * x_hat
+    tl.store(DWP + block.to(tl.int64) * H + cols, tl.sum(acc, 0), mask=col_ok)
+
+
+def _norm_bwd_shape(rows, T: int, H: int) -> None:
+    """rms_norm's backward at one shape, GPU time: the whole backward under each launch config
+    (bits compared), its pieces (the dx kernel alone, the dweight partial sums), other row
+    partitions of dweight (other numerics, timed only) and a plain-sum copy (timing only);
+    Liger's and torch.compile's forward+backward beside it."""
+    from rlk.bench import norm as bnorm
+    from rlk.bench._peers import compiled, fwd_bwd_step
+    from rlk_triton import norm as normmod
+
+    table = rlk._plugins.backend_impl(torch.device("cuda")).ops["rms_norm"].keywords["table"]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    _, _, rstd = normmod._forward(x, w, 1e-6, None, table)
+    shape = f"T={T} H={H}"
+
+    def emit(variant, us, equal=None, **extra):
+        r = {"part": "norm_bwd", "shape": shape, "variant": variant, "us": round(us, 2),
+             "bits_equal": equal, **extra}  # fmt: skip
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    def us(fn):
+        return products_ms(lambda a, b: fn(), None, [None]) * 1e3
+
+    def bwd(need_dw=True):
+        return normmod._backward(dy, None, x, w, rstd, need_dw, table)
+
+    ref = bwd()
+    emit("backward (chosen)", us(bwd), True,
+         cfg=dict(tuning.config(table, "rms_norm.bwd", rows=T, hidden=H)))  # fmt: skip
+    emit("dx kernel only", us(lambda: bwd(False)))
+    blocks = -(-T // normmod.DW_ROWS)
+    part = torch.randn(blocks, H, device="cuda")
+    emit("dweight partial sums only", us(lambda: normmod._sum_partials(part, w.dtype, table)))
+    for nw in (1, 2, 4, 8, 16):
+        with tuning.force("rms_norm", {"rms_norm.bwd": {"num_warps": nw}}):
+            got = bwd()
+            equal = all(torch.equal(a, b) for a, b in zip(got, ref))
+            emit(f"num_warps={nw}", us(bwd), equal)
+    dw_rows0, tile0 = normmod.DW_ROWS, normmod.BWD_TILE
+    try:
+        for dw_rows, tile in ((32, 4096), (64, 4096), (16, 8192), (32, 8192), (64, 8192)):
+            normmod.DW_ROWS, normmod.BWD_TILE = dw_rows, tile
+            for nw in (4, 8):
+                with tuning.force("rms_norm", {"rms_norm.bwd": {"num_warps": nw}}):
+                    emit(f"DW_ROWS={dw_rows} BWD_TILE={tile} num_warps={nw}", us(bwd))
+    finally:
+        normmod.DW_ROWS, normmod.BWD_TILE = dw_rows0, tile0
+    block = normmod._block(H)
+    dx = torch.empty_like(x)
+    for dw_rows, r, nw in ((16, max(1, 4096 // block), 4), (64, max(1, 4096 // block), 8)):
+        plain_part = torch.empty(-(-T // dw_rows), H, device="cuda")
+
+        def plain(dw_rows=dw_rows, r=r, nw=nw, plain_part=plain_part):
+            _plain_norm_bwd_kernel[(-(-T // dw_rows),)](
+                dy, x, w, rstd, dx, plain_part, T, H, BLOCK_H=block, ROWS=min(r, dw_rows),
+                DW_ROWS=dw_rows, num_warps=nw,
+            )  # fmt: skip
+
+        emit(f"plain sums, dx + partials, DW_ROWS={dw_rows} num_warps={nw}", us(plain))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    emit("rlk fwd+bwd", us(fwd_bwd_step(lambda: rlk.rms_norm(xs, ws, 1e-6), [xs, ws])))
+    cf = compiled(bnorm._rms_norm_ref)
+    xc, wc = x.clone(), w.clone()
+    emit("compile fwd+bwd", us(fwd_bwd_step(lambda: cf(xc, wc), [xc, wc])))
+    emit("compile fwd", us(lambda: cf(x, w)))
+    from rlk.bench._peers import liger
+
+    Fn = liger("LigerRMSNormFunction")
+    if Fn is not None:
+        xl, wl = x.clone(), w.clone()
+        step = fwd_bwd_step(lambda: Fn.apply(xl, wl, 1e-6, 0.0, "gemma", False), [xl, wl])
+        emit("liger fwd+bwd", us(step))
 
 
 def sample_part(rows) -> None:
@@ -581,6 +693,10 @@ def print_memory_bound(rows) -> None:
             f"{'ok' if ok else 'DIFF'}  {best['cfg']}"
         )
     for r in rows:
+        if r["part"] == "norm_bwd":
+            eq = {None: "", True: "bits ok", False: "DIFF"}[r["bits_equal"]]
+            print(f"norm bwd {r['shape']:16} {r['variant']:52} {r['us']:>8} us {eq}")
+    for r in rows:
         if r["part"] == "norm_plain_sum":
             print(f"norm, plain fp32 sum (timing only) {r['shape']:22} {r['us']:>8} us")
 
@@ -605,7 +721,7 @@ def main() -> None:
     runs = {
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
         "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
-        "norm": norm_part, "sample": sample_part,
+        "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:

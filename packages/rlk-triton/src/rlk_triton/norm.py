@@ -231,7 +231,7 @@ def _rms_norm_bwd_c_kernel(
         dy = tl.load(DY + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
         x = tl.load(X + offs, mask=col_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(W + ccols, mask=col_ok, other=0.0).to(tl.float32)
-        acc += _exact_sum(pair_sums(dy * w[None, :] * (x * rstd[:, None]), LEVELS), 1)
+        acc += _exact_sum_or_masked(pair_sums(dy * w[None, :] * (x * rstd[:, None]), LEVELS), 1)
     tl.store(C + row, acc / H)
 
 
@@ -272,7 +272,7 @@ def _rms_norm_bwd_kernel(
         x_hat = x * rstd[:, None]
         g = dy * w[None, :]
         if NUM_CHUNKS == 1:
-            c = _exact_sum(pair_sums(g * x_hat, LEVELS), 1) / H
+            c = _exact_sum_or_masked(pair_sums(g * x_hat, LEVELS), 1) / H
         else:
             c = tl.load(C + rows, mask=row_ok, other=0.0)
         dx = (g - x_hat * c[:, None]) * rstd[:, None]
