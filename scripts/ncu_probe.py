@@ -11,6 +11,9 @@ Probes (bf16, CUDA):
   kernels are ``_dkdv_kernel`` and ``_dq_kernel`` (one launch each per call).
 - ``linear-decode``: ``rlk.linear`` then ``F.linear`` (cuBLAS) at M=1, K=14336, N=4096 (the
   Llama-3-8B down projection in decode): one ``_matmul_kernel`` launch, then cuBLAS's kernel.
+- ``norm-bwd``: ``rms_norm`` forward + backward at T=65536, H=896 (Qwen2-0.5B's hidden size),
+  the harness shape where rlk's backward is slowest against ``torch.compile``; its kernels are
+  ``_rms_norm_fwd_kernel``, ``_rms_norm_bwd_kernel`` and the dweight partial sums.
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ def linear_decode() -> None:
         F.linear(x, w)
 
 
-PROBES = {"attention-bwd": attention_bwd, "linear-decode": linear_decode}
+def norm_bwd() -> None:
+    x = torch.randn(65536, 896, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = torch.randn(896, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(65536, 896, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.autograd.grad(rlk.rms_norm(x, w, 1e-6), (x, w), dy)
+
+
+PROBES = {"attention-bwd": attention_bwd, "linear-decode": linear_decode, "norm-bwd": norm_bwd}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
