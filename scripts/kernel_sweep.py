@@ -610,24 +610,34 @@ def _norm_bwd_shape(rows, T: int, H: int) -> None:
     emit("backward (chosen)", us(bwd), True,
          cfg=dict(tuning.config(table, "rms_norm.bwd", rows=T, hidden=H)))  # fmt: skip
     emit("dx kernel only", us(lambda: bwd(False)))
-    blocks = -(-T // normmod.DW_ROWS)
-    part = torch.randn(blocks, H, device="cuda")
-    emit("dweight partial sums only", us(lambda: normmod._sum_partials(part, w.dtype, table)))
+    block = normmod._block(H)
+    part = torch.randn(-(-T // normmod._dw_rows(block)), H, device="cuda")
+    emit(
+        "dweight partial sums only",
+        us(lambda: normmod._sum_partials(part, w.dtype, table)),
+        cfg=dict(tuning.config(table, "rms_norm.dw", partials=part.shape[0], hidden=H)),
+    )
+    for cf in normmod.TUNING["rms_norm.dw"].configs:
+        with tuning.force("rms_norm", {"rms_norm.dw": cf}):
+            emit(f"partial sums {cf}", us(lambda: normmod._sum_partials(part, w.dtype, table)))
     for nw in (1, 2, 4, 8, 16):
         with tuning.force("rms_norm", {"rms_norm.bwd": {"num_warps": nw}}):
             got = bwd()
             equal = all(torch.equal(a, b) for a, b in zip(got, ref))
             emit(f"num_warps={nw}", us(bwd), equal)
-    dw_rows0, tile0 = normmod.DW_ROWS, normmod.BWD_TILE
+    dw_rows0, tile0 = normmod._dw_rows, normmod.BWD_TILE
     try:
-        for dw_rows, tile in ((32, 4096), (64, 4096), (16, 8192), (32, 8192), (64, 8192)):
-            normmod.DW_ROWS, normmod.BWD_TILE = dw_rows, tile
-            for nw in (4, 8):
+        for dw_rows, tile, warps in (
+            (16, 4096, (4, 8)), (32, 4096, (4, 8)), (64, 4096, (4, 8)), (32, 8192, (4, 8)),
+            (64, 8192, (4, 8)), (16, 1024, (1, 2, 4)), (32, 1024, (1, 2, 4)),
+            (16, 2048, (1, 2, 4)), (32, 2048, (1, 2, 4)),
+        ):  # fmt: skip
+            normmod._dw_rows, normmod.BWD_TILE = (lambda b, n=dw_rows: n), tile
+            for nw in warps:
                 with tuning.force("rms_norm", {"rms_norm.bwd": {"num_warps": nw}}):
-                    emit(f"DW_ROWS={dw_rows} BWD_TILE={tile} num_warps={nw}", us(bwd))
+                    emit(f"dweight rows={dw_rows} BWD_TILE={tile} num_warps={nw}", us(bwd))
     finally:
-        normmod.DW_ROWS, normmod.BWD_TILE = dw_rows0, tile0
-    block = normmod._block(H)
+        normmod._dw_rows, normmod.BWD_TILE = dw_rows0, tile0
     dx = torch.empty_like(x)
     for dw_rows, r, nw in ((16, max(1, 4096 // block), 4), (64, max(1, 4096 // block), 8)):
         plain_part = torch.empty(-(-T // dw_rows), H, device="cuda")

@@ -182,8 +182,9 @@ def test_tuning_invariance():
 
 
 def test_weight_grad_many_blocks_deterministic():
-    # More rows than DW_ROWS * DW_GROUP: two levels of partial sums.
-    T, H = norm.DW_ROWS * norm.DW_GROUP + 3, 64
+    # More rows than _dw_rows(H) * DW_GROUP: two levels of partial sums.
+    H = 64
+    T = norm._dw_rows(norm._block(H)) * norm.DW_GROUP + 3
     args = _inputs(T, H, torch.float32, False, seed=7)
     _, g1 = _run(*args)
     _, g2 = _run(*args)

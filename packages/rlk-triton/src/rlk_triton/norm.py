@@ -15,8 +15,9 @@ Numerics (docs/guide.md, "The numerics contract"):
   and integers add associatively. The groups make the costly exact part 8x smaller. Rows longer
   than ``MAX_BLOCK`` are summed in chunks of ``MAX_BLOCK`` columns (as above within a chunk,
   chunks added in ascending order in fp32).
-- The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of ``DW_ROWS``
-  consecutive rows gives a partial (sub-tiles of ``_bwd_rows(H)`` rows added in ascending order
+- The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of
+  ``_dw_rows(H)`` consecutive rows (:data:`DW_ROWS`, or :data:`DW_ROWS_WIDE` for rows wider
+  than 2048) gives a partial (sub-tiles of ``_bwd_rows(H)`` rows added in ascending order
   elementwise, then the sub-tile rows summed exactly), and :func:`_sum_partials` adds the
   partials exactly in groups of ``DW_GROUP``, level after level. The partition is set by these
   constants and ``H``; never by tuning or the GPU.
@@ -37,8 +38,10 @@ MAX_BLOCK = 8192
 #: Levels of the fixed pairwise tree that adds a row's terms in groups of 2**PAIR_LEVELS adjacent
 #: columns before the exact sum (part of the numerics: the group sums are what is summed).
 PAIR_LEVELS = 3
-#: Rows per weight-gradient partial (the fixed row partition of dweight).
-DW_ROWS = 16
+#: Rows per weight-gradient partial (the fixed row partition of dweight) for rows of at most
+#: 2048 columns, and for wider rows: fewer partials to write and sum where each is long.
+DW_ROWS = 32
+DW_ROWS_WIDE = 64
 #: Partials added together per program when combining dweight partials.
 DW_GROUP = 64
 #: Elements of one backward sub-tile; sets the rows per sub-tile from H (part of dweight's order).
@@ -58,8 +61,12 @@ def _levels(block_h: int) -> int:
     return min(PAIR_LEVELS, block_h.bit_length() - 1)
 
 
+def _dw_rows(block_h: int) -> int:
+    return DW_ROWS if block_h <= 2048 else DW_ROWS_WIDE
+
+
 def _bwd_rows(block_h: int) -> int:
-    return min(DW_ROWS, max(1, BWD_TILE // block_h))
+    return min(_dw_rows(block_h), max(1, BWD_TILE // block_h))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -188,7 +195,7 @@ def _rms_norm_fwd_kernel(
             ccols = c * BLOCK_H + cols
             mask = row_ok[:, None] & (ccols < H)[None, :]
             x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, True)
-            ss += _exact_sum(pair_sums(x * x, LEVELS), 1)
+            ss += _exact_sum_or_masked(pair_sums(x * x, LEVELS), 1)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
         rstd = tl.rsqrt(ss / H + eps)
         # Rows whose squares overflowed: summed again scaled by a power of two (see above).
@@ -282,7 +289,7 @@ def _rms_norm_bwd_kernel(
         if COMPUTE_DW:
             acc += dy * x_hat
     if COMPUTE_DW:
-        tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum(acc, 0), mask=col_ok)
+        tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum_or_masked(acc, 0), mask=col_ok)
 
 
 @jit
@@ -291,7 +298,7 @@ def _group_sum(IN, g, n_in, H, cols, GROUP: tl.constexpr):
     rows = g * GROUP + tl.arange(0, GROUP)
     mask = (rows < n_in)[:, None] & (cols < H)[None, :]
     p = tl.load(IN + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=mask, other=0.0)
-    return _exact_sum(p, 0)
+    return _exact_sum_or_masked(p, 0)
 
 
 @jit(do_not_specialize=["n_in"])
@@ -313,7 +320,7 @@ def _sum_two_levels_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.co
     level = tl.zeros([GROUP, BLOCK_C], dtype=tl.float32)
     for g in range(0, tl.cdiv(n_in, GROUP)):
         level = tl.where(gi[:, None] == g, _group_sum(IN, g, n_in, H, cols, GROUP)[None, :], level)
-    tl.store(OUT + cols, _exact_sum(level, 0).to(OUT.dtype.element_ty), mask=cols < H)
+    tl.store(OUT + cols, _exact_sum_or_masked(level, 0).to(OUT.dtype.element_ty), mask=cols < H)
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,10 +329,15 @@ def _sum_two_levels_kernel(IN, OUT, n_in, H, GROUP: tl.constexpr, BLOCK_C: tl.co
 
 
 def _choose_fwd(*, rows: int, hidden: int) -> int:
-    # H200, scripts/kernel_sweep.py --parts norm: 2048 elements (at least one row) and 4 warps
-    # per program up to H = 4096 (78 us at T = 65536, H = 896; 150 us at H = 2048; 91 us
-    # against 102 us for 4096 elements and 8 warps at T = 16384, H = 4096).
+    # H200, scripts/kernel_sweep.py --parts norm: one row per program up to H = 2048, on one
+    # warp up to 1024 columns (59 us at T = 65536, H = 896, against 73 us for two rows on 4
+    # warps) and on two up to 2048 (130 us at T = 65536, H = 2048, against 135 us); 2048
+    # elements and 4 warps up to 4096 (68 us at T = 16384, H = 4096, as fast as 4096 elements).
     block = _block(hidden)
+    if block <= 1024:
+        return 5  # 1024 elements (one row), 1 warp
+    if block <= 2048:
+        return 6  # one row, 2 warps
     if block <= 4096:
         return 0  # 2048 elements per program, 4 warps
     return 4  # 8192, 16 warps
@@ -349,6 +361,8 @@ TUNING = {
             {"tile": 4096, "num_warps": 8},
             {"tile": 8192, "num_warps": 8},
             {"tile": 8192, "num_warps": 16},
+            {"tile": 1024, "num_warps": 1},
+            {"tile": 1024, "num_warps": 2},
         ),
         choose=_choose_fwd,
     ),
@@ -449,7 +463,8 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
     if T == 0:
         dw = torch.zeros_like(weight) if need_dw else None
         return dx, dw
-    blocks = _cdiv(T, DW_ROWS)
+    dw_rows = _dw_rows(block)
+    blocks = _cdiv(T, dw_rows)
     part = torch.empty(blocks, H, dtype=torch.float32, device=x.device) if need_dw else rstd
     c = rstd
     if chunks > 1:
@@ -474,7 +489,7 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
         BLOCK_H=block,
         NUM_CHUNKS=chunks,
         ROWS=rows,
-        DW_ROWS=DW_ROWS,
+        DW_ROWS=dw_rows,
         LEVELS=_levels(block),
         num_warps=cfg["num_warps"],
     )
