@@ -17,8 +17,8 @@ Numerics (docs/guide.md, "The numerics contract"):
   chunks added in ascending order in fp32).
 - The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of
   ``_dw_rows(H)`` consecutive rows (:data:`DW_ROWS`, or :data:`DW_ROWS_WIDE` for rows wider
-  than 2048) gives a partial (sub-tiles of ``_bwd_rows(H)`` rows added in ascending order
-  elementwise, then the sub-tile rows summed exactly), and :func:`_sum_partials` adds the
+  than 2048) gives a partial, its rows added one after the other in ascending order in fp32,
+  and :func:`_sum_partials` adds the
   partials exactly in groups of ``DW_GROUP``, level after level. The partition is set by these
   constants and ``H``; never by tuning or the GPU.
 - A row's input gradients depend only on that row.
@@ -44,8 +44,6 @@ DW_ROWS = 32
 DW_ROWS_WIDE = 64
 #: Partials added together per program when combining dweight partials.
 DW_GROUP = 64
-#: Elements of one backward sub-tile; sets the rows per sub-tile from H (part of dweight's order).
-BWD_TILE = 4096
 
 # Fraction bits of the fixed-point terms in _exact_sum: terms below 2^-40 of the row's largest
 # are truncated. A term is < 2^41, so int64 cannot overflow for rows shorter than 2^22.
@@ -63,10 +61,6 @@ def _levels(block_h: int) -> int:
 
 def _dw_rows(block_h: int) -> int:
     return DW_ROWS if block_h <= 2048 else DW_ROWS_WIDE
-
-
-def _bwd_rows(block_h: int) -> int:
-    return min(_dw_rows(block_h), max(1, BWD_TILE // block_h))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -258,18 +252,19 @@ def _rms_norm_bwd_kernel(
     COMPUTE_DW: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
-    ROWS: tl.constexpr,
     DW_ROWS: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
-    # Program (block, chunk): rows [block * DW_ROWS, +DW_ROWS), columns of one chunk.
+    # Program (block, chunk): rows [block * DW_ROWS, +DW_ROWS), columns of one chunk, a row at
+    # a time (a tile of several rows would hold several rows of dweight terms in registers:
+    # 230 registers per thread and 12% occupancy at H = 896 on the H200).
     block = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-    for i in range(DW_ROWS // ROWS):
-        rows = block * DW_ROWS + i * ROWS + tl.arange(0, ROWS)
+    acc = tl.zeros([1, BLOCK_H], dtype=tl.float32)
+    for i in range(DW_ROWS):
+        rows = block * DW_ROWS + i + tl.arange(0, 1)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
@@ -289,7 +284,8 @@ def _rms_norm_bwd_kernel(
         if COMPUTE_DW:
             acc += dy * x_hat
     if COMPUTE_DW:
-        tl.store(DWP + block.to(tl.int64) * H + cols, _exact_sum_or_masked(acc, 0), mask=col_ok)
+        # A sum over a single row: the row itself, in any order.
+        tl.store(DWP + block.to(tl.int64) * H + cols, tl.sum(acc, 0), mask=col_ok)
 
 
 @jit
@@ -344,12 +340,13 @@ def _choose_fwd(*, rows: int, hidden: int) -> int:
 
 
 def _choose_bwd(*, rows: int, hidden: int) -> int:
+    # H200, scripts/kernel_sweep.py --parts normbwd (the whole backward): 1 warp up to 1024
+    # columns (118 us at T = 65536, H = 896, against 121 us on 4 warps), 4 up to 2048 (253 us
+    # at T = 65536, H = 2048), 8 up to 4096 (143 us at T = 16384, H = 4096, against 145 us).
     block = _block(hidden)
-    return 0 if block <= 1024 else (1 if block <= 4096 else 2)
-
-
-def _choose_dw(*, partials: int, hidden: int) -> int:
-    return 0 if hidden <= 2048 else 1
+    if block <= 1024:
+        return 3
+    return 0 if block <= 2048 else (1 if block <= 4096 else 2)
 
 
 TUNING = {
@@ -367,15 +364,18 @@ TUNING = {
         choose=_choose_fwd,
     ),
     "rms_norm.bwd": Rule(
-        configs=({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}), choose=_choose_bwd
+        configs=({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}, {"num_warps": 1}),
+        choose=_choose_bwd,
     ),
+    # The dweight partial sums: 16 columns on 2 warps per program at every H measured (H200,
+    # kernel_sweep.py --parts normbwd: 7.1 against 13.8 us for 64 columns at T = 16384,
+    # H = 4096; 10.3 against 12.1 us for 32 at T = 65536, H = 2048).
     "rms_norm.dw": Rule(
         configs=(
+            {"block_c": 16, "num_warps": 2},
             {"block_c": 32, "num_warps": 4},
             {"block_c": 64, "num_warps": 8},
-            {"block_c": 16, "num_warps": 2},
         ),
-        choose=_choose_dw,
     ),
 }
 
@@ -457,7 +457,6 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
     T, H = x.shape
     block = _block(H)
     chunks = _cdiv(H, block)
-    rows = _bwd_rows(block)
     cfg = tuning.config(table, "rms_norm.bwd", rows=T, hidden=H)
     dx = torch.empty_like(x)
     if T == 0:
@@ -488,7 +487,6 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
         COMPUTE_DW=need_dw,
         BLOCK_H=block,
         NUM_CHUNKS=chunks,
-        ROWS=rows,
         DW_ROWS=dw_rows,
         LEVELS=_levels(block),
         num_warps=cfg["num_warps"],
