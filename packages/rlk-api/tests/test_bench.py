@@ -180,3 +180,17 @@ def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
     rows = _run(monkeypatch, sampling, SHAPES=[(4, 512)])
     assert _rlk_ops(rows) == {"sample.temperature", "sample.top_k_top_p"}
     assert {r["impl"] for r in rows} >= {"rlk", "torch"}
+
+
+def test_memory_column_only_where_measured():
+    rows = [
+        {"family": "logprobs", "op": "linear_logprobs.fwd+bwd", "shape": "s", "dtype": "bf16",
+         "impl": impl, "ms": 2.0, "timing": "events", "extra_GiB": gib}
+        for impl, gib in (("rlk", 1.25), ("liger", 1.5))
+    ]  # fmt: skip
+    text = bench.format_family(rows, "logprobs")
+    header = text.splitlines()[0]
+    assert "extra_GiB" in header and "1.25" in text and "1.5" in text
+    for r in rows:
+        del r["extra_GiB"]
+    assert "extra_GiB" not in bench.format_family(rows, "logprobs")

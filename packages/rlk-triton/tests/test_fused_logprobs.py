@@ -24,8 +24,11 @@ def _inputs(t, h, v, dtype, bias=False, seed=0):
 
 
 @pytest.fixture(autouse=True)
-def small_slices(monkeypatch):
-    # Several vocabulary slices (and one partial) at CPU-sized shapes; same code path.
+def small_slices(monkeypatch, request):
+    # Several vocabulary slices (and one partial) at CPU-sized shapes; same code path. The GPU
+    # tests keep the real sizes.
+    if request.node.get_closest_marker("gpu"):
+        return
     monkeypatch.setattr(fl, "VOCAB_SLICE", 128)
     monkeypatch.setattr(fl, "_FWD_SLICE_ELEMS", 3 * 300)
 
@@ -103,3 +106,56 @@ def test_backward_bits_do_not_depend_on_the_slice_size(monkeypatch, dtype, logit
         got = grads(vocab_slice, fwd_elems)
         for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
             assert torch.equal(x, y), (vocab_slice, fwd_elems, name)
+
+
+@pytest.mark.parametrize("dtype,logits_dtype", [(torch.bfloat16, None), (torch.bfloat16,
+                         torch.float32), (torch.float32, None)])  # fmt: skip
+def test_two_pass_backward_equals_one_pass(monkeypatch, dtype, logits_dtype):
+    # 150 tokens: dh in chunks of 40 tokens (4 chunks, the last of 30); dW and dbias in slices
+    # of 128 vocabulary rows (3, the last of 44), each over chunks of 64 tokens (64, 64, 22)
+    # whose products continue one K chain. Every gradient must keep the one-pass bits.
+    hid, w, b, tgt = _inputs(150, 32, 300, dtype, bias=True, seed=4)
+    g1, g2 = torch.randn(150), torch.randn(150)
+
+    def grads(bwd_tokens):
+        monkeypatch.setattr(fl, "BWD_TOKENS", bwd_tokens)
+        monkeypatch.setattr(fl, "DW_SLICE", 128)
+        monkeypatch.setattr(fl, "DW_TOKENS", 64)
+        args = [x.clone().requires_grad_() for x in (hid, w, b)]
+        lp, ent = fl.linear_logprobs(
+            args[0], args[1], tgt, args[2], 0.9, True, logits_dtype, table=TABLE
+        )
+        ((lp * g1).sum() + (ent * g2).sum()).backward()
+        return [a.grad for a in args]
+
+    want = grads(10**6)
+    got = grads(40)
+    for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H", [896, 4096])
+def test_two_pass_backward_equals_one_pass_gpu(monkeypatch, H):
+    # Qwen's vocabulary at 2500 tokens: dh in three chunks, dW in 75 vocabulary slices over one
+    # token chunk, dbias too; then, with DW_TOKENS = 1024, over three chunks of tokens.
+    T, V = 2500, 151936
+    g = torch.Generator(device="cuda").manual_seed(H)
+    hid = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, H, device="cuda", generator=g) * H**-0.5).bfloat16()
+    b = (torch.randn(V, device="cuda", generator=g) * 0.1).bfloat16()
+    tgt = torch.randint(0, V, (T,), device="cuda", generator=g)
+    g1 = torch.randn(T, device="cuda", generator=g)
+
+    def grads(bwd_tokens, dw_tokens=fl.DW_TOKENS):
+        monkeypatch.setattr(fl, "BWD_TOKENS", bwd_tokens)
+        monkeypatch.setattr(fl, "DW_TOKENS", dw_tokens)
+        args = [x.clone().requires_grad_() for x in (hid, w, b)]
+        (fl.linear_logprobs(args[0], args[1], tgt, args[2], table=TABLE) * g1).sum().backward()
+        return [a.grad for a in args]
+
+    want = grads(10**6)
+    for got in (grads(1024), grads(1024, 1024)):
+        for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
+            assert torch.equal(x, y), name

@@ -27,6 +27,14 @@ Extra memory: one ``[T, sub]`` buffer that holds a sub-slice's logits and then i
 (logits of another dtype than the model's take a second buffer), and at most
 ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` partial sums of the dh tree, independent of V; the
 logits ``[T, V]`` never exist.
+
+Beyond :data:`BWD_TOKENS` tokens that memory would grow with T, so the backward runs in two
+passes over chunks of tokens, each computing the logits again (a fourth GEMM of the size of
+the forward's): :func:`weight_grads` gives dW and dbias, slices of :data:`DW_SLICE` vocabulary
+rows each summed over chunks of :data:`DW_TOKENS` tokens into an fp32 accumulator that
+continues the one product's K chain; then the path above gives dh for each chunk of
+:data:`BWD_TOKENS` tokens (a token's dh depends only on that token). The same bits as one pass;
+extra memory bounded by these constants, whatever T.
 """
 
 from __future__ import annotations
@@ -42,6 +50,16 @@ VOCAB_SLICE = 8192
 
 #: Elements of a forward logits slice (bounds forward memory; changes no bit).
 _FWD_SLICE_ELEMS = 1 << 27
+
+#: Most tokens of a one-pass backward; longer batches take two passes over chunks of this many
+#: tokens (bounds the dh tree's fp32 partials to [BWD_TOKENS, H]; changes no bit).
+BWD_TOKENS = 1024
+#: Vocabulary rows per slice of the two-pass backward's dW (its fp32 accumulator holds
+#: [DW_SLICE, H]; changes no bit).
+DW_SLICE = 2048
+#: Tokens per chunk of that dW sum (the logits buffer holds [DW_TOKENS, DW_SLICE]): a multiple
+#: of 64, of every BLOCK_K, so that the chunks continue one K chain.
+DW_TOKENS = 8192
 
 
 def _rows_per_slice(v: int) -> int:
@@ -122,8 +140,9 @@ def backward_slices(
         bit. Logits of the model's dtype are computed into the buffer and turned into dlogits
         there; others get a buffer of their own, rounded once into the dlogits."""
         nonlocal buf
-        if buf is None:
-            buf = torch.empty(T, min(step, V), dtype=hidden.dtype, device=hidden.device)
+        if buf is None:  # as wide as the widest sub-slice: a slice holds at most `per` leaves
+            width = min(step, V, per * leaf_len)
+            buf = torch.empty(T, width, dtype=hidden.dtype, device=hidden.device)
         view = buf[:, : u1 - u0]
         b_u = bias[u0:u1] if bias is not None else None
         logits = _logits(
@@ -178,6 +197,61 @@ def backward_slices(
     return dh, dw, db
 
 
+def weight_grads(
+    hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
+    need_w, need_b,
+):  # fmt: skip
+    """``(dW, dbias)`` (None where not needed) with memory bounded whatever T: per slice of
+    :data:`DW_SLICE` vocabulary rows, the tokens in chunks of :data:`DW_TOKENS`, each chunk's
+    logits turned into dlogits (as :func:`backward_slices` does) and its product with the
+    chunk's hidden rows (or a column of ones, for dbias) added into fp32 accumulators by the
+    GEMM continuing its K chain. So dW has the bits of one product over all tokens, and dbias
+    those of its row sums (``tl.dot`` with ones, the chain of :func:`~rlk_triton.gemm.row_sums`):
+    the bits of :func:`backward_slices`."""
+    T, H = hidden.shape
+    V = weight.shape[0]
+    dw = torch.empty_like(weight) if need_w else None
+    db = torch.empty_like(bias) if need_b else None
+    if T == 0 or V == 0 or not (need_w or need_b):
+        return (dw.zero_() if need_w else None), (db.zero_() if need_b else None)
+    rows, tokens = min(DW_SLICE, V), min(DW_TOKENS, T)
+    dev = hidden.device
+    buf = torch.empty(tokens, rows, dtype=hidden.dtype, device=dev)
+    acc = torch.empty(rows, H, dtype=torch.float32, device=dev) if need_w else None
+    acc_b = torch.empty(rows, 1, dtype=torch.float32, device=dev) if need_b else None
+    ones = torch.ones(tokens, 1, dtype=hidden.dtype, device=dev) if need_b else None
+    in_place = logits_dtype == hidden.dtype
+    for u0 in range(0, V, rows):
+        u1 = min(V, u0 + rows)
+        b_u = bias[u0:u1] if bias is not None else None
+        for t0 in range(0, T, tokens):
+            t1 = min(T, t0 + tokens)
+            view = buf[: t1 - t0, : u1 - u0]
+            logits = _logits(
+                hidden[t0:t1], weight[u0:u1], b_u, logits_dtype, table, view if in_place else None
+            )
+            d = lp_mod.logprobs_backward(
+                logits, targets[t0:t1], lse[t0:t1], None if ent is None else ent[t0:t1],
+                g_lp[t0:t1], None if g_ent is None else g_ent[t0:t1], temperature, table,
+                out=view if in_place else None, col0=u0,
+            )  # fmt: skip
+            del logits
+            if not in_place:
+                view.copy_(d)
+            if need_w:
+                gemm._matmul(view.t(), hidden[t0:t1], None, torch.float32, table,
+                             "linear.bwd_dw", out=acc[: u1 - u0], accumulate=t0 > 0)  # fmt: skip
+            if need_b:
+                gemm._matmul(view.t(), ones[: t1 - t0], None, torch.float32, table,
+                             "linear.bwd_dw", out=acc_b[: u1 - u0], accumulate=t0 > 0)  # fmt: skip
+        # One rounding of each fp32 sum, round-to-nearest-even as the GEMM's store rounds.
+        if need_w:
+            dw[u0:u1].copy_(acc[: u1 - u0])
+        if need_b:
+            db[u0:u1].copy_(acc_b[: u1 - u0, 0])
+    return dw, db
+
+
 class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, temperature, entropy, logits_dtype, table):
@@ -203,11 +277,27 @@ class LinearLogprobsFunction(torch.autograd.Function):
             ctx.needs_input_grad[1],
             (bias is not None and ctx.needs_input_grad[3]),
         )
-        dh, dw, db = backward_slices(
-            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, ctx.temperature,
-            ctx.logits_dtype, table, need_h, need_w, need_b,
-        )  # fmt: skip
-        dh = dh.to(hidden.dtype) if need_h else None
+        args = (ctx.temperature, ctx.logits_dtype, table)
+        T = hidden.shape[0]
+        if T <= BWD_TOKENS:
+            dh, dw, db = backward_slices(
+                hidden, weight, targets, bias, lse, ent, g_lp, g_ent, *args, need_h, need_w,
+                need_b,
+            )  # fmt: skip
+            dh = dh.to(hidden.dtype) if need_h else None
+            return dh, dw, None, db, None, None, None, None
+        # Two passes, each over chunks of tokens (see the module): dW and dbias, then dh.
+        dw, db = weight_grads(
+            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, *args, need_w, need_b
+        )
+        dh = torch.empty_like(hidden) if need_h else None
+        for t0 in range(0, T, BWD_TOKENS) if need_h else ():
+            c = slice(t0, min(T, t0 + BWD_TOKENS))
+            part, _, _ = backward_slices(
+                hidden[c], weight, targets[c], bias, lse[c], None if ent is None else ent[c],
+                g_lp[c], None if g_ent is None else g_ent[c], *args, True, False, False,
+            )  # fmt: skip
+            dh[c] = part
         return dh, dw, None, db, None, None, None, None
 
 

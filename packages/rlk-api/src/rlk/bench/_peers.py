@@ -73,14 +73,25 @@ def fwd_bwd_step(fwd: Callable[[], Any], leaves: Sequence[torch.Tensor]) -> Call
 
 
 def measure(
-    emit: Callable[[dict], None], op: str, shape: str, dtype: str, impl: str, fn, **work
+    emit: Callable[[dict], None],
+    op: str,
+    shape: str,
+    dtype: str,
+    impl: str,
+    fn,
+    memory: bool = False,
+    **work,
 ) -> None:
     """Call ``fn`` once (compilation, autotuning), time it and emit its row; ``work`` is
-    ``nbytes`` and/or ``flops``. A peer that fails is left out with one line on stderr; rlk's
-    own errors propagate."""
+    ``nbytes`` and/or ``flops``; ``memory``: the row also gets ``extra_GiB``
+    (:func:`~rlk.bench._timing.extra_memory_gib` of one more call). A peer that fails is left
+    out with one line on stderr; rlk's own errors propagate."""
     try:
         fn()
         row = _timing.timed(op, shape, dtype, impl, fn, **work)
+        gib = _timing.extra_memory_gib(fn) if memory else None
+        if gib is not None:
+            row["extra_GiB"] = round(gib, 3)
     except Exception as e:
         if impl == "rlk":
             raise
@@ -98,14 +109,17 @@ def time_op(
     cases: Sequence[Case],
     fwd_work: dict | None,
     fwd_bwd_work: dict | None,
+    memory: bool = False,
 ) -> None:
     """The ``<op>.fwd`` rows of every case, then its ``<op>.fwd+bwd`` rows; ``*_work`` is the
-    ``nbytes``/``flops`` of a row, None for no such row. Every forward-only row runs before any
-    input is made to require grad."""
+    ``nbytes``/``flops`` of a row, None for no such row; ``memory``: the fwd+bwd rows also give
+    the memory a step allocates (``extra_GiB``). Every forward-only row runs before any input
+    is made to require grad."""
     dt = _timing.dtype_name(dtype)
     if fwd_work is not None:
         for impl, f, _ in cases:
             measure(emit, f"{op}.fwd", shape, dt, impl, f, **fwd_work)
     if fwd_bwd_work is not None:
         for impl, f, leaves in cases:
-            measure(emit, f"{op}.fwd+bwd", shape, dt, impl, fwd_bwd_step(f, leaves), **fwd_bwd_work)
+            step = fwd_bwd_step(f, leaves)
+            measure(emit, f"{op}.fwd+bwd", shape, dt, impl, step, memory, **fwd_bwd_work)

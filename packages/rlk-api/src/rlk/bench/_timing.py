@@ -136,6 +136,22 @@ def row(
     return r
 
 
+def extra_memory_gib(fn: Callable[[], Any]) -> float | None:
+    """The peak memory one eager ``fn()`` allocates beyond what is allocated before it, its
+    outputs (gradients, say) included, in GiB: the CUDA caching allocator's statistics, so
+    what PyTorch allocates, not what it keeps reserved. None off CUDA (no such statistics)."""
+    if torch.device(DEVICE).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2**30
+
+
 def timed(op: str, shape: str, dtype: str, impl: str, fn: Callable[[], Any], **kw) -> dict:
     """:func:`row` for ``fn`` timed by :func:`time_call`."""
     ms, how = time_call(fn)

@@ -23,6 +23,10 @@ its outputs once; the targets and the ``[T]`` outputs are left out): fwd reads t
 bwd reads them again and writes dlogits, 2*T*V*e. ``linear_logprobs`` is compute-bound, counted in
 flops: 2*T*H*V for the logits, twice that for dhidden and dweight, 6*T*H*V in all (recomputing
 the logits in the backward is not counted).
+
+Memory: the ``linear_logprobs.fwd+bwd`` rows also give ``extra_GiB``, the peak memory one step
+allocates beyond its inputs, the gradients of hidden and weight included (the same measure for
+every impl).
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ from rlk.bench import _timing
 from rlk.bench._peers import Case, compiled, liger, time_op
 
 #: Shapes per op (``quick`` takes the first of each): logprobs ``(T, V)``: Qwen2.5/3 and
-#: Llama-3 vocabularies; linear_logprobs ``(T, H, V)``: an 8B-class model (H=4096) and
-#: Qwen2.5-0.5B (H=896), both with Qwen's vocabulary.
+#: Llama-3 vocabularies; linear_logprobs ``(T, H, V)``: an 8B-class model (H=4096) at two
+#: token counts and Qwen2.5-0.5B (H=896), all with Qwen's vocabulary.
 SHAPES: dict[str, list[tuple[int, ...]]] = {
     "logprobs": [(16384, 151936), (8192, 128256)],
-    "linear_logprobs": [(8192, 4096, 151936), (16384, 896, 151936)],
+    "linear_logprobs": [(8192, 4096, 151936), (16384, 896, 151936), (32768, 4096, 151936)],
 }
 DTYPE = torch.bfloat16
 
@@ -102,7 +106,8 @@ def _linear_logprobs(emit, T: int, H: int, V: int) -> None:
         args = (hidden, weight, targets, None, None, -100, 0.0, 0.0, "none")
         cases.append(("liger", lambda: -F.apply(*args)[0], leaves))
     fwd_bwd = {"flops": 6 * T * H * V}
-    time_op(emit, "linear_logprobs", f"T={T} H={H} V={V}", DTYPE, cases, None, fwd_bwd)
+    shape = f"T={T} H={H} V={V}"
+    time_op(emit, "linear_logprobs", shape, DTYPE, cases, None, fwd_bwd, memory=True)
 
 
 def run(quick: bool, emit: Callable[[dict], None]) -> None:
