@@ -11,6 +11,7 @@ division skipped at temperature 1, against Liger's cross-entropy), ``silu`` and 
 forward with a plain fp32 sum of squares, timed only, to see what the exact sum costs),
 ``normbwd`` (rms_norm's backward: each launch config, its pieces, other dweight row
 partitions and a plain-sum copy, both timed only, against Liger and ``torch.compile``),
+``fusedmem`` (linear_logprobs' peak memory and eager time under other chunk constants),
 ``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
 the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
@@ -660,6 +661,58 @@ def _norm_bwd_shape(rows, T: int, H: int) -> None:
         emit("liger fwd+bwd", us(step))
 
 
+def fused_memory_part(rows) -> None:
+    for T, H in ((16384, 896), (8192, 4096)):
+        _fused_memory_shape(rows, T, H, 151936)
+
+
+def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
+    """linear_logprobs at one shape under other chunk constants (none changes a bit): the peak
+    memory of the forward and of the backward beyond what is allocated before each (GiB, the
+    gradients included), and their times (CUDA events over eager calls: host included)."""
+    from rlk.bench import _timing
+    from rlk_triton import fused_logprobs as fl
+
+    hid = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, H, device="cuda") * H**-0.5).to(torch.bfloat16)
+    tgt = torch.randint(0, V, (T,), device="cuda")
+    g = torch.randn(T, device="cuda")
+    hr, wr = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    base = {k: getattr(fl, k) for k in ("BWD_TOKENS", "DW_SLICE", "DW_TOKENS", "_FWD_SLICE_ELEMS")}
+    variants = [{}, {"_FWD_SLICE_ELEMS": 1 << 25}, {"BWD_TOKENS": 2048}, {"BWD_TOKENS": 4096},
+                {"DW_SLICE": 4096}, {"DW_SLICE": 1024}, {"DW_TOKENS": 4096},
+                {"DW_TOKENS": 16384}, {"BWD_TOKENS": 10**9}]  # fmt: skip
+
+    def ms(fn, n=3):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def fwd():
+        return rlk.linear_logprobs(hr, wr, tgt)
+
+    def bwd():
+        return torch.autograd.grad(fwd(), (hr, wr), g)
+
+    for v in variants:
+        for k, x in {**base, **v}.items():
+            setattr(fl, k, x)
+        fwd_gib = _timing.extra_memory_gib(fwd)
+        step_gib = _timing.extra_memory_gib(bwd)
+        r = {"part": "fused_memory", "shape": f"T={T} H={H} V={V}", "variant": v or "defaults",
+             "fwd_GiB": round(fwd_gib, 3), "step_GiB": round(step_gib, 3),
+             "fwd_ms": round(ms(fwd), 2), "step_ms": round(ms(bwd), 2)}  # fmt: skip
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    for k, x in base.items():
+        setattr(fl, k, x)
+
+
 def sample_part(rows) -> None:
     for B in (1, 64, 256):
         _sample_shape(rows, B, 151936)
@@ -699,6 +752,13 @@ def print_memory_bound(rows) -> None:
             f"{'ok' if ok else 'DIFF'}  {best['cfg']}"
         )
     for r in rows:
+        if r["part"] == "fused_memory":
+            print(
+                f"linear_logprobs {r['shape']:24} {str(r['variant']):28} fwd {r['fwd_GiB']:6.3f}"
+                f" GiB {r['fwd_ms']:8.2f} ms  fwd+bwd {r['step_GiB']:6.3f} GiB"
+                f" {r['step_ms']:8.2f} ms"
+            )
+    for r in rows:
         if r["part"] == "norm_bwd":
             eq = {None: "", True: "bits ok", False: "DIFF"}[r["bits_equal"]]
             print(f"norm bwd {r['shape']:16} {r['variant']:52} {r['us']:>8} us {eq}")
@@ -728,6 +788,7 @@ def main() -> None:
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
         "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
+        "fusedmem": fused_memory_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
