@@ -82,9 +82,12 @@ def linear_leaf_states(
     dev = hidden.device
     out = [torch.empty(T, dtype=torch.float32, device=dev) for _ in range(4)]
     step = _rows_per_slice(weight.shape[0])
+    # One buffer for every slice's logits: a new tensor per slice would live beside the last
+    # one until the assignment, twice the memory.
+    buf = torch.empty(min(step, T), weight.shape[0], dtype=logits_dtype, device=dev)
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
-        logits = _logits(hidden[r0:r1], weight, bias, logits_dtype, table)
+        logits = _logits(hidden[r0:r1], weight, bias, logits_dtype, table, out=buf[: r1 - r0])
         m, s, t, zt = lp_mod.leaf_states(
             logits, targets[r0:r1], temperature, entropy, table, vocab, vocab_offset
         )
