@@ -14,6 +14,11 @@ Probes (bf16, CUDA):
 - ``norm-bwd``: ``rms_norm`` forward + backward at T=65536, H=896 (Qwen2-0.5B's hidden size),
   the harness shape where rlk's backward is slowest against ``torch.compile``; its kernels are
   ``_rms_norm_fwd_kernel``, ``_rms_norm_bwd_kernel`` and the dweight partial sums.
+- ``rotary-d64``: ``apply_rotary`` of q and k at T=65536, Hq=14, Hk=2, D=64 (Qwen2-0.5B), where
+  rlk's forward is slowest against Liger, then Liger's in-place rope on copies (when installed):
+  ``_rotary_kernel``, then Liger's kernel.
+- ``sample-topkp``: ``rlk.sample`` at B=256, V=151936 with temperature 0.8, top-k 50 and top-p
+  0.9 (the harness shape), and with temperature alone: every kernel of both calls.
 """
 
 from __future__ import annotations
@@ -56,7 +61,38 @@ def norm_bwd() -> None:
         torch.autograd.grad(rlk.rms_norm(x, w, 1e-6), (x, w), dy)
 
 
-PROBES = {"attention-bwd": attention_bwd, "linear-decode": linear_decode, "norm-bwd": norm_bwd}
+def rotary_d64() -> None:
+    from rlk.bench import norm
+    from rlk.bench._peers import liger
+
+    q = torch.randn(65536, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(65536, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = norm._rope_cos_sin(65536, 64)
+    rope = liger("LigerRopeFunction")
+    ql, kl = q.clone(), k.clone()
+    for _ in range(3):
+        rlk.apply_rotary(q, cos, sin, k=k)
+        if rope is not None:
+            rope.apply(norm._hf_layout(ql), norm._hf_layout(kl), cos, sin)
+
+
+def sample_topkp() -> None:
+    b, v = 256, 151936
+    logits = torch.randn(b, v, device="cuda") * 3
+    seeds = torch.arange(b, device="cuda")
+    offsets = torch.zeros(b, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        rlk.sample(logits, seeds, offsets, temperature=0.8, top_k=50, top_p=0.9)
+        rlk.sample(logits, seeds, offsets, temperature=0.8)
+
+
+PROBES = {
+    "attention-bwd": attention_bwd,
+    "linear-decode": linear_decode,
+    "norm-bwd": norm_bwd,
+    "rotary-d64": rotary_d64,
+    "sample-topkp": sample_topkp,
+}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
