@@ -134,6 +134,30 @@ def test_two_pass_backward_equals_one_pass(monkeypatch, dtype, logits_dtype):
         assert torch.equal(x, y), name
 
 
+def test_two_pass_backward_of_a_vocabulary_rank(monkeypatch):
+    # A vocabulary-parallel rank's backward (rows 152..303 of a 304-row lm_head: 4 of its 8
+    # leaves) takes the two passes as one device does: its fp32 dh subtree value, dW and
+    # dbias keep the one-pass bits (the targets are in whole-vocabulary ids).
+    hid, w, b, tgt = _inputs(150, 32, 304, torch.bfloat16, bias=True, seed=5)
+    _, lse, ent = fl.linear_logprobs_forward(hid, w, tgt, b, 0.9, True, torch.bfloat16, TABLE)
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_ent = torch.randn(150, generator=g), torch.randn(150, generator=g)
+
+    def rank_grads(bwd_tokens):
+        monkeypatch.setattr(fl, "BWD_TOKENS", bwd_tokens)
+        monkeypatch.setattr(fl, "DW_SLICE", 64)
+        monkeypatch.setattr(fl, "DW_TOKENS", 64)
+        return fl.backward(
+            hid, w[152:], tgt, b[152:], lse, ent, g_lp, g_ent, 0.9, torch.bfloat16, TABLE,
+            True, True, True, torch.float32, 304, 152,
+        )  # fmt: skip
+
+    want = rank_grads(10**6)
+    assert want[0].dtype == torch.float32
+    for name, x, y in zip(("dhidden", "dW", "dbias"), rank_grads(40), want):
+        assert torch.equal(x, y), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("H", [896, 4096])

@@ -202,9 +202,10 @@ def backward_slices(
 
 def weight_grads(
     hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
-    need_w, need_b,
+    need_w, need_b, vocab_offset=0,
 ):  # fmt: skip
-    """``(dW, dbias)`` (None where not needed) with memory bounded whatever T: per slice of
+    """``(dW, dbias)`` (None where not needed) of ``weight``'s rows (a vocabulary-parallel
+    rank's rows from ``vocab_offset``), with memory bounded whatever T: per slice of
     :data:`DW_SLICE` vocabulary rows, the tokens in chunks of :data:`DW_TOKENS`, each chunk's
     logits turned into dlogits (as :func:`backward_slices` does) and its product with the
     chunk's hidden rows (or a column of ones, for dbias) added into fp32 accumulators by the
@@ -236,7 +237,7 @@ def weight_grads(
             d = lp_mod.logprobs_backward(
                 logits, targets[t0:t1], lse[t0:t1], None if ent is None else ent[t0:t1],
                 g_lp[t0:t1], None if g_ent is None else g_ent[t0:t1], temperature, table,
-                out=view if in_place else None, col0=u0,
+                out=view if in_place else None, col0=vocab_offset + u0,
             )  # fmt: skip
             del logits
             if not in_place:
@@ -253,6 +254,39 @@ def weight_grads(
         if need_b:
             db[u0:u1].copy_(acc_b[: u1 - u0, 0])
     return dw, db
+
+
+def backward(
+    hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
+    need_h, need_w, need_b, dh_dtype, vocab=None, vocab_offset=0,
+):  # fmt: skip
+    """``(dh in dh_dtype, dW, dbias)``, each None where not needed, of ``weight``'s rows (a
+    vocabulary-parallel rank's, as in :func:`backward_slices`): one pass up to
+    :data:`BWD_TOKENS` tokens; beyond, :func:`weight_grads`, then dh per chunk of
+    :data:`BWD_TOKENS` tokens, rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's
+    subtree value for the exchange). The same bits either way."""
+    T = hidden.shape[0]
+    if T <= BWD_TOKENS:
+        dh, dw, db = backward_slices(
+            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
+            table, need_h, need_w, need_b, vocab, vocab_offset,
+        )  # fmt: skip
+        return (dh.to(dh_dtype) if need_h else None), dw, db
+    dw, db = weight_grads(
+        hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
+        need_w, need_b, vocab_offset,
+    )  # fmt: skip
+    if not need_h:
+        return None, dw, db
+    dh = torch.empty(hidden.shape, dtype=dh_dtype, device=hidden.device)
+    for t0 in range(0, T, BWD_TOKENS):
+        c = slice(t0, min(T, t0 + BWD_TOKENS))
+        dh[c], _, _ = backward_slices(
+            hidden[c], weight, targets[c], bias, lse[c], None if ent is None else ent[c],
+            g_lp[c], None if g_ent is None else g_ent[c], temperature, logits_dtype, table,
+            True, False, False, vocab, vocab_offset,
+        )  # fmt: skip
+    return dh, dw, db
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -280,27 +314,10 @@ class LinearLogprobsFunction(torch.autograd.Function):
             ctx.needs_input_grad[1],
             (bias is not None and ctx.needs_input_grad[3]),
         )
-        args = (ctx.temperature, ctx.logits_dtype, table)
-        T = hidden.shape[0]
-        if T <= BWD_TOKENS:
-            dh, dw, db = backward_slices(
-                hidden, weight, targets, bias, lse, ent, g_lp, g_ent, *args, need_h, need_w,
-                need_b,
-            )  # fmt: skip
-            dh = dh.to(hidden.dtype) if need_h else None
-            return dh, dw, None, db, None, None, None, None
-        # Two passes, each over chunks of tokens (see the module): dW and dbias, then dh.
-        dw, db = weight_grads(
-            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, *args, need_w, need_b
-        )
-        dh = torch.empty_like(hidden) if need_h else None
-        for t0 in range(0, T, BWD_TOKENS) if need_h else ():
-            c = slice(t0, min(T, t0 + BWD_TOKENS))
-            part, _, _ = backward_slices(
-                hidden[c], weight, targets[c], bias, lse[c], None if ent is None else ent[c],
-                g_lp[c], None if g_ent is None else g_ent[c], *args, True, False, False,
-            )  # fmt: skip
-            dh[c] = part
+        dh, dw, db = backward(
+            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, ctx.temperature,
+            ctx.logits_dtype, table, need_h, need_w, need_b, hidden.dtype,
+        )  # fmt: skip
         return dh, dw, None, db, None, None, None, None
 
 

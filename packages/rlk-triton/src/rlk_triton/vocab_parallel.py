@@ -81,9 +81,9 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
             ent = g_ent = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[3]
-        dh, dw, db = fl.backward_slices(
+        dh, dw, db = fl.backward(
             hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
-            table, need_h, need_w, need_b, vocab, offset,
+            table, need_h, need_w, need_b, torch.float32, vocab, offset,
         )  # fmt: skip
         if need_h:
             # hidden is replicated; its gradient sums over the vocabulary, which the ranks
