@@ -49,6 +49,7 @@ def _rotary_kernel(
     k_heads,
     HALF,
     BACKWARD: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HEADS_K: tl.constexpr,
@@ -56,9 +57,13 @@ def _rotary_kernel(
 ):
     # Program (block of tokens, head block j): X's head block j and, when it has one, K's head
     # block j (k_heads = 0: no K), with cos and sin loaded once for both. Elementwise, so the
-    # block sizes change no bit, and a tensor rotated with another is rotated as alone.
-    t = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    j = tl.program_id(1)
+    # block sizes change no bit, and a tensor rotated with another is rotated as alone. The
+    # head blocks of a token block are consecutive programs, so the ones after the first find
+    # that block's cos and sin in L2 (a 2D grid would run every token block's head block 0
+    # first, and its last head block after the whole tensor had streamed through L2).
+    pid = tl.program_id(0)
+    t = (pid // HEAD_BLOCKS).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    j = pid % HEAD_BLOCKS
     cols = tl.arange(0, BLOCK_HALF)
     tc_ok = (t < n_tokens)[:, None] & (cols < HALF)[None, :]  # [tokens, half]
     cs = t[:, None] * (2 * HALF) + cols[None, :]
@@ -145,7 +150,7 @@ def _rotate(x, k, cos, sin, backward, table):
     block_tokens = cfg.get("tokens", 1)
     head_blocks = max(cdiv(NH, block_heads), cdiv(NK, block_heads_k))
     if T > 0 and head_blocks > 0:
-        _rotary_kernel[(cdiv(T, block_tokens), head_blocks)](
+        _rotary_kernel[(cdiv(T, block_tokens) * head_blocks,)](
             x,
             y,
             k if k is not None else x,
@@ -157,6 +162,7 @@ def _rotate(x, k, cos, sin, backward, table):
             NK,
             D // 2,
             BACKWARD=backward,
+            HEAD_BLOCKS=head_blocks,
             BLOCK_TOKENS=block_tokens,
             BLOCK_HEADS=block_heads,
             BLOCK_HEADS_K=block_heads_k,
