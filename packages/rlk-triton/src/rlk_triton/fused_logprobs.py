@@ -72,6 +72,28 @@ def _logits(h, weight, bias, logits_dtype, table, out=None):
     return gemm._matmul(h, weight.t(), bias, logits_dtype, table, "linear.fwd", out=out)
 
 
+def _dlogits_into(view, hidden, weight, bias, targets, lse, ent, g_lp, g_ent, temperature,
+                  logits_dtype, table, col0):  # fmt: skip
+    """dlogits of ``hidden``'s tokens over ``weight``'s rows into ``view`` ([tokens, rows] in
+    hidden's dtype, unit column stride), the rows' first being vocabulary entry ``col0`` (a
+    target outside them matches none of their columns). Logits of the model's dtype are
+    computed into ``view`` and turned into dlogits there; others get a tensor of their own,
+    rounded once into ``view``. Every element is per (token, row): slicing changes no bit."""
+    in_place = logits_dtype == hidden.dtype
+    logits = _logits(hidden, weight, bias, logits_dtype, table, view if in_place else None)
+    d = lp_mod.logprobs_backward(
+        logits, targets, lse, ent, g_lp, g_ent, temperature, table,
+        out=view if in_place else None, col0=col0,
+    )  # fmt: skip
+    if not in_place:
+        view.copy_(d)
+
+
+def _rows(x, c):
+    """``x[c]``, or None for None (the entropy terms when entropy is off)."""
+    return None if x is None else x[c]
+
+
 def linear_leaf_states(
     hidden, weight, targets, bias, temperature, entropy, logits_dtype, table, vocab, vocab_offset
 ):
@@ -134,32 +156,20 @@ def backward_slices(
     # Only a slice of one leaf is cut, from the leaf's start; slices of several leaves are one
     # sub-slice (at most VOCAB_SLICE rows).
     step = sub_rows if per == 1 else per * leaf_len
-    in_place = logits_dtype == hidden.dtype
     buf = None
 
     def sub_slice_dlogits(u0, u1):
         """dlogits of rows [u0, u1) in hidden's dtype (a view of the one reused buffer), with
-        dW and dbias of those rows. Every element is per (token, row), so sub-slices change no
-        bit. Logits of the model's dtype are computed into the buffer and turned into dlogits
-        there; others get a buffer of their own, rounded once into the dlogits."""
+        dW and dbias of those rows (:func:`_dlogits_into`)."""
         nonlocal buf
         if buf is None:  # as wide as the widest sub-slice: a slice holds at most `per` leaves
             width = min(step, V, per * leaf_len)
             buf = torch.empty(T, width, dtype=hidden.dtype, device=hidden.device)
         view = buf[:, : u1 - u0]
-        b_u = bias[u0:u1] if bias is not None else None
-        logits = _logits(
-            hidden, weight[u0:u1], b_u, logits_dtype, table, view if in_place else None
-        )
-        # The sub-slice's first column is vocabulary entry vocab_offset + u0: a target outside
-        # the sub-slice matches none of its columns.
-        d = lp_mod.logprobs_backward(
-            logits, targets, lse, ent, g_lp, g_ent, temperature, table,
-            out=view if in_place else None, col0=vocab_offset + u0,
+        _dlogits_into(
+            view, hidden, weight[u0:u1], _rows(bias, slice(u0, u1)), targets, lse, ent, g_lp,
+            g_ent, temperature, logits_dtype, table, vocab_offset + u0,
         )  # fmt: skip
-        del logits
-        if not in_place:
-            view.copy_(d)
         # dW and dbias rows written in place: no temporary, no copy.
         if need_w:
             gemm._matmul(view.t(), hidden, None, weight.dtype, table, "linear.bwd_dw",
@@ -224,24 +234,17 @@ def weight_grads(
     acc = torch.empty(rows, H, dtype=torch.float32, device=dev) if need_w else None
     acc_b = torch.empty(rows, 1, dtype=torch.float32, device=dev) if need_b else None
     ones = torch.ones(tokens, 1, dtype=hidden.dtype, device=dev) if need_b else None
-    in_place = logits_dtype == hidden.dtype
     for u0 in range(0, V, rows):
         u1 = min(V, u0 + rows)
-        b_u = bias[u0:u1] if bias is not None else None
         for t0 in range(0, T, tokens):
             t1 = min(T, t0 + tokens)
+            c = slice(t0, t1)
             view = buf[: t1 - t0, : u1 - u0]
-            logits = _logits(
-                hidden[t0:t1], weight[u0:u1], b_u, logits_dtype, table, view if in_place else None
-            )
-            d = lp_mod.logprobs_backward(
-                logits, targets[t0:t1], lse[t0:t1], None if ent is None else ent[t0:t1],
-                g_lp[t0:t1], None if g_ent is None else g_ent[t0:t1], temperature, table,
-                out=view if in_place else None, col0=vocab_offset + u0,
+            _dlogits_into(
+                view, hidden[c], weight[u0:u1], _rows(bias, slice(u0, u1)), targets[c], lse[c],
+                _rows(ent, c), g_lp[c], _rows(g_ent, c), temperature, logits_dtype, table,
+                vocab_offset + u0,
             )  # fmt: skip
-            del logits
-            if not in_place:
-                view.copy_(d)
             if need_w:
                 gemm._matmul(view.t(), hidden[t0:t1], None, torch.float32, table,
                              "linear.bwd_dw", out=acc[: u1 - u0], accumulate=t0 > 0)  # fmt: skip
@@ -282,9 +285,8 @@ def backward(
     for t0 in range(0, T, BWD_TOKENS):
         c = slice(t0, min(T, t0 + BWD_TOKENS))
         dh[c], _, _ = backward_slices(
-            hidden[c], weight, targets[c], bias, lse[c], None if ent is None else ent[c],
-            g_lp[c], None if g_ent is None else g_ent[c], temperature, logits_dtype, table,
-            True, False, False, vocab, vocab_offset,
+            hidden[c], weight, targets[c], bias, lse[c], _rows(ent, c), g_lp[c], _rows(g_ent, c),
+            temperature, logits_dtype, table, True, False, False, vocab, vocab_offset,
         )  # fmt: skip
     return dh, dw, db
 
