@@ -714,8 +714,17 @@ def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
 
 
 def sample_part(rows) -> None:
-    for B in (1, 64, 256):
+    for B in (1, 64, 256, 1024):
         _sample_shape(rows, B, 151936)
+
+
+#: Launch configs tried beside the table's (more or fewer programs per threshold pass).
+SAMPLE_EXTRA = (
+    {"num_warps": 2, "programs": 4096},
+    {"num_warps": 1, "programs": 4096},
+    {"num_warps": 2, "programs": 1024},
+    {"num_warps": 4, "programs": 2048},
+)
 
 
 def _sample_shape(rows, B: int, V: int) -> None:
@@ -725,6 +734,7 @@ def _sample_shape(rows, B: int, V: int) -> None:
     from rlk_triton import sampling
 
     configs = list(sampling.TUNING["sample.fwd"].configs)
+    configs += [c for c in SAMPLE_EXTRA if c not in configs]
     for name, kw in (
         ("temperature", dict(temperature=0.8)),
         ("top_k_top_p", dict(temperature=0.8, top_k=50, top_p=0.9)),

@@ -142,14 +142,18 @@ def test_top_k_cut_through_ties_made_by_the_division():
     assert set(tok.tolist()) == kept
 
 
-def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch):
-    # The top-k passes skip blocks below their bucket, the top-p passes and the pick blocks
-    # whose largest logit cannot reach the threshold: with both skips turned off every row
-    # must draw the very same token (rows with top-k alone, top-p alone, both, neither, and
-    # one with a NaN).
+@pytest.mark.parametrize("v", [300, 3000])
+def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch, v):
+    # The top-k passes skip blocks below their bucket or below the row's floor (the k-th
+    # largest block maximum), the top-p passes and the pick blocks whose largest logit cannot
+    # reach the threshold: with the skips turned off every row must draw the very same token
+    # (rows with top-k alone, top-p alone, both, neither, one with a NaN; at V = 3000, 24
+    # blocks, most rows have k below the block count, and row 13's logits are whole numbers:
+    # ties across blocks at the floor).
     b = 16
-    logits, seeds, offsets = _rows(b, 300, torch.float32, seed=7)
+    logits, seeds, offsets = _rows(b, v, torch.float32, seed=7)
     logits[3, 250] = float("nan")
+    logits[13] = logits[13].round()
     p = _params(b, seed=8)
     p["top_k"][:4] = 0
     p["top_p"][4:8] = 1.0
@@ -277,8 +281,8 @@ def _one_program_masses(logits, maxima, temp, out, V, n_blocks, SHIFT: tl.conste
 
 
 @jit
-def _sum_parts_kernel(ptr, out, n_parts, NCAND: tl.constexpr):
-    tl.store(out + tl.arange(0, NCAND), smod._sum_parts(ptr, n_parts, NCAND))
+def _sum_parts_kernel(ptr, out, n_parts, NCAND: tl.constexpr, MAX_PARTS: tl.constexpr):
+    tl.store(out + tl.arange(0, NCAND), smod._sum_parts(ptr, n_parts, NCAND, MAX_PARTS))
 
 
 def test_top_p_masses_add_parts_in_one_order():
@@ -301,9 +305,10 @@ def test_top_p_masses_add_parts_in_one_order():
     smod._maxima_kernel[(1, n_parts)](logits, temp, k, q, maxima, v, v, blocks, **has,
                                       BLOCK=smod.BLOCK, PART_BLOCKS=smod.PART_BLOCKS)  # fmt: skip
     smod._level_kernel[(1, n_parts)](logits, temp, k, q, maxima, prefix, counts, masses,
-                                     torch.empty(1, dtype=torch.int64), torch.empty(1), v, v,
-                                     blocks, n_parts, TOPP=True, LEVEL=0, **has, **meta,
-                                     **sizes)  # fmt: skip
+                                     torch.empty(1, dtype=torch.int64), torch.empty(1),
+                                     torch.empty(1, dtype=torch.int64), v, v, blocks, n_parts,
+                                     TOPP=True, LEVEL=0, **has, **meta, **sizes,
+                                     MAX_PARTS=1 << (n_parts - 1).bit_length())  # fmt: skip
     split = masses[0, 0, 0].clone()
     for part in range(1, n_parts):
         split += masses[0, 0, part]
@@ -316,7 +321,7 @@ def test_top_p_masses_add_parts_in_one_order():
     parts = torch.zeros(3, ncand)
     parts[:, 1] = torch.tensor([1.0, 1e8, -1e8])
     got = torch.empty(ncand)
-    _sum_parts_kernel[(1,)](parts, got, 3, NCAND=ncand)
+    _sum_parts_kernel[(1,)](parts, got, 3, NCAND=ncand, MAX_PARTS=4)
     assert got[1] == 0.0
 
 

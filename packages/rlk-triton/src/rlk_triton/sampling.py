@@ -46,7 +46,8 @@ RADIX_BITS = 4
 LEVELS = 32 // RADIX_BITS
 #: Blocks per part of a row. The top-p masses add each part's blocks in ascending order, then
 #: the parts in ascending order: a constant of the op, so that the one-program threshold and
-#: the split one (a program per part) give the same bits.
+#: the split one (a program per part) give the same bits. A power of two, at most 32 (a part's
+#: blocks to read are the bits of one int64, :func:`_live_blocks`).
 PART_BLOCKS = 16
 
 PHILOX_M0 = tl.constexpr(0xD2511F53)
@@ -99,6 +100,8 @@ def _unkey(key):
 #: The block-maximum key of a block holding a NaN logit: above every key, so such a block is
 #: never skipped (and its NaN is counted where it is loaded).
 NAN_BLOCK = tl.constexpr(0xFFFFFFFF)
+#: Blocks whose maxima the pick loads at once (the bits of one int64 mask).
+PICK_SPAN = tl.constexpr(32)
 
 
 @jit
@@ -115,11 +118,6 @@ def _block_maxima(row_ptr, V, b_lo, b_hi, maxima_ptr, BLOCK: tl.constexpr):
 
 
 @jit
-def _block_max(maxima_ptr, b):
-    return tl.load(maxima_ptr + b).to(tl.uint32, bitcast=True)
-
-
-@jit
 def _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS: tl.constexpr):
     """The row's largest z, i.e. its largest logit divided once (the division is monotone),
     from its block maxima."""
@@ -129,10 +127,45 @@ def _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS: tl.constexpr):
 
 
 @jit
-def _may_count(block_max, prefix):
-    """Whether a block can hold a key >= ``prefix`` (the lowest key of the radix bucket): one
-    whose largest key is below adds 0 to every count of the pass, so skipping it changes none."""
-    return block_max >= prefix
+def _may_count(block_max, low):
+    """Whether a block can hold a key >= ``low``, the larger of the radix bucket's lowest key
+    and the row's :func:`_topk_floor`: a block whose largest key is below adds 0 to every count
+    of the pass that matters, so skipping it decides the same digit."""
+    return block_max >= low
+
+
+@jit
+def _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS: tl.constexpr):
+    """The k-th largest block maximum key of the row (0 when the row has fewer than k blocks).
+
+    Those k blocks each hold a token with a key at least this, so the k-th largest key is at
+    least this too, and a block whose largest key is below it holds no token that top-k
+    keeps. A radix pass may skip it: its count is exact for every candidate at or above the
+    floor, and for a candidate below, ``count >= k`` holds with or without the block."""
+    b = tl.arange(0, MAX_BLOCKS)
+    keys = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+    floor = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):  # bisection on the key, one bit a step from the top
+        cand = floor | (tl.full([], 1, tl.uint32) << (31 - bit))
+        enough = tl.sum((keys >= cand).to(tl.int32), axis=0) >= k
+        floor = tl.where(enough, cand, floor)
+    return floor
+
+
+@jit
+def _live_blocks(maxima_ptr, b_lo, b_hi, low, temperature, KEEP: tl.constexpr,
+                 SPAN: tl.constexpr):  # fmt: skip
+    """Bit ``i`` set for each block ``b_lo + i < b_hi`` (``i < SPAN <= 63``) a pass must read:
+    :func:`_may_count` with ``low`` (``KEEP`` False) or :func:`_may_keep` with ``low`` as the
+    kept key. One vector load of the maxima instead of a dependent load per block."""
+    i = tl.arange(0, SPAN)
+    ok = b_lo + i < b_hi
+    mx = tl.load(maxima_ptr + b_lo + i, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    if KEEP:
+        live = _may_keep(mx, temperature, low)
+    else:
+        live = _may_count(mx, low)
+    return tl.sum(tl.where(ok & live, tl.full([SPAN], 1, tl.int64) << i.to(tl.int64), 0), axis=0)
 
 
 @jit
@@ -167,17 +200,20 @@ def _pick_digit(score, need, prefix, shift, NCAND: tl.constexpr):
 
 
 @jit
-def _count_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, maxima_ptr, BLOCK: tl.constexpr,
-                  NCAND: tl.constexpr):  # fmt: skip
-    """Top-k radix pass over blocks ``b_lo <= b < b_hi``: per candidate ``prefix | d << shift``
-    the number of tokens with a key at least that (integers: exact in any order). Reads only
-    the blocks that can hold a key of the bucket (:func:`_may_count`)."""
+def _count_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, floor, maxima_ptr, BLOCK: tl.constexpr,
+                  NCAND: tl.constexpr, PART_BLOCKS: tl.constexpr):  # fmt: skip
+    """Top-k radix pass over the blocks ``b_lo <= b < b_hi`` of one part: per candidate
+    ``prefix | d << shift`` the number of tokens with a key at least that (integers: exact in
+    any order). Reads only the blocks that can hold a key of the bucket at or above the row's
+    ``floor`` (:func:`_may_count`)."""
     cols = tl.arange(0, BLOCK)
     cand = prefix | (tl.arange(0, NCAND).to(tl.uint32) << shift)
     count = tl.zeros([NCAND], tl.int32)
-    for b in range(b_lo, b_hi):
-        if _may_count(_block_max(maxima_ptr, b), prefix):
-            offs = b * BLOCK + cols
+    live = _live_blocks(maxima_ptr, b_lo, b_hi, tl.maximum(prefix, floor), 1.0, False,
+                        PART_BLOCKS)  # fmt: skip
+    for i in range(0, b_hi - b_lo):
+        if ((live >> i) & 1) != 0:
+            offs = (b_lo + i) * BLOCK + cols
             ok = offs < V
             key = _key(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32))
             hit = (key[None, :] >= cand[:, None]) & ok[None, :]
@@ -187,7 +223,8 @@ def _count_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, maxima_ptr, BLOCK: tl.c
 
 @jit
 def _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max, maxima_ptr,
-                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
+                 PART_BLOCKS: tl.constexpr):  # fmt: skip
     """Top-p radix pass over the blocks of one part: per candidate key ``K`` the mass
     ``sum exp(z - z_max)`` of the tokens with key >= ``max(K, kept)``: each block by a fixed
     tree, the blocks in ascending order. Blocks without a token that top-k kept add exact zeros:
@@ -195,9 +232,10 @@ def _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max
     cols = tl.arange(0, BLOCK)
     cand = prefix | (tl.arange(0, NCAND).to(tl.uint32) << shift)
     mass = tl.zeros([NCAND], tl.float32)
-    for b in range(b_lo, b_hi):
-        if _may_keep(_block_max(maxima_ptr, b), temperature, kept):
-            offs = b * BLOCK + cols
+    live = _live_blocks(maxima_ptr, b_lo, b_hi, kept, temperature, True, PART_BLOCKS)
+    for i in range(0, b_hi - b_lo):
+        if ((live >> i) & 1) != 0:
+            offs = (b_lo + i) * BLOCK + cols
             ok = offs < V
             z = tl.math.div_rn(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32),
                                temperature)  # fmt: skip
@@ -217,7 +255,7 @@ def _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks, m
     for b_lo in range(0, n_blocks, PART_BLOCKS):
         b_hi = tl.minimum(b_lo + PART_BLOCKS, n_blocks)
         mass += _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max,
-                             maxima_ptr, BLOCK, LOG2_BLOCK, NCAND)  # fmt: skip
+                             maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
     return mass
 
 
@@ -239,13 +277,20 @@ def _topk_kept(prefix, temperature):
 
 @jit
 def _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK: tl.constexpr,
-              RADIX_BITS: tl.constexpr):  # fmt: skip
-    """One program's top-k threshold: :data:`LEVELS` radix passes over the whole row."""
+              RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+              MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """One program's top-k threshold: :data:`LEVELS` radix passes over the whole row, a part
+    at a time."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
+    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
     prefix = tl.zeros([], tl.uint32)
     for level in tl.static_range(32 // RADIX_BITS):
         shift = 32 - RADIX_BITS * (level + 1)
-        count = _count_blocks(row_ptr, V, 0, n_blocks, prefix, shift, maxima_ptr, BLOCK, NCAND)
+        count = tl.zeros([NCAND], tl.int32)
+        for b_lo in range(0, n_blocks, PART_BLOCKS):
+            count += _count_blocks(row_ptr, V, b_lo, tl.minimum(b_lo + PART_BLOCKS, n_blocks),
+                                   prefix, shift, floor, maxima_ptr, BLOCK, NCAND,
+                                   PART_BLOCKS)  # fmt: skip
         prefix = _pick_digit(count, k, prefix, shift, NCAND)
     return _topk_kept(prefix, temperature)
 
@@ -299,7 +344,8 @@ def _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_
     if topk_on | topp_on:
         _block_maxima(row_ptr, V, 0, n_blocks, maxima_ptr, BLOCK)
         if topk_on:
-            kept = _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK, RADIX_BITS)
+            kept = _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK, RADIX_BITS,
+                             PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
         if topp_on:
             top_p_key = _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK,
                                   LOG2_BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
@@ -337,16 +383,21 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
             best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
                                        best_i)  # fmt: skip
     else:
-        for b0 in range(lo, hi, BLOCK):
-            # A block without a kept token scores -inf everywhere and cannot win: skipped,
-            # with its noise (a block with a NaN is never skipped: its NaN is counted here).
-            if _may_keep(_block_max(maxima_ptr, b0 // BLOCK), temperature, kept):
-                offs = b0 + cols
-                ok = offs < hi
-                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                n_nan += tl.sum((x != x).to(tl.int32), axis=0)
-                best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
-                                           best_i)  # fmt: skip
+        # A block without a kept token scores -inf everywhere and cannot win: skipped, with its
+        # noise (a block with a NaN is never skipped: its NaN is counted here). The blocks are
+        # taken PICK_SPAN at a time, one vector load of their maxima each.
+        b_end = tl.cdiv(hi, BLOCK)
+        for c_lo in range(lo // BLOCK, b_end, PICK_SPAN):
+            live = _live_blocks(maxima_ptr, c_lo, tl.minimum(c_lo + PICK_SPAN, b_end), kept,
+                                temperature, True, PICK_SPAN)  # fmt: skip
+            for i in range(0, tl.minimum(PICK_SPAN, b_end - c_lo)):
+                if ((live >> i) & 1) != 0:
+                    offs = (c_lo + i) * BLOCK + cols
+                    ok = offs < hi
+                    x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                    n_nan += tl.sum((x != x).to(tl.int32), axis=0)
+                    best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset,
+                                               best, best_i)  # fmt: skip
     return best, best_i, n_nan
 
 
@@ -397,12 +448,14 @@ def _sample_kernel(
 
 
 @jit
-def _sum_parts(ptr, n_parts, NCAND: tl.constexpr):
-    """The parts' ``[NCAND]`` results at ``ptr`` added in ascending part order."""
-    d = tl.arange(0, NCAND)
-    total = tl.load(ptr + d)
-    for q in range(1, n_parts):
-        total += tl.load(ptr + q * NCAND + d)
+def _sum_parts(ptr, n_parts, NCAND: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """The parts' ``[NCAND]`` results at ``ptr`` added in ascending part order: one load of
+    them all, then each part's row taken out (a sum of it and zeros: exact) and added."""
+    q = tl.arange(0, MAX_PARTS)[:, None]
+    parts = tl.load(ptr + q * NCAND + tl.arange(0, NCAND)[None, :], mask=q < n_parts, other=0)
+    total = tl.sum(tl.where(q == 0, parts, 0), axis=0)
+    for i in range(1, n_parts):
+        total += tl.sum(tl.where(q == i, parts, 0), axis=0)
     return total
 
 
@@ -422,24 +475,26 @@ def _maxima_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, V, stri
 
 
 @jit
-def _topk_finish(prefix_ptr, count_ptr, k, n_parts, temperature, RADIX_BITS: tl.constexpr):
+def _topk_finish(prefix_ptr, count_ptr, k, n_parts, temperature, RADIX_BITS: tl.constexpr,
+                 MAX_PARTS: tl.constexpr):  # fmt: skip
     """The top-k key of a row once its last pass has run (``count_ptr``: that pass's parts)."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     LEVELS: tl.constexpr = 32 // RADIX_BITS
     start = tl.load(prefix_ptr + LEVELS - 1).to(tl.uint32)
-    prefix = _pick_digit(_sum_parts(count_ptr, n_parts, NCAND), k, start, 0, NCAND)
+    prefix = _pick_digit(_sum_parts(count_ptr, n_parts, NCAND, MAX_PARTS), k, start, 0, NCAND)
     return _topk_kept(prefix, temperature)
 
 
 @jit
 def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_ptr, count_ptr,
-                  mass_ptr, topk_key_ptr, need_ptr, V, stride, n_blocks, n_parts,
+                  mass_ptr, topk_key_ptr, need_ptr, floor_ptr, V, stride, n_blocks, n_parts,
                   TOPP: tl.constexpr, LEVEL: tl.constexpr, HAS_TOPK: tl.constexpr,
                   HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
                   RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
-                  MAX_BLOCKS: tl.constexpr):  # fmt: skip
+                  MAX_BLOCKS: tl.constexpr, MAX_PARTS: tl.constexpr):  # fmt: skip
     """Split threshold, pass ``LEVEL`` of top-k (``TOPP`` False) or top-p, program (row,
-    part)."""
+    part). The first top-k pass finds the row's :func:`_topk_floor` (each program alike; part
+    0 keeps it for the later passes)."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     LEVELS: tl.constexpr = 32 // RADIX_BITS
     SHIFT: tl.constexpr = 32 - RADIX_BITS * (LEVEL + 1)
@@ -461,12 +516,19 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
         if topk_on:
             prefix = tl.zeros([], tl.uint32)
             if LEVEL > 0:
+                floor = tl.load(floor_ptr + row).to(tl.uint32)
                 start = tl.load(prefix_ptr + LEVEL - 1).to(tl.uint32)
-                prev = _sum_parts(row_counts + ((LEVEL - 1) % 2) * plane, n_parts, NCAND)
+                prev = _sum_parts(row_counts + ((LEVEL - 1) % 2) * plane, n_parts, NCAND,
+                                  MAX_PARTS)  # fmt: skip
                 prefix = _pick_digit(prev, k, start, SHIFT + RADIX_BITS, NCAND)
+            else:
+                floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
+                if part == 0:
+                    tl.store(floor_ptr + row, floor.to(tl.int64))
             if part == 0:
                 tl.store(prefix_ptr + LEVEL, prefix.to(tl.int64))
-            count = _count_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, maxima_ptr, BLOCK, NCAND)
+            count = _count_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, floor, maxima_ptr, BLOCK,
+                                  NCAND, PART_BLOCKS)  # fmt: skip
             tl.store(row_counts + (LEVEL % 2) * plane + part * NCAND + tl.arange(0, NCAND), count)
     else:
         if topp_on:
@@ -474,7 +536,7 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
             if topk_on:
                 if LEVEL == 0:
                     kept = _topk_finish(prefix_ptr, row_counts + ((LEVELS - 1) % 2) * plane, k,
-                                        n_parts, temperature, RADIX_BITS)  # fmt: skip
+                                        n_parts, temperature, RADIX_BITS, MAX_PARTS)  # fmt: skip
                     if part == 0:
                         tl.store(topk_key_ptr + row, kept.to(tl.int64))
                 else:
@@ -484,24 +546,27 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
             if LEVEL > 0:
                 start = tl.load(prefix_ptr + LEVELS + LEVEL - 1).to(tl.uint32)
                 if LEVEL == 1:  # the first pass's parts, finished
-                    need = _top_p_need(p, _sum_parts(row_masses, n_parts, NCAND), NCAND)
+                    need = _top_p_need(p, _sum_parts(row_masses, n_parts, NCAND, MAX_PARTS),
+                                       NCAND)  # fmt: skip
                     if part == 0:
                         tl.store(need_ptr + row, need)
                 else:
                     need = tl.load(need_ptr + row)
-                prev = _sum_parts(row_masses + ((LEVEL - 1) % 2) * plane, n_parts, NCAND)
+                prev = _sum_parts(row_masses + ((LEVEL - 1) % 2) * plane, n_parts, NCAND,
+                                  MAX_PARTS)  # fmt: skip
                 prefix = _pick_digit(prev, need, start, SHIFT + RADIX_BITS, NCAND)
             if part == 0:
                 tl.store(prefix_ptr + LEVELS + LEVEL, prefix.to(tl.int64))
             mass = _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, temperature, kept, z_max,
-                                maxima_ptr, BLOCK, LOG2_BLOCK, NCAND)  # fmt: skip
+                                maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
             tl.store(row_masses + (LEVEL % 2) * plane + part * NCAND + tl.arange(0, NCAND), mass)
 
 
 @jit
 def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr, topk_key_ptr,
                    need_ptr, kept_ptr, V, n_parts, HAS_TOPK: tl.constexpr,
-                   HAS_TOPP: tl.constexpr, RADIX_BITS: tl.constexpr):  # fmt: skip
+                   HAS_TOPP: tl.constexpr, RADIX_BITS: tl.constexpr,
+                   MAX_PARTS: tl.constexpr):  # fmt: skip
     """Split threshold, last step (one program per row): the last pass finished, the row's
     threshold key into ``kept_ptr``."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
@@ -515,10 +580,11 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr
     last = ((LEVELS - 1) % 2) * plane + r64 * (n_parts * NCAND)
     kept = tl.zeros([], tl.uint32)
     if topk_on:
-        kept = _topk_finish(prefix_ptr, count_ptr + last, k, n_parts, temperature, RADIX_BITS)
+        kept = _topk_finish(prefix_ptr, count_ptr + last, k, n_parts, temperature, RADIX_BITS,
+                            MAX_PARTS)  # fmt: skip
     if topp_on:
         start = tl.load(prefix_ptr + 2 * LEVELS - 1).to(tl.uint32)
-        prev = _sum_parts(mass_ptr + last, n_parts, NCAND)
+        prev = _sum_parts(mass_ptr + last, n_parts, NCAND, MAX_PARTS)
         top_p_key = _pick_digit(prev, tl.load(need_ptr + row), start, 0, NCAND)
         kept = tl.maximum(kept, top_p_key)
     tl.store(kept_ptr + row, kept.to(tl.int64))
@@ -682,16 +748,18 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg)
     masses = torch.empty((2, B, n_parts, ncand), dtype=torch.float32, device=dev)
     topk_key = torch.empty(B, dtype=torch.int64, device=dev)
     need = torch.empty(B, dtype=torch.float32, device=dev)
+    floor = torch.empty(B, dtype=torch.int64, device=dev)
     kept = torch.empty(B, dtype=torch.int64, device=dev)
     stride = logits.stride(0)
     _maxima_kernel[(B, n_parts)](logits, temperature, *params, maxima, V, stride, blocks, **has,
                                  BLOCK=BLOCK, PART_BLOCKS=PART_BLOCKS, **cfg)  # fmt: skip
     scratch = (maxima, prefix, counts, masses, topk_key, need)
+    max_parts = next_power_of_2(n_parts)
     for topp, on in ((False, has["HAS_TOPK"]), (True, has["HAS_TOPP"])):
         for level in range(LEVELS) if on else ():
-            _level_kernel[(B, n_parts)](logits, temperature, *params, *scratch, V, stride, blocks,
-                                        n_parts, TOPP=topp, LEVEL=level, **has, **meta, **sizes,
-                                        **cfg)  # fmt: skip
+            _level_kernel[(B, n_parts)](logits, temperature, *params, *scratch, floor, V, stride,
+                                        blocks, n_parts, TOPP=topp, LEVEL=level, **has, **meta,
+                                        **sizes, MAX_PARTS=max_parts, **cfg)  # fmt: skip
     _finish_kernel[(B,)](temperature, *params, *scratch[1:], kept, V, n_parts, **has,
-                         RADIX_BITS=RADIX_BITS, **cfg)  # fmt: skip
+                         RADIX_BITS=RADIX_BITS, MAX_PARTS=max_parts, **cfg)  # fmt: skip
     return kept
