@@ -19,6 +19,9 @@ Probes (bf16, CUDA):
   ``_rotary_kernel``, then Liger's kernel.
 - ``sample-topkp``: ``rlk.sample`` at B=256, V=151936 with temperature 0.8, top-k 50 and top-p
   0.9 (the harness shape), and with temperature alone: every kernel of both calls.
+- ``sample-mixed``: ``rlk.sample`` on 8 rows of V=151936 that take every path (top-k rows with
+  few candidates, with too many, top-p alone, a NaN row, greedy), split and one program per
+  row; for ``compute-sanitizer`` (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``) more than ncu.
 """
 
 from __future__ import annotations
@@ -86,12 +89,36 @@ def sample_topkp() -> None:
         rlk.sample(logits, seeds, offsets, temperature=0.8)
 
 
+def sample_mixed() -> None:
+    from rlk_triton import backend, sampling, tuning
+
+    b, v = 8, 151936
+    logits = torch.randn(b, v, device="cuda") * 3
+    logits[1] = logits[1].round()  # ties: more candidates than FEW_CAP at k = 1000
+    logits[5, 77] = float("nan")
+    seeds = torch.arange(b, device="cuda")
+    offsets = torch.zeros(b, dtype=torch.int64, device="cuda")
+    kw = dict(
+        temperature=torch.tensor([0.8, 1.0, 0.7, 1.2, 0.9, 1.0, 0.0, 0.6], device="cuda"),
+        top_k=torch.tensor([50, 1000, 0, 5, 1, 20, 50, 200], device="cuda"),
+        top_p=torch.tensor([0.9, 0.9, 0.8, 1.0, 0.5, 0.9, 0.9, 0.95], device="cuda"),
+    )
+    rule = backend.default_table()["sample.fwd"]
+    tokens = []
+    for cfg in rule.configs:
+        with tuning.force("sample", {"sample.fwd": cfg}):
+            tokens.append(rlk.sample(logits, seeds, offsets, **kw))
+    assert all(torch.equal(tokens[0], t) for t in tokens), tokens
+    print("sample-mixed tokens", tokens[0].tolist(), "FEW_CAP", sampling.FEW_CAP)
+
+
 PROBES = {
     "attention-bwd": attention_bwd,
     "linear-decode": linear_decode,
     "norm-bwd": norm_bwd,
     "rotary-d64": rotary_d64,
     "sample-topkp": sample_topkp,
+    "sample-mixed": sample_mixed,
 }
 
 if __name__ == "__main__":

@@ -175,6 +175,60 @@ def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch, v):
     assert fast[3] == -1 and torch.equal(fast, slow)
 
 
+def _candidate_rows():
+    """Rows for the candidate step: 24 blocks a row (V = 3000); k from 1 to 40 (above 24 no
+    floor: the radix passes), top-p on and off, whole-number logits (ties across blocks at the
+    floor), +inf and -inf logits, a NaN, a greedy row."""
+    b = 16
+    logits, seeds, offsets = _rows(b, 3000, torch.float32, seed=21)
+    p = _params(b, seed=22)
+    p["top_k"] = torch.tensor([1, 2, 3, 5, 8, 13, 20, 23, 24, 25, 40, 4, 6, 7, 9, 10])
+    p["top_p"][::3] = 1.0
+    logits[[2, 11]] = logits[[2, 11]].round()
+    logits[4, [7, 2900]] = float("inf")
+    logits[5, 100:900] = float("-inf")
+    logits[6, 1234] = float("nan")
+    p["temperature"][7] = 0.0
+    return logits, seeds, offsets, p
+
+
+@pytest.mark.parametrize("programs", [0, 2048])
+def test_candidate_step_draws_the_radix_token(monkeypatch, programs):
+    """A top-k row's token from its few candidates (FEW_CAP) is the token of the radix passes
+    (FEW_CAP 0), with one program per row and split; a cap of 8 sends the rows with more
+    candidates to the radix passes in the same call."""
+    logits, seeds, offsets, p = _candidate_rows()
+    cfg = next(c for c in TABLE["sample.fwd"].configs if c["programs"] == programs)
+    results = {}
+    for cap in (smod.FEW_CAP, 8, 0):
+        monkeypatch.setattr(smod, "FEW_CAP", cap)
+        with tuning.force("sample", {"sample.fwd": cfg}):
+            results[cap] = _sample(logits, seeds, offsets, **p)
+    assert results[0][6] == -1
+    assert all(torch.equal(results[0], r) for r in results.values())
+
+
+def test_candidate_step_decides_some_rows_and_leaves_others():
+    # Without this the comparison above could pass with the candidate step deciding nothing.
+    logits, seeds, offsets, p = _candidate_rows()
+    b, v = logits.shape
+    blocks = -(-v // smod.BLOCK)
+    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
+    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    cap = smod.FEW_CAP
+    few = (seeds, offsets, torch.empty(b, cap), torch.empty(b, cap, dtype=torch.int32),
+           torch.empty(b, dtype=torch.int64))  # fmt: skip
+    params = (p["top_k"], p["top_p"])
+    has = dict(HAS_TOPK=True, HAS_TOPP=True)
+    _, done = smod._split_threshold(logits, p["temperature"], params, has,
+                                    torch.empty(b, blocks, dtype=torch.int32), meta, sizes,
+                                    dict(num_warps=4), few)  # fmt: skip
+    decided = set(torch.nonzero(done).flatten().tolist())
+    # k <= 23 with a floor, no NaN, sampled: decided; k >= 25 (no floor), NaN, greedy: not.
+    assert {0, 1, 2, 3, 4, 5, 11, 12} <= decided
+    assert not decided & {6, 7, 9, 10}
+
+
 def test_split_pick_merges_ranges_as_one_pass():
     # Few rows split each row's pick into ranges of whole blocks (a program each), merged by a
     # third kernel. The merge must give the one-pass answer (a config with programs=0) where it
@@ -226,14 +280,15 @@ def test_split_threshold_equals_one_program():
 
 @jit
 def _one_program_threshold(logits, temp, topk, topp, maxima, kept_out, V, stride, n_blocks,
-                           BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
-                           RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
-                           MAX_BLOCKS: tl.constexpr):  # fmt: skip
-    # The one-program threshold of _sample_kernel, its key written out.
+                           BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                           PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    # The one-program radix threshold of _sample_kernel, its key written out.
     row = tl.program_id(0)
     t, k, p, on_k, on_p = smod._filters(temp, topk, topp, row, V, True, True)
+    smod._block_maxima(logits + row * stride, V, 0, n_blocks, maxima + row * n_blocks, BLOCK)
+    tl.debug_barrier()
     kept = smod._row_kept(logits + row * stride, V, t, k, p, on_k, on_p, n_blocks,
-                          maxima + row * n_blocks, BLOCK, LOG2_BLOCK, RADIX_BITS, PART_BLOCKS,
+                          maxima + row * n_blocks, BLOCK, RADIX_BITS, PART_BLOCKS,
                           MAX_BLOCKS)  # fmt: skip
     tl.store(kept_out + row, kept.to(tl.int64))
 
@@ -249,16 +304,15 @@ def test_split_threshold_keys_equal_one_program_keys():
     p["top_p"][2:4] = 1.0
     temp, k, q = p["temperature"], p["top_k"], p["top_p"]
     blocks = -(-v // smod.BLOCK)
-    meta = dict(BLOCK=smod.BLOCK, LOG2_BLOCK=smod.BLOCK.bit_length() - 1,
-                RADIX_BITS=smod.RADIX_BITS)  # fmt: skip
+    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
     sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
     one = torch.empty(b, dtype=torch.int64)
     _one_program_threshold[(b,)](logits, temp, k, q, torch.empty(b, blocks, dtype=torch.int32),
                                  one, v, v, blocks, **meta, **sizes)  # fmt: skip
     has = dict(HAS_TOPK=True, HAS_TOPP=True)
-    split = smod._split_threshold(logits, temp, (k, q), has,
-                                  torch.empty(b, blocks, dtype=torch.int32), meta, sizes,
-                                  dict(num_warps=4))  # fmt: skip
+    split, _ = smod._split_threshold(logits, temp, (k, q), has,
+                                     torch.empty(b, blocks, dtype=torch.int32), meta, sizes,
+                                     dict(num_warps=4))  # fmt: skip
     assert torch.equal(split, one)
     z = logits.double() / temp.double()[:, None]
     for row in (2, 3):  # top-k alone: z >= the k-th largest z
@@ -269,60 +323,57 @@ def test_split_threshold_keys_equal_one_program_keys():
 
 @jit
 def _one_program_masses(logits, maxima, temp, out, V, n_blocks, SHIFT: tl.constexpr,
-                        BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
-                        PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, NCAND: tl.constexpr, PART_BLOCKS: tl.constexpr,
+                        MAX_BLOCKS: tl.constexpr):  # fmt: skip
     # The first top-p pass's masses of row 0 as the one-program threshold adds them.
     t = tl.load(temp)
     z_max = smod._row_z_max(maxima, n_blocks, t, MAX_BLOCKS)
     mass = smod._row_masses(logits, V, tl.zeros([], tl.uint32), SHIFT, t, tl.zeros([], tl.uint32),
-                            z_max, n_blocks, maxima, BLOCK, LOG2_BLOCK, NCAND,
-                            PART_BLOCKS)  # fmt: skip
+                            z_max, n_blocks, maxima, BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
     tl.store(out + tl.arange(0, NCAND), mass)
 
 
-@jit
-def _sum_parts_kernel(ptr, out, n_parts, NCAND: tl.constexpr, MAX_PARTS: tl.constexpr):
-    tl.store(out + tl.arange(0, NCAND), smod._sum_parts(ptr, n_parts, NCAND, MAX_PARTS))
-
-
-def test_top_p_masses_add_parts_in_one_order():
-    """The split threshold's part masses, added in ascending part order, are the one-program
-    masses bit for bit, and _sum_parts adds in that order (values where the order shows)."""
+def test_top_p_masses_are_exact_fixed_point_sums():
+    """A top-p pass's masses are the int64 sums of floor(exp(z - z_max) * 2**40) over the
+    tokens at or above each candidate key: the split threshold's parts add up to the
+    one-program masses, and both to the sum computed here from the kernel's own terms (so no
+    order of addition can show)."""
     v, ncand = 3000, 1 << smod.RADIX_BITS
     logits, _, _ = _rows(1, v, torch.float32, seed=17)
     temp = torch.tensor([0.7])
     blocks = -(-v // smod.BLOCK)
     n_parts = -(-blocks // smod.PART_BLOCKS)
-    meta = dict(BLOCK=smod.BLOCK, LOG2_BLOCK=smod.BLOCK.bit_length() - 1,
-                RADIX_BITS=smod.RADIX_BITS)  # fmt: skip
+    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
     sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
     k, q = torch.zeros(1, dtype=torch.int64), torch.tensor([0.9])
     has = dict(HAS_TOPK=False, HAS_TOPP=True)
     maxima = torch.empty(1, blocks, dtype=torch.int32)
     prefix = torch.empty(1, 2 * smod.LEVELS, dtype=torch.int64)
     counts = torch.empty(2, 1, n_parts, ncand, dtype=torch.int32)
-    masses = torch.empty(2, 1, n_parts, ncand, dtype=torch.float32)
+    masses = torch.empty(2, 1, n_parts, ncand, dtype=torch.int64)
     smod._maxima_kernel[(1, n_parts)](logits, temp, k, q, maxima, v, v, blocks, **has,
                                       BLOCK=smod.BLOCK, PART_BLOCKS=smod.PART_BLOCKS)  # fmt: skip
     smod._level_kernel[(1, n_parts)](logits, temp, k, q, maxima, prefix, counts, masses,
-                                     torch.empty(1, dtype=torch.int64), torch.empty(1),
-                                     torch.empty(1, dtype=torch.int64), v, v, blocks, n_parts,
+                                     torch.empty(1, dtype=torch.int64),
+                                     torch.empty(1, dtype=torch.float64),
+                                     torch.empty(1, dtype=torch.int64),
+                                     torch.empty(1, dtype=torch.int32), v, v, blocks, n_parts,
                                      TOPP=True, LEVEL=0, **has, **meta, **sizes,
-                                     MAX_PARTS=1 << (n_parts - 1).bit_length())  # fmt: skip
-    split = masses[0, 0, 0].clone()
-    for part in range(1, n_parts):
-        split += masses[0, 0, part]
-    one = torch.empty(ncand)
+                                     MAX_PARTS=1 << (n_parts - 1).bit_length(),
+                                     FEW=False)  # fmt: skip
+    split = masses[0, 0].sum(0)
+    one = torch.empty(ncand, dtype=torch.int64)
     _one_program_masses[(1,)](logits, maxima, temp, one, v, blocks, SHIFT=32 - smod.RADIX_BITS,
-                              BLOCK=smod.BLOCK, LOG2_BLOCK=meta["LOG2_BLOCK"], NCAND=ncand,
-                              **sizes)  # fmt: skip
-    assert split[0] > 0 and torch.equal(split, one)
-    # In fp32, (1 + 1e8) - 1e8 is 0 and (-1e8 + 1e8) + 1 is 1: only the ascending order gives 0.
-    parts = torch.zeros(3, ncand)
-    parts[:, 1] = torch.tensor([1.0, 1e8, -1e8])
-    got = torch.empty(ncand)
-    _sum_parts_kernel[(1,)](parts, got, 3, NCAND=ncand, MAX_PARTS=4)
-    assert got[1] == 0.0
+                              BLOCK=smod.BLOCK, NCAND=ncand, **sizes)  # fmt: skip
+    assert torch.equal(split, one)
+    z = logits[0] / temp  # what div_rn gives: IEEE division
+    terms = (torch.exp(z - z.max()) * 2.0**40).double().floor()
+    keys = torch.tensor([smod_key(float(x)) for x in z.tolist()])
+    for d in range(ncand):
+        want = float(terms[keys >= d << (32 - smod.RADIX_BITS)].sum())
+        # torch's exp and the interpreter's (numpy's) may differ in the last bit of a term
+        assert abs(int(one[d]) - want) <= 1e-6 * want + 1
+    assert one[0] >= 2**40
 
 
 def smod_key(x: float) -> int:
@@ -393,3 +444,11 @@ def test_gpu_tokens_match_the_reference_at_real_vocab():
     assert (results[0] == expect).float().mean() >= 0.95
     u = smod.uniforms(seeds.cuda(), offsets.cuda(), v).cpu()
     assert torch.equal(u, philox_uniform(seeds, offsets, v))
+
+
+def test_top_p_beyond_exact_int64_masses_is_an_error():
+    # 2**22 tokens at 2**40 each is the most an int64 mass holds exactly.
+    logits = torch.zeros(1, smod.MAX_VOCAB + 1)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logits: a vocabulary of 4194305"):
+        _sample(logits, one, one, temperature=torch.ones(1), top_k=None, top_p=torch.full([1], 0.9))

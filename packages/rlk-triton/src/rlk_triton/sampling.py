@@ -1,30 +1,31 @@
 """Seeded per-row sampling: temperature, top-k, top-p, Gumbel-max with Philox-4x32-10 noise.
 
 A row's token depends only on its logits, seed, offset and parameters. With enough rows to
-fill the GPU, one program per row finds the filters' threshold and picks. With fewer
-(:data:`TUNING`), each pass of the threshold is a launch over (row, part) programs, a part being
-:data:`PART_BLOCKS` blocks, and the pick runs in ranges of whole blocks, merged as one pass over
-the row would: the same token either way.
+fill the GPU, one program per row does all of a row. With fewer (:data:`TUNING`), each step is
+a launch: the block maxima and each pass of the threshold over (row, part) programs, a part
+being :data:`PART_BLOCKS` blocks, and the pick in ranges of whole blocks, merged as one pass
+over the row would: the same token either way.
 
 - Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
   seed's two 32-bit words, counter = ``(v, offset_lo, offset_hi, 0)``), ``g = -log(-log(u))``.
 - Filters without sorting: both are thresholds on an order-preserving uint32 key of
-  ``z = logit / temperature``, found by a radix search, :data:`RADIX_BITS` bits per pass over
-  the row. top-k: the largest key with ``count(key >= K) >= k`` (integer counts: exact in any
-  order), i.e. the k-th largest z, ties kept (searched on the logits, then divided once: the
+  ``z = logit / temperature``. top-k: the largest key with ``count(key >= K) >= k`` (integer
+  counts), i.e. the k-th largest z, ties kept (searched on the logits, then divided once: the
   division is monotone). top-p: the largest key with
-  ``mass(key >= K) >= top_p * mass(all kept)``, masses ``sum exp(z - max)`` added by a fixed
-  tree over each block of :data:`BLOCK`, the blocks of a part in ascending order, then the
-  parts in ascending order (so a program per part adds what one program per row adds). A
-  mass can only shrink as K grows (terms drop to 0), so the search is consistent.
+  ``mass(key >= K) >= top_p * mass(all kept)``, a mass being the int64 sum of the fixed-point
+  terms ``floor(exp(z - z_max) * 2**40)`` (:func:`_mass_terms`). Counts and masses are exact
+  integers, so they have one value whatever adds them, in whatever order, and both can only
+  shrink as K grows: any search for the largest K finds the same one.
 - Pick: ``argmax(z + g)`` over the kept tokens, the lowest index among ties; temperature 0 is
   the lowest-index argmax of the logits.
-- Skipped blocks. With a filter on, a first pass writes each block's largest logit (as a key)
-  to a scratch row. A top-k pass skips the blocks whose largest key is below its bucket: they
-  add 0 to every count. The top-p passes and the pick skip the blocks that cannot hold a kept
-  token (their largest logit, divided, falls short of the threshold): they would add exact
-  zeros to the masses and -inf scores to the pick. Skipping changes no bit; a block with a NaN
-  is never skipped.
+- Block maxima. With a filter on, a first step writes each block's largest logit (as a key)
+  to a scratch row; later steps read only the blocks that can matter, which changes no bit (a
+  block with a NaN is never skipped). Top-k: the k-th largest block maximum is a floor below
+  which no block holds a kept token (:func:`_topk_floor`).
+- Two ways to the thresholds, one token. A top-k row gathers its few candidates (tokens at or
+  above the floor, divided) and finds both thresholds and the pick on them in registers
+  (:func:`_few_token`), when there are at most :data:`FEW_CAP`. Other rows take radix
+  passes over the row, :data:`RADIX_BITS` bits of the key a pass, then the pick.
 - A row with a NaN logit draws no token: its result is -1 (as on every backend). Nothing is
   synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
   run (CPU, or ``RLK_VALIDATE``).
@@ -36,7 +37,6 @@ import torch
 
 from rlk_triton import tuning
 from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
-from rlk_triton.logprobs import tree_sum
 
 #: Vocabulary block of a pass; sets the order of the top-p mass sums (a constant of the op).
 BLOCK = 512
@@ -44,6 +44,11 @@ BLOCK = 512
 RADIX_BITS = 4
 #: Radix passes per filter.
 LEVELS = 32 // RADIX_BITS
+#: The most candidates a top-k row may have for its token to be drawn from them alone
+#: (:func:`_few_token`); a row with more takes the radix passes. 0: never.
+FEW_CAP = 1024
+#: Warps of the candidate step's program (a launch parameter: no bit depends on it).
+FEW_WARPS = 4
 #: Blocks per part of a row. The top-p masses add each part's blocks in ascending order, then
 #: the parts in ascending order: a constant of the op, so that the one-program threshold and
 #: the split one (a program per part) give the same bits. A power of two, at most 32 (a part's
@@ -95,6 +100,22 @@ def _unkey(key):
     """The fp32 value of key ``key`` (the inverse of :func:`_key` on its image)."""
     bits = tl.where((key >> 31) == 1, key & 0x7FFFFFFF, ~key)
     return bits.to(tl.float32, bitcast=True)
+
+
+#: Fixed point of the top-p masses: a token adds ``floor(exp(z - z_max) * MASS_SCALE)`` (int64).
+#: The max adds 2**40 itself, so a mass of up to 2**22 tokens stays below 2**63 and is exact in
+#: any order; a term's truncation costs under 2**-40 of that max's share.
+MASS_SCALE = tl.constexpr(2.0**40)
+#: The largest vocabulary whose masses cannot overflow (checked by :func:`sample`).
+MAX_VOCAB = 2**22
+
+
+@jit
+def _mass_terms(z, z_max, on):
+    """The top-p mass terms of ``z`` (fp32, the row's largest ``z_max``), int64: 0 off ``on``
+    and for NaN; ``z == z_max`` adds exactly MASS_SCALE, infinities included."""
+    e = tl.exp(tl.where(z == z_max, 0.0, z - z_max))
+    return tl.where(on & (e == e), (e * MASS_SCALE).to(tl.int64), 0)
 
 
 #: The block-maximum key of a block holding a NaN logit: above every key, so such a block is
@@ -223,15 +244,13 @@ def _count_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, floor, maxima_ptr, BLOC
 
 @jit
 def _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max, maxima_ptr,
-                 BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
-                 PART_BLOCKS: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, NCAND: tl.constexpr, PART_BLOCKS: tl.constexpr):  # fmt: skip
     """Top-p radix pass over the blocks of one part: per candidate key ``K`` the mass
-    ``sum exp(z - z_max)`` of the tokens with key >= ``max(K, kept)``: each block by a fixed
-    tree, the blocks in ascending order. Blocks without a token that top-k kept add exact zeros:
-    skipped."""
+    (:func:`_mass_terms`, int64) of the tokens with key >= ``max(K, kept)``. Blocks without a
+    token that top-k kept add zeros: skipped."""
     cols = tl.arange(0, BLOCK)
     cand = prefix | (tl.arange(0, NCAND).to(tl.uint32) << shift)
-    mass = tl.zeros([NCAND], tl.float32)
+    mass = tl.zeros([NCAND], tl.int64)
     live = _live_blocks(maxima_ptr, b_lo, b_hi, kept, temperature, True, PART_BLOCKS)
     for i in range(0, b_hi - b_lo):
         if ((live >> i) & 1) != 0:
@@ -240,29 +259,36 @@ def _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max
             z = tl.math.div_rn(tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32),
                                temperature)  # fmt: skip
             key = _key(z)
-            e = tl.where(ok & (key >= kept), tl.exp(z - z_max), 0.0)
-            mass += tree_sum(tl.where(key[None, :] >= cand[:, None], e[None, :], 0.0), LOG2_BLOCK)
+            q = _mass_terms(z, z_max, ok & (key >= kept))
+            mass += tl.sum(tl.where(key[None, :] >= cand[:, None], q[None, :], 0), axis=1)
     return mass
 
 
 @jit
 def _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks, maxima_ptr,
-                BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, NCAND: tl.constexpr,
-                PART_BLOCKS: tl.constexpr):  # fmt: skip
-    """A top-p pass's masses over the whole row, as the split threshold adds them: each part's
-    (:func:`_mass_blocks`), the parts in ascending order."""
-    mass = tl.zeros([NCAND], tl.float32)
+                BLOCK: tl.constexpr, NCAND: tl.constexpr, PART_BLOCKS: tl.constexpr):  # fmt: skip
+    """A top-p pass's masses over the whole row: each part's (:func:`_mass_blocks`) added."""
+    mass = tl.zeros([NCAND], tl.int64)
     for b_lo in range(0, n_blocks, PART_BLOCKS):
         b_hi = tl.minimum(b_lo + PART_BLOCKS, n_blocks)
         mass += _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, shift, temperature, kept, z_max,
-                             maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
+                             maxima_ptr, BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
     return mass
 
 
 @jit
 def _top_p_need(p, mass, NCAND: tl.constexpr):
-    """``p`` times the first top-p pass's candidate 0 mass: key 0, everything top-k kept."""
-    return p * tl.sum(tl.where(tl.arange(0, NCAND) == 0, mass, 0.0), axis=0)
+    """``p`` times the first top-p pass's candidate 0 mass (key 0: everything top-k kept), in
+    float64, as a mass is compared with it (:func:`_top_p_digit`)."""
+    return p.to(tl.float64) * tl.sum(tl.where(tl.arange(0, NCAND) == 0, mass, 0), axis=0).to(
+        tl.float64
+    )
+
+
+@jit
+def _top_p_digit(mass, need, prefix, shift, NCAND: tl.constexpr):
+    """:func:`_pick_digit` for int64 masses against a float64 ``need``."""
+    return _pick_digit(mass.to(tl.float64), need, prefix, shift, NCAND)
 
 
 @jit
@@ -297,23 +323,21 @@ def _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK: tl.conste
 
 @jit
 def _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK: tl.constexpr,
-              LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+              RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
               MAX_BLOCKS: tl.constexpr):  # fmt: skip
     """One program's top-p threshold: the largest key K with mass(key >= K) >= p * mass(all
-    kept), among tokens with key >= kept. A pass's masses add the parts' masses
-    (:func:`_mass_blocks` over :data:`PART_BLOCKS` blocks each) in ascending order, as the split
-    threshold does."""
+    kept), among tokens with key >= kept."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     z_max = _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS)
     prefix = tl.zeros([], tl.uint32)
-    need = tl.zeros([], tl.float32)
+    need = tl.zeros([], tl.float64)
     for level in tl.static_range(32 // RADIX_BITS):
         shift = 32 - RADIX_BITS * (level + 1)
         mass = _row_masses(row_ptr, V, prefix, shift, temperature, kept, z_max, n_blocks,
-                           maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
+                           maxima_ptr, BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
         if level == 0:
             need = _top_p_need(p, mass, NCAND)
-        prefix = _pick_digit(mass, need, prefix, shift, NCAND)
+        prefix = _top_p_digit(mass, need, prefix, shift, NCAND)
     return prefix
 
 
@@ -335,20 +359,18 @@ def _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK: tl.constexpr,
 
 @jit
 def _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_ptr,
-              BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
-              PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+              MAX_BLOCKS: tl.constexpr):  # fmt: skip
     """One program's threshold of a row: the smallest key a token needs to be kept by top-k
-    and top-p (0: all kept). With a filter, it first writes the row's block maxima, which let
-    later passes skip blocks."""
+    and top-p (0: all kept), from the row's block maxima (written before)."""
     kept = tl.zeros([], tl.uint32)
     if topk_on | topp_on:
-        _block_maxima(row_ptr, V, 0, n_blocks, maxima_ptr, BLOCK)
         if topk_on:
             kept = _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK, RADIX_BITS,
                              PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
         if topp_on:
             top_p_key = _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK,
-                                  LOG2_BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
+                                  RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
             kept = tl.maximum(kept, top_p_key)
     return kept
 
@@ -402,6 +424,104 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
 
 
 @jit
+def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, maxima_ptr,
+               cand_x_ptr, cand_i_ptr, BLOCK: tl.constexpr, FEW_CAP: tl.constexpr,
+               MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """``(done, token)`` of a top-k row from its few candidates, without the radix passes.
+
+    The candidates are the tokens with ``key(z) >= key(floor / temperature)``, ``floor`` the
+    row's :func:`_topk_floor`: a superset of what top-k keeps (z is non-decreasing in x, ties
+    made by the division included). One pass over the blocks that can hold one gathers them,
+    in ascending order, into the row's scratch ``[FEW_CAP]``; the rest runs on them in
+    registers, each threshold by a 32-step bisection on the key:
+
+    - top-k: the largest key K with ``count(key(x) >= K) >= k`` (exact: every token at or
+      above the floor is a candidate, and below it the count reaches k either way);
+    - top-p: the largest key K with ``mass(key(z) >= K) >= need`` (integer masses: the very
+      values the radix passes add, in any order; a mass only shrinks as K grows, so the
+      bisection and the radix search find the same K);
+    - the pick: the Gumbel-max over the kept candidates, the lowest index among ties.
+
+    So the token is the radix path's. ``done`` is 0 (nothing decided) where the row has a NaN,
+    ``k > FEW_CAP``, fewer blocks than ``k`` (no floor), or more candidates than FEW_CAP."""
+    b = tl.arange(0, MAX_BLOCKS)
+    maxima = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+    nan_blocks = tl.sum((maxima == NAN_BLOCK).to(tl.int32), axis=0)
+    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
+    try_few = (k <= FEW_CAP) & (floor > 0) & (nan_blocks == 0)
+    floor_z = _topk_kept(floor, temperature)
+    cols = tl.arange(0, BLOCK)
+    n = tl.zeros([], tl.int32)
+    for c_lo in range(0, n_blocks, PICK_SPAN):
+        c_hi = tl.minimum(c_lo + PICK_SPAN, n_blocks)
+        live = _live_blocks(maxima_ptr, c_lo, c_hi, floor_z, temperature, True, PICK_SPAN)
+        for i in range(0, c_hi - c_lo):
+            if try_few & (((live >> i) & 1) != 0) & (n <= FEW_CAP):
+                offs = (c_lo + i) * BLOCK + cols
+                ok = offs < V
+                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                take = ok & (_key(tl.math.div_rn(x, temperature)) >= floor_z)
+                at = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(cand_x_ptr + at, x, mask=take & (at < FEW_CAP))
+                tl.store(cand_i_ptr + at, offs, mask=take & (at < FEW_CAP))
+                n += tl.sum(take.to(tl.int32), axis=0)
+    done = try_few & (n <= FEW_CAP)
+    token = tl.zeros([], tl.int32)
+    if done:
+        tl.debug_barrier()  # the gathered candidates, stored by other threads of the program
+        j = tl.arange(0, FEW_CAP)
+        valid = j < n
+        x = tl.load(cand_x_ptr + j, mask=valid, other=0.0)
+        idx = tl.load(cand_i_ptr + j, mask=valid, other=0)
+        key_x = tl.where(valid, _key(x), 0)
+        kth = tl.zeros([], tl.uint32)
+        for bit in tl.static_range(32):
+            cand = kth | (tl.full([], 1, tl.uint32) << (31 - bit))
+            kth = tl.where(tl.sum((key_x >= cand).to(tl.int32), axis=0) >= k, cand, kth)
+        kept = _topk_kept(kth, temperature)
+        z = tl.math.div_rn(x, temperature)
+        key_z = tl.where(valid, _key(z), 0)
+        if topp_on:
+            z_max = _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS)
+            q = _mass_terms(z, z_max, valid & (key_z >= kept))
+            need = p.to(tl.float64) * tl.sum(q, axis=0).to(tl.float64)
+            top = tl.zeros([], tl.uint32)
+            for bit in tl.static_range(32):
+                cand = top | (tl.full([], 1, tl.uint32) << (31 - bit))
+                mass = tl.sum(tl.where(key_z >= cand, q, 0), axis=0).to(tl.float64)
+                top = tl.where(mass >= need, cand, top)
+            kept = tl.maximum(kept, top)
+        g = -tl.log(-tl.log(philox_uniform(idx, seed, offset)))
+        score = tl.where(valid & (key_z >= kept), z + g, float("-inf"))
+        best = tl.max(score, axis=0)
+        token = tl.min(tl.where(score == best, idx, V), axis=0)
+    return done, token
+
+
+@jit
+def _few_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr,
+                cand_x_ptr, cand_i_ptr, done_ptr, out_ptr, V, stride, n_blocks,
+                HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, FEW_CAP: tl.constexpr,
+                MAX_BLOCKS: tl.constexpr):  # fmt: skip
+    """Split sampling, after the block maxima (a program per row): :func:`_few_token` for the
+    rows with top-k; ``done[row]`` says whether it decided the row's token (then in ``out``)."""
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V, True,
+                                                   HAS_TOPP)  # fmt: skip
+    done = tl.zeros([], tl.int1)
+    if topk_on:
+        done, token = _few_token(logits_ptr + r64 * stride, V, temperature, k, p, topp_on,
+                                 tl.load(seeds_ptr + row), tl.load(offsets_ptr + row),
+                                 n_blocks, maxima_ptr + r64 * n_blocks,
+                                 cand_x_ptr + r64 * FEW_CAP, cand_i_ptr + r64 * FEW_CAP, BLOCK,
+                                 FEW_CAP, MAX_BLOCKS)  # fmt: skip
+        if done:
+            tl.store(out_ptr + row, token.to(tl.int64))
+    tl.store(done_ptr + row, done.to(tl.int32))
+
+
+@jit
 def _sample_kernel(
     logits_ptr,
     seeds_ptr,
@@ -410,6 +530,8 @@ def _sample_kernel(
     topk_ptr,
     topp_ptr,
     maxima_ptr,
+    cand_x_ptr,
+    cand_i_ptr,
     out_ptr,
     V,
     stride,
@@ -417,46 +539,70 @@ def _sample_kernel(
     HAS_TOPK: tl.constexpr,
     HAS_TOPP: tl.constexpr,
     BLOCK: tl.constexpr,
-    LOG2_BLOCK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
     PART_BLOCKS: tl.constexpr,
     MAX_BLOCKS: tl.constexpr,
+    FEW_CAP: tl.constexpr,
 ):
-    """One program per row: the filters' threshold, then the pick over the whole row.
-    ``maxima_ptr``: int32 ``[B, n_blocks]`` scratch for the block maxima."""
+    """One program per row: the block maxima, then the token from the few candidates of a
+    top-k row (:func:`_few_token`), or else the filters' radix threshold and the pick over the
+    whole row. ``maxima_ptr``: int32 ``[B, n_blocks]`` scratch for the block maxima;
+    ``cand_*_ptr`` ``[B, FEW_CAP]`` for the candidates (FEW_CAP 0: no candidate step)."""
     pid = tl.program_id(0)
-    row_ptr = logits_ptr + pid.to(tl.int64) * stride
-    maxima_ptr += pid.to(tl.int64) * n_blocks
+    r64 = pid.to(tl.int64)
+    row_ptr = logits_ptr + r64 * stride
+    maxima_ptr += r64 * n_blocks
     temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, pid, V,
                                                    HAS_TOPK, HAS_TOPP)  # fmt: skip
-    kept = _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_ptr, BLOCK,
-                     LOG2_BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
-    best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept,
-                                      tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid),
-                                      maxima_ptr, BLOCK)  # fmt: skip
-    tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
+    seed = tl.load(seeds_ptr + pid)
+    offset = tl.load(offsets_ptr + pid)
+    if topk_on | topp_on:
+        _block_maxima(row_ptr, V, 0, n_blocks, maxima_ptr, BLOCK)
+        tl.debug_barrier()
+    done = tl.zeros([], tl.int1)
+    token = tl.zeros([], tl.int32)
+    if FEW_CAP > 0:  # noqa: SIM102 (a compile-time branch: with FEW_CAP 0 no candidate code)
+        if topk_on:
+            done, token = _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset,
+                                     n_blocks, maxima_ptr, cand_x_ptr + r64 * FEW_CAP,
+                                     cand_i_ptr + r64 * FEW_CAP, BLOCK, FEW_CAP,
+                                     MAX_BLOCKS)  # fmt: skip
+    if done:
+        tl.store(out_ptr + pid, token.to(tl.int64))
+    else:
+        kept = _row_kept(row_ptr, V, temperature, k, p, topk_on, topp_on, n_blocks, maxima_ptr,
+                         BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
+        best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept, seed, offset,
+                                          maxima_ptr, BLOCK)  # fmt: skip
+        tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
 # Split threshold: the passes of the one-program threshold, each a launch over (row, part)
 # programs, a part being PART_BLOCKS blocks. A pass's program first finishes the previous pass
-# of its row from the parts' results (counts add exactly in any order; masses add the parts in
-# ascending order, as the one-program threshold does), then runs its part. Per row the scratch
-# holds: ``prefix [2 * LEVELS]`` (each pass's starting prefix, top-k then top-p, written by
-# part 0), ``counts``/``masses [2, parts, NCAND]`` (ping-pong by pass parity, so that a pass
-# never reads what the same launch writes), ``topk [1]`` (the top-k key) and ``need [1]``
-# (top_p times the kept mass).
+# of its row from the parts' results (integers: exact in any order), then runs its part. Per
+# row the scratch holds: ``prefix [2 * LEVELS]`` (each pass's starting prefix, top-k then
+# top-p, written by part 0), ``counts``/``masses [2, parts, NCAND]`` (ping-pong by pass parity,
+# so that a pass never reads what the same launch writes), ``topk [1]`` (the top-k key),
+# ``need [1]`` (top_p times the kept mass), ``floor [1]`` and ``done [1]`` (whether the
+# candidate step decided the row: then every later step skips it).
 
 
 @jit
 def _sum_parts(ptr, n_parts, NCAND: tl.constexpr, MAX_PARTS: tl.constexpr):
-    """The parts' ``[NCAND]`` results at ``ptr`` added in ascending part order: one load of
-    them all, then each part's row taken out (a sum of it and zeros: exact) and added."""
+    """The parts' ``[NCAND]`` integer results at ``ptr`` added (exact in any order)."""
     q = tl.arange(0, MAX_PARTS)[:, None]
     parts = tl.load(ptr + q * NCAND + tl.arange(0, NCAND)[None, :], mask=q < n_parts, other=0)
-    total = tl.sum(tl.where(q == 0, parts, 0), axis=0)
-    for i in range(1, n_parts):
-        total += tl.sum(tl.where(q == i, parts, 0), axis=0)
-    return total
+    return tl.sum(parts, axis=0)
+
+
+@jit
+def _undecided(done_ptr, row, FEW: tl.constexpr):
+    """Whether the radix path decides the row's token: always without the candidate step
+    (``FEW`` False), else where :func:`_few_kernel` did not."""
+    undecided = tl.full([], 1, tl.int1)
+    if FEW:
+        undecided = tl.load(done_ptr + row) == 0
+    return undecided
 
 
 @jit
@@ -487,14 +633,14 @@ def _topk_finish(prefix_ptr, count_ptr, k, n_parts, temperature, RADIX_BITS: tl.
 
 @jit
 def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_ptr, count_ptr,
-                  mass_ptr, topk_key_ptr, need_ptr, floor_ptr, V, stride, n_blocks, n_parts,
-                  TOPP: tl.constexpr, LEVEL: tl.constexpr, HAS_TOPK: tl.constexpr,
-                  HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr,
-                  RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
-                  MAX_BLOCKS: tl.constexpr, MAX_PARTS: tl.constexpr):  # fmt: skip
+                  mass_ptr, topk_key_ptr, need_ptr, floor_ptr, done_ptr, V, stride, n_blocks,
+                  n_parts, TOPP: tl.constexpr, LEVEL: tl.constexpr, HAS_TOPK: tl.constexpr,
+                  HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
+                  MAX_BLOCKS: tl.constexpr, MAX_PARTS: tl.constexpr,
+                  FEW: tl.constexpr):  # fmt: skip
     """Split threshold, pass ``LEVEL`` of top-k (``TOPP`` False) or top-p, program (row,
-    part). The first top-k pass finds the row's :func:`_topk_floor` (each program alike; part
-    0 keeps it for the later passes)."""
+    part), for the rows the candidate step left undecided. The first top-k pass finds the
+    row's :func:`_topk_floor` (each program alike; part 0 keeps it for the later passes)."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
     LEVELS: tl.constexpr = 32 // RADIX_BITS
     SHIFT: tl.constexpr = 32 - RADIX_BITS * (LEVEL + 1)
@@ -502,6 +648,9 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
     part = tl.program_id(1)
     temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V,
                                                    HAS_TOPK, HAS_TOPP)  # fmt: skip
+    undecided = _undecided(done_ptr, row, FEW)
+    topk_on &= undecided
+    topp_on &= undecided
     r64 = row.to(tl.int64)
     row_ptr = logits_ptr + r64 * stride
     maxima_ptr += r64 * n_blocks
@@ -554,19 +703,19 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
                     need = tl.load(need_ptr + row)
                 prev = _sum_parts(row_masses + ((LEVEL - 1) % 2) * plane, n_parts, NCAND,
                                   MAX_PARTS)  # fmt: skip
-                prefix = _pick_digit(prev, need, start, SHIFT + RADIX_BITS, NCAND)
+                prefix = _top_p_digit(prev, need, start, SHIFT + RADIX_BITS, NCAND)
             if part == 0:
                 tl.store(prefix_ptr + LEVELS + LEVEL, prefix.to(tl.int64))
             mass = _mass_blocks(row_ptr, V, b_lo, b_hi, prefix, SHIFT, temperature, kept, z_max,
-                                maxima_ptr, BLOCK, LOG2_BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
+                                maxima_ptr, BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
             tl.store(row_masses + (LEVEL % 2) * plane + part * NCAND + tl.arange(0, NCAND), mass)
 
 
 @jit
 def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr, topk_key_ptr,
-                   need_ptr, kept_ptr, V, n_parts, HAS_TOPK: tl.constexpr,
-                   HAS_TOPP: tl.constexpr, RADIX_BITS: tl.constexpr,
-                   MAX_PARTS: tl.constexpr):  # fmt: skip
+                   need_ptr, done_ptr, kept_ptr, V, n_parts, HAS_TOPK: tl.constexpr,
+                   HAS_TOPP: tl.constexpr, RADIX_BITS: tl.constexpr, MAX_PARTS: tl.constexpr,
+                   FEW: tl.constexpr):  # fmt: skip
     """Split threshold, last step (one program per row): the last pass finished, the row's
     threshold key into ``kept_ptr``."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
@@ -574,6 +723,9 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr
     row = tl.program_id(0)
     temperature, k, p, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V,
                                                    HAS_TOPK, HAS_TOPP)  # fmt: skip
+    undecided = _undecided(done_ptr, row, FEW)
+    topk_on &= undecided
+    topp_on &= undecided
     r64 = row.to(tl.int64)
     prefix_ptr += r64 * (2 * LEVELS)
     plane = tl.num_programs(0).to(tl.int64) * (n_parts * NCAND)
@@ -585,44 +737,50 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr
     if topp_on:
         start = tl.load(prefix_ptr + 2 * LEVELS - 1).to(tl.uint32)
         prev = _sum_parts(mass_ptr + last, n_parts, NCAND, MAX_PARTS)
-        top_p_key = _pick_digit(prev, tl.load(need_ptr + row), start, 0, NCAND)
+        top_p_key = _top_p_digit(prev, tl.load(need_ptr + row), start, 0, NCAND)
         kept = tl.maximum(kept, top_p_key)
     tl.store(kept_ptr + row, kept.to(tl.int64))
 
 
 @jit
-def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, maxima_ptr, best_ptr,
-                 index_ptr, nan_ptr, V, stride, SPAN, BLOCK: tl.constexpr):  # fmt: skip
-    """Split sampling, step 2 (a program per row and range of SPAN tokens): the range's pick."""
+def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, maxima_ptr, done_ptr,
+                 best_ptr, index_ptr, nan_ptr, V, stride, SPAN, BLOCK: tl.constexpr,
+                 FEW: tl.constexpr):  # fmt: skip
+    """Split sampling, step 2 (a program per row and range of SPAN tokens): the range's pick
+    (rows left undecided by the candidate step)."""
     pid = tl.program_id(0)
     part = tl.program_id(1)
-    lo = part * SPAN
-    hi = tl.minimum(lo + SPAN, V)
-    best, best_i, n_nan = _pick_range(
-        logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, tl.load(temp_ptr + pid),
-        tl.load(kept_ptr + pid).to(tl.uint32), tl.load(seeds_ptr + pid),
-        tl.load(offsets_ptr + pid), maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK,
-    )  # fmt: skip
-    at = pid * tl.num_programs(1) + part
-    tl.store(best_ptr + at, best)
-    tl.store(index_ptr + at, best_i)
-    tl.store(nan_ptr + at, n_nan)
+    if _undecided(done_ptr, pid, FEW):
+        lo = part * SPAN
+        hi = tl.minimum(lo + SPAN, V)
+        best, best_i, n_nan = _pick_range(
+            logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, tl.load(temp_ptr + pid),
+            tl.load(kept_ptr + pid).to(tl.uint32), tl.load(seeds_ptr + pid),
+            tl.load(offsets_ptr + pid), maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK,
+        )  # fmt: skip
+        at = pid * tl.num_programs(1) + part
+        tl.store(best_ptr + at, best)
+        tl.store(index_ptr + at, best_i)
+        tl.store(nan_ptr + at, n_nan)
 
 
 @jit
-def _merge_kernel(best_ptr, index_ptr, nan_ptr, out_ptr, V, PARTS, BLOCK_P: tl.constexpr):
+def _merge_kernel(best_ptr, index_ptr, nan_ptr, done_ptr, out_ptr, V, PARTS,
+                  BLOCK_P: tl.constexpr, FEW: tl.constexpr):  # fmt: skip
     """Split sampling, step 3 (one program per row): the ranges' picks merged as one pass over
-    the row would: the largest value, the lowest index among ranges holding it."""
+    the row would: the largest value, the lowest index among ranges holding it (rows left
+    undecided by the candidate step)."""
     pid = tl.program_id(0)
-    p = tl.arange(0, BLOCK_P)
-    ok = p < PARTS
-    best = tl.load(best_ptr + pid * PARTS + p, mask=ok, other=float("-inf"))
-    idx = tl.load(index_ptr + pid * PARTS + p, mask=ok, other=V)
-    n_nan = tl.sum(tl.load(nan_ptr + pid * PARTS + p, mask=ok, other=0), axis=0)
-    top = tl.max(best, axis=0)
-    # Where every range is at -inf the one-pass pick keeps index 0, which is range 0's index.
-    best_i = tl.min(tl.where(ok & (best == top), idx, V), axis=0)
-    tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
+    if _undecided(done_ptr, pid, FEW):
+        p = tl.arange(0, BLOCK_P)
+        ok = p < PARTS
+        best = tl.load(best_ptr + pid * PARTS + p, mask=ok, other=float("-inf"))
+        idx = tl.load(index_ptr + pid * PARTS + p, mask=ok, other=V)
+        n_nan = tl.sum(tl.load(nan_ptr + pid * PARTS + p, mask=ok, other=0), axis=0)
+        top = tl.max(best, axis=0)
+        # Where every range is at -inf the one-pass pick keeps index 0: range 0's index.
+        best_i = tl.min(tl.where(ok & (best == top), idx, V), axis=0)
+        tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
 
 
 @jit
@@ -712,54 +870,77 @@ def sample(
         top_k.to(torch.int64).contiguous() if top_k is not None else temperature,
         top_p.to(torch.float32).contiguous() if top_p is not None else temperature,
     )
-    meta = dict(BLOCK=BLOCK, LOG2_BLOCK=BLOCK.bit_length() - 1, RADIX_BITS=RADIX_BITS)
+    if top_p is not None and V > MAX_VOCAB:
+        raise ValueError(
+            f"logits: a vocabulary of {V} is more than {MAX_VOCAB}, the most whose top-p masses "
+            "are exact in int64"
+        )
+    meta = dict(BLOCK=BLOCK, RADIX_BITS=RADIX_BITS)
     sizes = dict(PART_BLOCKS=PART_BLOCKS, MAX_BLOCKS=next_power_of_2(blocks))
-    # Written and read only by rows with a filter on.
+    # Written and read only by rows with a filter on (the candidates: by rows with top-k).
     maxima = torch.empty((B, blocks), dtype=torch.int32, device=dev)
+    cap = FEW_CAP if top_k is not None else 0
+    cand_x = torch.empty((B, max(cap, 1)), dtype=torch.float32, device=dev)
+    cand_i = torch.empty((B, max(cap, 1)), dtype=torch.int32, device=dev)
     if parts <= 1:
-        _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, out, V,
-                             logits.stride(0), blocks, **has, **meta, **sizes, **cfg)  # fmt: skip
+        _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, cand_x, cand_i,
+                             out, V, logits.stride(0), blocks, **has, **meta, **sizes,
+                             FEW_CAP=cap, **cfg)  # fmt: skip
         return out
-    kept = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg)
+    few = (seeds, offsets, cand_x, cand_i, out) if cap else None
+    kept, done = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few)
     span = cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
     parts = cdiv(V, span)
     best = torch.empty((B, parts), dtype=torch.float32, device=dev)
     index = torch.empty((B, parts), dtype=torch.int32, device=dev)
     nans = torch.empty((B, parts), dtype=torch.int32, device=dev)
-    _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, maxima, best, index,
-                             nans, V, logits.stride(0), span, BLOCK=BLOCK, **cfg)  # fmt: skip
-    _merge_kernel[(B,)](best, index, nans, out, V, parts,
-                        BLOCK_P=next_power_of_2(parts))  # fmt: skip
+    _pick_kernel[(B, parts)](logits, seeds, offsets, temperature, kept, maxima, done, best,
+                             index, nans, V, logits.stride(0), span, BLOCK=BLOCK, FEW=bool(cap),
+                             **cfg)  # fmt: skip
+    _merge_kernel[(B,)](best, index, nans, done, out, V, parts, BLOCK_P=next_power_of_2(parts),
+                        FEW=bool(cap))  # fmt: skip
     return out
 
 
-def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg) -> torch.Tensor:
-    """The filters' threshold key of every row (int64 ``[B]``), a launch per pass over (row,
-    part) programs; without a filter on the host's side, zeros and nothing launched."""
+def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few=None):
+    """``(kept, done)``: the filters' threshold key of every row (int64 ``[B]``), a launch per
+    pass over (row, part) programs, after the block maxima; without a filter on the host's
+    side, zeros and nothing launched. ``few``: ``(seeds, offsets, cand_x, cand_i, out)`` to run
+    the candidate step first (:func:`_few_kernel`, the rows it decides have their token in
+    ``out`` and ``done`` 1; the passes skip them), or None."""
     B, V = logits.shape
     dev = logits.device
+    done = torch.empty(B if few else 1, dtype=torch.int32, device=dev)
     if not (has["HAS_TOPK"] or has["HAS_TOPP"]):
-        return torch.zeros(B, dtype=torch.int64, device=dev)
+        return torch.zeros(B, dtype=torch.int64, device=dev), done
     blocks = maxima.shape[1]
     n_parts = cdiv(blocks, PART_BLOCKS)
     ncand = 1 << RADIX_BITS
     prefix = torch.empty((B, 2 * LEVELS), dtype=torch.int64, device=dev)
     counts = torch.empty((2, B, n_parts, ncand), dtype=torch.int32, device=dev)
-    masses = torch.empty((2, B, n_parts, ncand), dtype=torch.float32, device=dev)
+    masses = torch.empty((2, B, n_parts, ncand), dtype=torch.int64, device=dev)
     topk_key = torch.empty(B, dtype=torch.int64, device=dev)
-    need = torch.empty(B, dtype=torch.float32, device=dev)
+    need = torch.empty(B, dtype=torch.float64, device=dev)
     floor = torch.empty(B, dtype=torch.int64, device=dev)
     kept = torch.empty(B, dtype=torch.int64, device=dev)
     stride = logits.stride(0)
     _maxima_kernel[(B, n_parts)](logits, temperature, *params, maxima, V, stride, blocks, **has,
                                  BLOCK=BLOCK, PART_BLOCKS=PART_BLOCKS, **cfg)  # fmt: skip
+    if few:
+        seeds, offsets, cand_x, cand_i, out = few
+        _few_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, cand_x, cand_i,
+                          done, out, V, stride, blocks, HAS_TOPP=has["HAS_TOPP"], BLOCK=BLOCK,
+                          FEW_CAP=cand_x.shape[1], MAX_BLOCKS=sizes["MAX_BLOCKS"],
+                          num_warps=FEW_WARPS)  # fmt: skip
     scratch = (maxima, prefix, counts, masses, topk_key, need)
     max_parts = next_power_of_2(n_parts)
     for topp, on in ((False, has["HAS_TOPK"]), (True, has["HAS_TOPP"])):
         for level in range(LEVELS) if on else ():
-            _level_kernel[(B, n_parts)](logits, temperature, *params, *scratch, floor, V, stride,
-                                        blocks, n_parts, TOPP=topp, LEVEL=level, **has, **meta,
-                                        **sizes, MAX_PARTS=max_parts, **cfg)  # fmt: skip
-    _finish_kernel[(B,)](temperature, *params, *scratch[1:], kept, V, n_parts, **has,
-                         RADIX_BITS=RADIX_BITS, MAX_PARTS=max_parts, **cfg)  # fmt: skip
-    return kept
+            _level_kernel[(B, n_parts)](logits, temperature, *params, *scratch, floor, done, V,
+                                        stride, blocks, n_parts, TOPP=topp, LEVEL=level, **has,
+                                        **meta, **sizes, MAX_PARTS=max_parts, FEW=bool(few),
+                                        **cfg)  # fmt: skip
+    _finish_kernel[(B,)](temperature, *params, *scratch[1:], done, kept, V, n_parts, **has,
+                         RADIX_BITS=RADIX_BITS, MAX_PARTS=max_parts, FEW=bool(few),
+                         **cfg)  # fmt: skip
+    return kept, done
