@@ -49,6 +49,8 @@ LEVELS = 32 // RADIX_BITS
 FEW_CAP = 1024
 #: Warps of the candidate step's program (a launch parameter: no bit depends on it).
 FEW_WARPS = 4
+#: Blocks the candidate step loads at once (a latency choice: no bit depends on it).
+GATHER = tl.constexpr(8)
 #: Blocks per part of a row. The top-p masses add each part's blocks in ascending order, then
 #: the parts in ascending order: a constant of the op, so that the one-program threshold and
 #: the split one (a program per part) give the same bits. A power of two, at most 32 (a part's
@@ -431,8 +433,8 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
 
     The candidates are the tokens with ``key(z) >= key(floor / temperature)``, ``floor`` the
     row's :func:`_topk_floor`: a superset of what top-k keeps (z is non-decreasing in x, ties
-    made by the division included). One pass over the blocks that can hold one gathers them,
-    in ascending order, into the row's scratch ``[FEW_CAP]``; the rest runs on them in
+    made by the division included). One pass over the blocks that can hold one, GATHER blocks
+    a load, gathers them into the row's scratch ``[FEW_CAP]``; the rest runs on them in
     registers, each threshold by a 32-step bisection on the key:
 
     - top-k: the largest key K with ``count(key(x) >= K) >= k`` (exact: every token at or
@@ -450,21 +452,30 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
     floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
     try_few = (k <= FEW_CAP) & (floor > 0) & (nan_blocks == 0)
     floor_z = _topk_kept(floor, temperature)
+    # The blocks that can hold a candidate, GATHER at a time: their ranks among those blocks
+    # give each round its block indices, and one [GATHER, BLOCK] load.
+    live = (b < n_blocks) & _may_keep(maxima, temperature, floor_z) & try_few
+    rank = tl.cumsum(live.to(tl.int32), axis=0) - 1
+    n_live = tl.sum(live.to(tl.int32), axis=0)
+    r = tl.arange(0, GATHER)
     cols = tl.arange(0, BLOCK)
     n = tl.zeros([], tl.int32)
-    for c_lo in range(0, n_blocks, PICK_SPAN):
-        c_hi = tl.minimum(c_lo + PICK_SPAN, n_blocks)
-        live = _live_blocks(maxima_ptr, c_lo, c_hi, floor_z, temperature, True, PICK_SPAN)
-        for i in range(0, c_hi - c_lo):
-            if try_few & (((live >> i) & 1) != 0) & (n <= FEW_CAP):
-                offs = (c_lo + i) * BLOCK + cols
-                ok = offs < V
-                x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                take = ok & (_key(tl.math.div_rn(x, temperature)) >= floor_z)
-                at = n + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                tl.store(cand_x_ptr + at, x, mask=take & (at < FEW_CAP))
-                tl.store(cand_i_ptr + at, offs, mask=take & (at < FEW_CAP))
-                n += tl.sum(take.to(tl.int32), axis=0)
+    for first in range(0, n_live, GATHER):
+        if n <= FEW_CAP:
+            pick = live[None, :] & (rank[None, :] == first + r[:, None])
+            blk = tl.sum(tl.where(pick, b[None, :], 0), axis=1)
+            offs = blk[:, None] * BLOCK + cols[None, :]
+            ok = ((first + r)[:, None] < n_live) & (offs < V)
+            x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            take = (ok & (_key(tl.math.div_rn(x, temperature)) >= floor_z)).to(tl.int32)
+            per_block = tl.sum(take, axis=1)
+            # Distinct slots (their order does not matter: what follows is order-free).
+            at = n + (tl.cumsum(per_block, axis=0) - per_block)[:, None] + tl.cumsum(take, axis=1)
+            at -= 1
+            keep = (take != 0) & (at < FEW_CAP)
+            tl.store(cand_x_ptr + at, x, mask=keep)
+            tl.store(cand_i_ptr + at, offs, mask=keep)
+            n += tl.sum(per_block, axis=0)
     done = try_few & (n <= FEW_CAP)
     token = tl.zeros([], tl.int32)
     if done:
@@ -794,14 +805,14 @@ def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
 #: Launch configs. ``programs``: the programs a pass should fill the GPU with. Below that
 #: many rows, the filters' threshold runs as the split threshold (a launch per pass, a program
 #: per part of a row) and the pick in ranges of whole blocks (a program each), merged by a third
-#: kernel; 0 keeps one program per row. Neither changes a bit: the split threshold adds what
-#: the one-program threshold adds, in its order, and ranges merge as one pass would.
+#: kernel; 0 keeps one program per row. Neither changes a bit: counts and masses are exact
+#: integers, and ranges merge as one pass would.
 def _choose(*, B: int, V: int) -> int:
-    # H200, scripts/kernel_sweep.py --parts sample (V = 151936): 2 warps and 2048 programs are
-    # 4-11% faster than the first config from B = 64 to 256 (top-k + top-p at B = 256: 1127
-    # against 1252 us; temperature only at B = 64: 67 against 76 us); at B = 1 the first is as
-    # fast (180 us). Other batch sizes were not swept.
-    return 3 if 64 <= B <= 256 else 0
+    # H200, scripts/kernel_sweep.py --parts sample (V = 151936): from B = 64 to 1024, 2 warps
+    # and 4096 programs are the fastest or within 3% of it (temperature only at B = 1024: 850
+    # against 961 us for the first config, one program per row; top-k + top-p at B = 1024: 686
+    # against 943 us); at B = 1 the first is (8.2 us, against 8.6).
+    return 4 if B >= 64 else 0
 
 
 TUNING = {
@@ -811,6 +822,7 @@ TUNING = {
             {"num_warps": 4, "programs": 0},
             {"num_warps": 8, "programs": 264},
             {"num_warps": 2, "programs": 2048},
+            {"num_warps": 2, "programs": 4096},
         ),
         choose=_choose,
     ),
