@@ -46,7 +46,7 @@ RADIX_BITS = 4
 LEVELS = 32 // RADIX_BITS
 #: The most candidates a top-k row may have for its token to be drawn from them alone
 #: (:func:`_few_token`); a row with more takes the radix passes. 0: never.
-FEW_CAP = 256
+FEW_CAP = 1024
 #: Warps of the candidate step's program (a launch parameter: no bit depends on it).
 FEW_WARPS = 4
 #: Blocks the candidate step loads at once (a latency choice: no bit depends on it).
@@ -158,24 +158,20 @@ def _may_count(block_max, low):
 
 
 @jit
-def _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS: tl.constexpr):
     """The k-th largest block maximum key of the row (0 when the row has fewer than k blocks).
 
     Those k blocks each hold a token with a key at least this, so the k-th largest key is at
     least this too, and a block whose largest key is below it holds no token that top-k
     keeps. A radix pass may skip it: its count is exact for every candidate at or above the
     floor, and for a candidate below, ``count >= k`` holds with or without the block."""
-    NCAND: tl.constexpr = 1 << RADIX_BITS
     b = tl.arange(0, MAX_BLOCKS)
-    # Past the row, key 0: counted by candidate 0 alone, which never decides a digit.
     keys = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
-    digits = tl.arange(0, NCAND).to(tl.uint32)
     floor = tl.zeros([], tl.uint32)
-    for level in tl.static_range(32 // RADIX_BITS):  # radix search in registers
-        shift = 32 - RADIX_BITS * (level + 1)
-        cand = floor | (digits << shift)
-        count = tl.sum((keys[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-        floor = _pick_digit(count, k, floor, shift, NCAND)
+    for bit in tl.static_range(32):  # bisection on the key, one bit a step from the top
+        cand = floor | (tl.full([], 1, tl.uint32) << (31 - bit))
+        enough = tl.sum((keys >= cand).to(tl.int32), axis=0) >= k
+        floor = tl.where(enough, cand, floor)
     return floor
 
 
@@ -314,7 +310,7 @@ def _topk_key(row_ptr, V, temperature, k, n_blocks, maxima_ptr, BLOCK: tl.conste
     """One program's top-k threshold: :data:`LEVELS` radix passes over the whole row, a part
     at a time."""
     NCAND: tl.constexpr = 1 << RADIX_BITS
-    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS, RADIX_BITS)
+    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
     prefix = tl.zeros([], tl.uint32)
     for level in tl.static_range(32 // RADIX_BITS):
         shift = 32 - RADIX_BITS * (level + 1)
@@ -431,30 +427,29 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
 
 @jit
 def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, maxima_ptr,
-               cand_x_ptr, cand_i_ptr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
-               FEW_CAP: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+               cand_x_ptr, cand_i_ptr, BLOCK: tl.constexpr, FEW_CAP: tl.constexpr,
+               MAX_BLOCKS: tl.constexpr):  # fmt: skip
     """``(done, token)`` of a top-k row from its few candidates, without the radix passes.
 
     The candidates are the tokens with ``key(z) >= key(floor / temperature)``, ``floor`` the
     row's :func:`_topk_floor`: a superset of what top-k keeps (z is non-decreasing in x, ties
     made by the division included). One pass over the blocks that can hold one, GATHER blocks
     a load, gathers them into the row's scratch ``[FEW_CAP]``; the rest runs on them in
-    registers, each threshold by the radix search of the passes (:data:`RADIX_BITS` bits a
-    step) on them:
+    registers, each threshold by a 32-step bisection on the key:
 
     - top-k: the largest key K with ``count(key(x) >= K) >= k`` (exact: every token at or
       above the floor is a candidate, and below it the count reaches k either way);
     - top-p: the largest key K with ``mass(key(z) >= K) >= need`` (integer masses: the very
-      values the radix passes add, in any order);
+      values the radix passes add, in any order; a mass only shrinks as K grows, so the
+      bisection and the radix search find the same K);
     - the pick: the Gumbel-max over the kept candidates, the lowest index among ties.
 
     So the token is the radix path's. ``done`` is 0 (nothing decided) where the row has a NaN,
     ``k > FEW_CAP``, fewer blocks than ``k`` (no floor), or more candidates than FEW_CAP."""
-    NCAND: tl.constexpr = 1 << RADIX_BITS
     b = tl.arange(0, MAX_BLOCKS)
     maxima = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
     nan_blocks = tl.sum((maxima == NAN_BLOCK).to(tl.int32), axis=0)
-    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS, RADIX_BITS)
+    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
     try_few = (k <= FEW_CAP) & (floor > 0) & (nan_blocks == 0)
     floor_z = _topk_kept(floor, temperature)
     # The blocks that can hold a candidate, GATHER at a time: their ranks among those blocks
@@ -490,13 +485,10 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
         x = tl.load(cand_x_ptr + j, mask=valid, other=0.0)
         idx = tl.load(cand_i_ptr + j, mask=valid, other=0)
         key_x = tl.where(valid, _key(x), 0)
-        digits = tl.arange(0, NCAND).to(tl.uint32)
         kth = tl.zeros([], tl.uint32)
-        for level in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (level + 1)
-            cand = kth | (digits << shift)
-            hit = (key_x[None, :] >= cand[:, None]) & valid[None, :]
-            kth = _pick_digit(tl.sum(hit.to(tl.int32), axis=1), k, kth, shift, NCAND)
+        for bit in tl.static_range(32):
+            cand = kth | (tl.full([], 1, tl.uint32) << (31 - bit))
+            kth = tl.where(tl.sum((key_x >= cand).to(tl.int32), axis=0) >= k, cand, kth)
         kept = _topk_kept(kth, temperature)
         z = tl.math.div_rn(x, temperature)
         key_z = tl.where(valid, _key(z), 0)
@@ -505,11 +497,10 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
             q = _mass_terms(z, z_max, valid & (key_z >= kept))
             need = p.to(tl.float64) * tl.sum(q, axis=0).to(tl.float64)
             top = tl.zeros([], tl.uint32)
-            for level in tl.static_range(32 // RADIX_BITS):
-                shift = 32 - RADIX_BITS * (level + 1)
-                cand = top | (digits << shift)
-                mass = tl.sum(tl.where(key_z[None, :] >= cand[:, None], q[None, :], 0), axis=1)
-                top = _top_p_digit(mass, need, top, shift, NCAND)
+            for bit in tl.static_range(32):
+                cand = top | (tl.full([], 1, tl.uint32) << (31 - bit))
+                mass = tl.sum(tl.where(key_z >= cand, q, 0), axis=0).to(tl.float64)
+                top = tl.where(mass >= need, cand, top)
             kept = tl.maximum(kept, top)
         g = -tl.log(-tl.log(philox_uniform(idx, seed, offset)))
         score = tl.where(valid & (key_z >= kept), z + g, float("-inf"))
@@ -521,8 +512,8 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
 @jit
 def _few_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr,
                 cand_x_ptr, cand_i_ptr, done_ptr, out_ptr, V, stride, n_blocks,
-                HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
-                FEW_CAP: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
+                HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, FEW_CAP: tl.constexpr,
+                MAX_BLOCKS: tl.constexpr):  # fmt: skip
     """Split sampling, after the block maxima (a program per row): :func:`_few_token` for the
     rows with top-k; ``done[row]`` says whether it decided the row's token (then in ``out``)."""
     row = tl.program_id(0)
@@ -535,7 +526,7 @@ def _few_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, topk_ptr, topp_ptr
                                  tl.load(seeds_ptr + row), tl.load(offsets_ptr + row),
                                  n_blocks, maxima_ptr + r64 * n_blocks,
                                  cand_x_ptr + r64 * FEW_CAP, cand_i_ptr + r64 * FEW_CAP, BLOCK,
-                                 RADIX_BITS, FEW_CAP, MAX_BLOCKS)  # fmt: skip
+                                 FEW_CAP, MAX_BLOCKS)  # fmt: skip
         if done:
             tl.store(out_ptr + row, token.to(tl.int64))
     tl.store(done_ptr + row, done.to(tl.int32))
@@ -585,7 +576,7 @@ def _sample_kernel(
         if topk_on:
             done, token = _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset,
                                      n_blocks, maxima_ptr, cand_x_ptr + r64 * FEW_CAP,
-                                     cand_i_ptr + r64 * FEW_CAP, BLOCK, RADIX_BITS, FEW_CAP,
+                                     cand_i_ptr + r64 * FEW_CAP, BLOCK, FEW_CAP,
                                      MAX_BLOCKS)  # fmt: skip
     if done:
         tl.store(out_ptr + pid, token.to(tl.int64))
@@ -691,7 +682,7 @@ def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_p
                                   MAX_PARTS)  # fmt: skip
                 prefix = _pick_digit(prev, k, start, SHIFT + RADIX_BITS, NCAND)
             else:
-                floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS, RADIX_BITS)
+                floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
                 if part == 0:
                     tl.store(floor_ptr + row, floor.to(tl.int64))
             if part == 0:
@@ -950,7 +941,7 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg,
     if few:
         seeds, offsets, cand_x, cand_i, out = few
         _few_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, cand_x, cand_i,
-                          done, out, V, stride, blocks, HAS_TOPP=has["HAS_TOPP"], **meta,
+                          done, out, V, stride, blocks, HAS_TOPP=has["HAS_TOPP"], BLOCK=BLOCK,
                           FEW_CAP=cand_x.shape[1], MAX_BLOCKS=sizes["MAX_BLOCKS"],
                           num_warps=FEW_WARPS)  # fmt: skip
     scratch = (maxima, prefix, counts, masses, topk_key, need)
