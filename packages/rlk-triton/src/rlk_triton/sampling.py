@@ -38,7 +38,7 @@ import torch
 from rlk_triton import tuning
 from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 
-#: Vocabulary block of a pass; sets the order of the top-p mass sums (a constant of the op).
+#: Vocabulary block of a pass (the unit that block maxima skip; no bit depends on it).
 BLOCK = 512
 #: Key bits resolved per radix pass (2**RADIX_BITS candidate thresholds counted per pass).
 RADIX_BITS = 4
@@ -51,10 +51,8 @@ FEW_CAP = 1024
 FEW_WARPS = 4
 #: Blocks the candidate step loads at once (a latency choice: no bit depends on it).
 GATHER = tl.constexpr(8)
-#: Blocks per part of a row. The top-p masses add each part's blocks in ascending order, then
-#: the parts in ascending order: a constant of the op, so that the one-program threshold and
-#: the split one (a program per part) give the same bits. A power of two, at most 32 (a part's
-#: blocks to read are the bits of one int64, :func:`_live_blocks`).
+#: Blocks per part of a row: a program of the split threshold's passes reads one part. A power
+#: of two, at most 32 (a part's blocks to read are the bits of one int64, :func:`_live_blocks`).
 PART_BLOCKS = 16
 
 PHILOX_M0 = tl.constexpr(0xD2511F53)
