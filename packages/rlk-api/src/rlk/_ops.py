@@ -975,6 +975,8 @@ def sample(
     negative ``temperature``/``top_k``/``offsets`` and ``top_p`` outside (0, 1] are errors.
     A row of ``logits`` with a NaN has no token to draw: a ``ValueError`` where value checks
     run, and the token ``-1`` for that row otherwise (every backend; no host synchronisation).
+    The Triton backends add the top-p masses as exact int64 fixed-point sums, so with ``top_p``
+    on they take vocabularies of up to 2**22 (``ValueError`` above).
 
     Example::
 
