@@ -976,7 +976,7 @@ def sample(
     A row of ``logits`` with a NaN has no token to draw: a ``ValueError`` where value checks
     run, and the token ``-1`` for that row otherwise (every backend; no host synchronisation).
     The Triton backends add the top-p masses as exact int64 fixed-point sums, so with ``top_p``
-    on they take vocabularies of up to 2**22 (``ValueError`` above).
+    other than the number 1.0 they take vocabularies of up to 2**22 (``ValueError`` above).
 
     Example::
 
