@@ -139,11 +139,28 @@ def _block_maxima(row_ptr, V, b_lo, b_hi, maxima_ptr, BLOCK: tl.constexpr):
 
 
 @jit
+def _load_maxima(maxima_ptr, n_blocks, MAX_BLOCKS: tl.constexpr):
+    """The row's block maxima keys ``[MAX_BLOCKS]`` (uint32), 0 past its ``n_blocks``."""
+    b = tl.arange(0, MAX_BLOCKS)
+    return tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+
+
+@jit
+def _kth_largest_key(keys, k):
+    """The largest key K with ``count(keys >= K) >= k`` (0 when fewer than k keys are above 0),
+    by bisection, one bit a step from the top: the k-th largest of ``keys``."""
+    found = tl.zeros([], tl.uint32)
+    for bit in tl.static_range(32):
+        cand = found | (tl.full([], 1, tl.uint32) << (31 - bit))
+        found = tl.where(tl.sum((keys >= cand).to(tl.int32), axis=0) >= k, cand, found)
+    return found
+
+
+@jit
 def _row_z_max(maxima_ptr, n_blocks, temperature, MAX_BLOCKS: tl.constexpr):
     """The row's largest z, i.e. its largest logit divided once (the division is monotone),
     from its block maxima."""
-    b = tl.arange(0, MAX_BLOCKS)
-    keys = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+    keys = _load_maxima(maxima_ptr, n_blocks, MAX_BLOCKS)
     return tl.math.div_rn(_unkey(tl.max(keys, axis=0)), temperature)
 
 
@@ -163,14 +180,7 @@ def _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS: tl.constexpr):
     least this too, and a block whose largest key is below it holds no token that top-k
     keeps. A radix pass may skip it: its count is exact for every candidate at or above the
     floor, and for a candidate below, ``count >= k`` holds with or without the block."""
-    b = tl.arange(0, MAX_BLOCKS)
-    keys = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
-    floor = tl.zeros([], tl.uint32)
-    for bit in tl.static_range(32):  # bisection on the key, one bit a step from the top
-        cand = floor | (tl.full([], 1, tl.uint32) << (31 - bit))
-        enough = tl.sum((keys >= cand).to(tl.int32), axis=0) >= k
-        floor = tl.where(enough, cand, floor)
-    return floor
+    return _kth_largest_key(_load_maxima(maxima_ptr, n_blocks, MAX_BLOCKS), k)
 
 
 @jit
@@ -445,9 +455,9 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
     So the token is the radix path's. ``done`` is 0 (nothing decided) where the row has a NaN,
     ``k > FEW_CAP``, fewer blocks than ``k`` (no floor), or more candidates than FEW_CAP."""
     b = tl.arange(0, MAX_BLOCKS)
-    maxima = tl.load(maxima_ptr + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+    maxima = _load_maxima(maxima_ptr, n_blocks, MAX_BLOCKS)
     nan_blocks = tl.sum((maxima == NAN_BLOCK).to(tl.int32), axis=0)
-    floor = _topk_floor(maxima_ptr, n_blocks, k, MAX_BLOCKS)
+    floor = _kth_largest_key(maxima, k)  # the row's _topk_floor
     try_few = (k <= FEW_CAP) & (floor > 0) & (nan_blocks == 0)
     floor_z = _topk_kept(floor, temperature)
     # The blocks that can hold a candidate, GATHER at a time: their ranks among those blocks
@@ -482,12 +492,7 @@ def _few_token(row_ptr, V, temperature, k, p, topp_on, seed, offset, n_blocks, m
         valid = j < n
         x = tl.load(cand_x_ptr + j, mask=valid, other=0.0)
         idx = tl.load(cand_i_ptr + j, mask=valid, other=0)
-        key_x = tl.where(valid, _key(x), 0)
-        kth = tl.zeros([], tl.uint32)
-        for bit in tl.static_range(32):
-            cand = kth | (tl.full([], 1, tl.uint32) << (31 - bit))
-            kth = tl.where(tl.sum((key_x >= cand).to(tl.int32), axis=0) >= k, cand, kth)
-        kept = _topk_kept(kth, temperature)
+        kept = _topk_kept(_kth_largest_key(tl.where(valid, _key(x), 0), k), temperature)
         z = tl.math.div_rn(x, temperature)
         key_z = tl.where(valid, _key(z), 0)
         if topp_on:
@@ -644,8 +649,8 @@ def _topk_finish(prefix_ptr, count_ptr, k, n_parts, temperature, RADIX_BITS: tl.
 def _level_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, prefix_ptr, count_ptr,
                   mass_ptr, topk_key_ptr, need_ptr, floor_ptr, done_ptr, V, stride, n_blocks,
                   n_parts, TOPP: tl.constexpr, LEVEL: tl.constexpr, HAS_TOPK: tl.constexpr,
-                  HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PART_BLOCKS: tl.constexpr,
-                  MAX_BLOCKS: tl.constexpr, MAX_PARTS: tl.constexpr,
+                  HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                  PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr, MAX_PARTS: tl.constexpr,
                   FEW: tl.constexpr):  # fmt: skip
     """Split threshold, pass ``LEVEL`` of top-k (``TOPP`` False) or top-p, program (row,
     part), for the rows the candidate step left undecided. The first top-k pass finds the
@@ -890,8 +895,9 @@ def sample(
     # Written and read only by rows with a filter on (the candidates: by rows with top-k).
     maxima = torch.empty((B, blocks), dtype=torch.int32, device=dev)
     cap = FEW_CAP if top_k is not None else 0
-    cand_x = torch.empty((B, max(cap, 1)), dtype=torch.float32, device=dev)
-    cand_i = torch.empty((B, max(cap, 1)), dtype=torch.int32, device=dev)
+    # Without top-k there is no candidate step: the maxima stand in for its unread scratch.
+    cand_x = torch.empty((B, cap), dtype=torch.float32, device=dev) if cap else maxima
+    cand_i = torch.empty((B, cap), dtype=torch.int32, device=dev) if cap else maxima
     if parts <= 1:
         _sample_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, cand_x, cand_i,
                              out, V, logits.stride(0), blocks, **has, **meta, **sizes,
@@ -920,7 +926,8 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg,
     ``out`` and ``done`` 1; the passes skip them), or None."""
     B, V = logits.shape
     dev = logits.device
-    done = torch.empty(B if few else 1, dtype=torch.int32, device=dev)
+    # Read only with the candidate step (FEW); else a stand-in for its pointer.
+    done = torch.empty(B, dtype=torch.int32, device=dev) if few else maxima
     if not (has["HAS_TOPK"] or has["HAS_TOPP"]):
         return torch.zeros(B, dtype=torch.int64, device=dev), done
     blocks = maxima.shape[1]
