@@ -43,6 +43,15 @@ def _rows(b, v, dtype, seed):
     return logits, seeds, offsets
 
 
+def _geometry(v):
+    """``(blocks, meta, sizes)``: a row of ``v`` logits' block count and the constexprs that
+    sampling.sample passes its kernels, for the tests that launch them directly."""
+    blocks = -(-v // smod.BLOCK)
+    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
+    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    return blocks, meta, sizes
+
+
 def _sample(logits, seeds, offsets, **p):
     return smod.sample(logits, seeds, offsets, table=TABLE, **p)
 
@@ -212,9 +221,7 @@ def test_candidate_step_decides_some_rows_and_leaves_others():
     # Without this the comparison above could pass with the candidate step deciding nothing.
     logits, seeds, offsets, p = _candidate_rows()
     b, v = logits.shape
-    blocks = -(-v // smod.BLOCK)
-    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
-    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    blocks, meta, sizes = _geometry(v)
     cap = smod.FEW_CAP
     few = (seeds, offsets, torch.empty(b, cap), torch.empty(b, cap, dtype=torch.int32),
            torch.empty(b, dtype=torch.int64))  # fmt: skip
@@ -303,9 +310,7 @@ def test_split_threshold_keys_equal_one_program_keys():
     p["top_k"][:2] = 0
     p["top_p"][2:4] = 1.0
     temp, k, q = p["temperature"], p["top_k"], p["top_p"]
-    blocks = -(-v // smod.BLOCK)
-    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
-    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
+    blocks, meta, sizes = _geometry(v)
     one = torch.empty(b, dtype=torch.int64)
     _one_program_threshold[(b,)](logits, temp, k, q, torch.empty(b, blocks, dtype=torch.int32),
                                  one, v, v, blocks, **meta, **sizes)  # fmt: skip
@@ -341,10 +346,8 @@ def test_top_p_masses_are_exact_fixed_point_sums():
     v, ncand = 3000, 1 << smod.RADIX_BITS
     logits, _, _ = _rows(1, v, torch.float32, seed=17)
     temp = torch.tensor([0.7])
-    blocks = -(-v // smod.BLOCK)
+    blocks, meta, sizes = _geometry(v)
     n_parts = -(-blocks // smod.PART_BLOCKS)
-    meta = dict(BLOCK=smod.BLOCK, RADIX_BITS=smod.RADIX_BITS)
-    sizes = dict(PART_BLOCKS=smod.PART_BLOCKS, MAX_BLOCKS=1 << (blocks - 1).bit_length())
     k, q = torch.zeros(1, dtype=torch.int64), torch.tensor([0.9])
     has = dict(HAS_TOPK=False, HAS_TOPP=True)
     maxima = torch.empty(1, blocks, dtype=torch.int32)
