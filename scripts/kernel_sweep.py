@@ -53,8 +53,15 @@ from rlk_triton._triton import jit, tl, triton
 SHAPES = [("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096), ("q05_up", 896, 4864)]
 MS = [1, 16, 64, 256]
 STREAM_BYTES = 256 << 20
-#: The decode part's selection (main's --shapes, --ms, --stages, --no-leaf).
-DECODE: dict = {"shapes": None, "ms": MS, "stages": [3, 4, 6, 8], "leaf": True}
+#: The decode part's selection (main's --shapes, --ms, --stages, --no-leaf, --unroll, --bn).
+DECODE: dict = {
+    "shapes": None,
+    "ms": MS,
+    "stages": [3, 4, 6, 8],
+    "leaf": True,
+    "unroll": [1],
+    "bn": [16, 32, 64, 128],
+}
 
 
 def graph_ms(fn, n_inner: int) -> float:
@@ -785,6 +792,8 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="decode: comma-separated M (default 1,16,64,256)")
     ap.add_argument("--stages", default=None, help="decode: pipeline depths (default 3,4,6,8)")
     ap.add_argument("--no-leaf", action="store_true", help="decode: skip the split-K variant")
+    ap.add_argument("--unroll", default="1", help="decode: K tiles per loop iteration (1,2,4)")
+    ap.add_argument("--bn", default="16,32,64,128", help="decode: BLOCK_N candidates")
     args = ap.parse_args()
     parts = args.parts.split(",")
     DECODE.update(
@@ -792,6 +801,8 @@ def main() -> None:
         ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,
         stages=[int(t) for t in args.stages.split(",")] if args.stages else [3, 4, 6, 8],
         leaf=not args.no_leaf,
+        unroll=[int(u) for u in args.unroll.split(",")],
+        bn=[int(b) for b in args.bn.split(",")],
     )
     rows: list[dict] = []
     runs = {
@@ -832,21 +843,23 @@ def decode_part(rows) -> None:
     eager["gpu (rlk, graph)"] = graph_ms(lambda: rlk.linear(x, w), 1) * 1e3
     eager["gpu (cublas, graph)"] = graph_ms(lambda: F.linear(x, w), 1) * 1e3
     rows.append({"part": "eager_us", **{k: round(v, 2) for k, v in eager.items()}})
+    print(json.dumps(rows[-1]), flush=True)
 
     # 2. and 3. GPU time per product
     # Pointer-kernel candidates, and descriptor ones (TMA: the tile of W is one bulk copy).
     cands = [
-        gemm._cfg(64, bn, 4, st, tma=tma)
+        gemm._cfg(64, bn, 4, st, tma=tma, unroll=u)
         for tma in (False, True)
-        for bn in (16, 32, 64, 128)
+        for bn in DECODE["bn"]
         for st in DECODE["stages"]
+        for u in DECODE["unroll"]
         if not (tma and bn < 32)  # a descriptor's box is at least 16 bytes wide per row
     ]
     leaf_cands = [
         (lk, c)
         for lk in (512, 1024)
         for c in cands
-        if c["num_stages"] in (4, 6) and not c["TMA"] and DECODE["leaf"]
+        if c["num_stages"] in (4, 6) and not c["TMA"] and c["UNROLL"] == 1 and DECODE["leaf"]
     ]
     for name, K, N in SHAPES:
         if DECODE["shapes"] is not None and name not in DECODE["shapes"]:
@@ -910,7 +923,8 @@ def print_tables(rows) -> None:
     for r in dec:
         bc, lc = r["best_cfg"], r["leaf_cfg"]
         lcs = f"{lc[0]}:{lc[1]['BLOCK_N']},{lc[1]['num_stages']}" if lc else "-"
-        bcs = f"{bc['BLOCK_N']},{bc['num_stages']}{',tma' if bc.get('TMA') else ''}"
+        bcs = f"{bc['BLOCK_N']},{bc['num_stages']},u{bc.get('UNROLL', 1)}"
+        bcs += ",tma" if bc.get("TMA") else ""
         print(
             f"{r['shape']:8} {r['M']:>5} {r['cublas_us']:>7} {r['chosen_us']:>7} "
             f"{r['best_us']:>7} {r['leaf_us']:>7} {r['cublas_us'] / r['chosen_us']:>8.2f} "

@@ -131,6 +131,26 @@ def test_tuning_invariance(dtype):
             assert torch.equal(got, ref), (name, cfgs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unrolled_k_loop_keeps_the_chain(dtype):
+    # UNROLL tiles per iteration and the leftover tiles one at a time are the same chain of
+    # dots: every unroll, through pointers and descriptors, gives the bits of UNROLL 1. K spans
+    # whole groups, leftover whole tiles and a partial tile.
+    bk = gemm.BLOCK_K[dtype]
+    M, K, N = 5, 7 * bk + 9, 40
+    x, w, b = _inputs(M, K, N, dtype, seed=6, requires_grad=True)
+    dy = torch.randn(M, N).to(dtype)
+    table = {k: tuning.Rule(configs=(_small(16, 16),)) for k in gemm.TUNING}
+    base = _grads(x, w, b, dy, table)
+    for unroll in (2, 3, 8):
+        for tma in (False, True):
+            cfg = {**gemm._cfg(64, 16, 4, 3, tma=tma, unroll=unroll)}
+            with tuning.force("linear", {k: cfg for k in gemm.TUNING}):
+                out = _grads(x, w, b, dy, table)
+            for name, got, ref in zip(("y", "dx", "dw", "db"), out, base, strict=True):
+                assert torch.equal(got, ref), (name, unroll, tma)
+
+
 def test_default_configs_keep_one_mma_kind():
     # Hopper uses wgmma only for BLOCK_M % 64 == 0 and num_warps % 4 == 0 (else mma.sync):
     # every config must qualify so that every shape runs the same instructions.

@@ -89,18 +89,41 @@ def k_loop(
 def k_loop_from(
     acc, a_tile, b_tile, mask_m, mask_n, K, stride_am, stride_ak, stride_bk, stride_bn,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, B_ONES: tl.constexpr,
+    BLOCK_K: tl.constexpr, B_ONES: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     """:func:`k_loop` continuing from the fp32 tile ``acc``: a product over K split at a
     multiple of BLOCK_K and run as two calls, the second from the first's result, is the one
     call's chain of ``tl.dot`` steps, so it has its bits. With B_ONES, B is all ones (``b_tile``
-    and its strides unused): row sums of A by the same chain (:func:`row_sums`)."""
+    and its strides unused): row sums of A by the same chain (:func:`row_sums`).
+
+    UNROLL (a launch parameter) loads UNROLL consecutive BLOCK_K tiles per loop iteration and
+    runs their dots in ascending order, then the K tiles left over one at a time: the same
+    chain of dots on the same tiles, so the same bits. A decode-size product is bound by the
+    loop's per-iteration latency, which the wider step amortises over more bytes of B."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_tile + rm[:, None] * stride_am + rk[None, :] * stride_ak
     b_ptrs = b_tile + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-    for k0 in range(0, K, BLOCK_K):
+    k_main = 0
+    if UNROLL > 1:
+        # Whole groups of UNROLL tiles, every K index in range: no K mask.
+        k_main = (K // (BLOCK_K * UNROLL)) * (BLOCK_K * UNROLL)
+        for _ in range(0, k_main, BLOCK_K * UNROLL):
+            for u in tl.static_range(UNROLL):
+                a = tl.load(a_ptrs + u * BLOCK_K * stride_ak, mask=mask_m[:, None], other=0.0)
+                if B_ONES:
+                    b = tl.full((BLOCK_K, BLOCK_N), 1.0, dtype=a.dtype)
+                else:
+                    b = tl.load(b_ptrs + u * BLOCK_K * stride_bk, mask=mask_n[None, :],
+                                other=0.0)  # fmt: skip
+                if IEEE:
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * UNROLL * stride_ak
+            b_ptrs += BLOCK_K * UNROLL * stride_bk
+    for k0 in range(k_main, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
         else:
@@ -147,6 +170,7 @@ def _matmul_kernel(
     TILES=0,
     ROW_SUMS: tl.constexpr = False,
     ACC_IN: tl.constexpr = False,
+    UNROLL: tl.constexpr = 1,
 ):
     # With ROW_SUMS, programs from TILES on write rows_ptr[m] = sum_k A[m, k] (dbias, when A is
     # dY.T), one BLOCK_M block of rows each; the programs before them compute C's tiles.
@@ -157,11 +181,11 @@ def _matmul_kernel(
         else:
             _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk,
                   stride_bn, stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N,
-                  BLOCK_K, GROUP_M, ACC_IN)  # fmt: skip
+                  BLOCK_K, GROUP_M, ACC_IN, UNROLL)  # fmt: skip
     else:
         _tile(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
               stride_cm, stride_cn, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-              ACC_IN)  # fmt: skip
+              ACC_IN, UNROLL)  # fmt: skip
 
 
 @jit
@@ -169,7 +193,7 @@ def _tile(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
     stride_cm, stride_cn, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACC_IN: tl.constexpr,
+    ACC_IN: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     """One output tile of ``_matmul_kernel`` (the tile of this program in the grouped order).
     With ACC_IN the product continues from C's fp32 values (C += A @ B, see
@@ -188,7 +212,7 @@ def _tile(
     acc = k_loop_from(
         acc, a_ptr + row0 * stride_am, b_ptr + col0 * stride_bn, mask_m, mask_n, K,
         stride_am, stride_ak, stride_bk, stride_bn, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-        False,
+        False, UNROLL,
     )  # fmt: skip
     store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stride_cn,
                HAS_BIAS, BLOCK_M, BLOCK_N)  # fmt: skip
@@ -235,11 +259,25 @@ def store_tile(acc, bias_ptr, c_ptr, row0, col0, mask_m, mask_n, stride_cm, stri
 
 
 @jit
+def _tma_step(acc, a_desc, b_desc, row0, col0, k0, A_T: tl.constexpr, B_T: tl.constexpr):
+    """One BLOCK_K step of the descriptor kernel's chain: ``acc += A[tile, k0:] @ B[k0:, tile]``."""
+    if A_T:
+        a = a_desc.load([k0, row0]).T
+    else:
+        a = a_desc.load([row0, k0])
+    if B_T:
+        b = b_desc.load([col0, k0]).T
+    else:
+        b = b_desc.load([k0, col0])
+    return tl.dot(a, b, acc)
+
+
+@jit
 def _matmul_tma_kernel(
     a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     # ``k_loop``'s reduction (ascending BLOCK_K tiles, tl.dot into one fp32 tile from zero) on
     # tiles brought by descriptors. A is stored [M, K] (or [K, M] when A_T), B [K, N] (or
@@ -260,23 +298,22 @@ def _matmul_tma_kernel(
         row0 = (first_m + (tile % num_in_group) % group_size) * BLOCK_M
         col0 = ((tile % num_in_group) // group_size) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if A_T:
-                a = a_desc.load([k0, row0]).T
-            else:
-                a = a_desc.load([row0, k0])
-            if B_T:
-                b = b_desc.load([col0, k0]).T
-            else:
-                b = b_desc.load([k0, col0])
-            acc = tl.dot(a, b, acc)
+        k_main = 0
+        if UNROLL > 1:
+            # UNROLL tiles per iteration, then the rest one at a time (see k_loop_from).
+            k_main = (K // (BLOCK_K * UNROLL)) * (BLOCK_K * UNROLL)
+            for k0 in range(0, k_main, BLOCK_K * UNROLL):
+                for u in tl.static_range(UNROLL):
+                    acc = _tma_step(acc, a_desc, b_desc, row0, col0, k0 + u * BLOCK_K, A_T, B_T)
+        for k0 in range(k_main, K, BLOCK_K):
+            acc = _tma_step(acc, a_desc, b_desc, row0, col0, k0, A_T, B_T)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + col0 + rn, mask=rn < N - col0, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
         c_desc.store([row0, col0], acc.to(c_desc.dtype))
 
 
-def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False):
+def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False, unroll=1):
     return {
         "BLOCK_M": bm,
         "BLOCK_N": bn,
@@ -285,6 +322,7 @@ def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False):
         "num_stages": stages,
         "TMA": tma,
         "PERSISTENT": persistent,
+        "UNROLL": unroll,
     }
 
 
@@ -416,7 +454,7 @@ def _launch_tma(a, b, bias, c, cfg, a_lay, b_lay):
         a_desc, b_desc, c_desc, bias if bias is not None else c, M, N, R,
         HAS_BIAS=bias is not None, A_T=a_t, B_T=b_t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg["GROUP_M"], PERSISTENT=cfg["PERSISTENT"], NUM_SMS=sms,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UNROLL=cfg.get("UNROLL", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -468,7 +506,7 @@ def _launch(a, b, bias, c, cfg, descriptors: bool = True, rows=None, accumulate=
         extra.update(rows_ptr=rows, TILES=tiles, ROW_SUMS=True)
     return _matmul_kernel[(tiles + (cdiv(M, cfg["BLOCK_M"]) if rows is not None else 0),)](
         a, b, bias if bias is not None else c, c, M, N, R, *strides,
-        **launch_meta(a, R, bias, cfg), **extra,
+        **launch_meta(a, R, bias, cfg), UNROLL=cfg.get("UNROLL", 1), **extra,
     )  # fmt: skip
 
 
