@@ -24,8 +24,9 @@ Three measurements, each side by side with cuBLAS (``F.linear``) in this process
 1. Per-call cost of one eager call at M=1 (host side included): ``rlk.linear``, the bare Triton
    launch of the same kernel, and ``F.linear``; each timed over a loop of many calls.
 2. GPU time per product (CUDA graph of products over distinct weights, so W comes from HBM):
-   cuBLAS, rlk's chosen config, and every decode candidate (BLOCK_M 64, BLOCK_N 16-128,
-   stages 3-8 or ``--stages``, through pointers or descriptors). Every candidate's output is
+   cuBLAS, rlk's chosen config, and every decode candidate (BLOCK_M 64 or ``--bm``, BLOCK_N
+   16-128 or ``--bn``, stages 3-8 or ``--stages``, one K tile per loop step or ``--unroll``,
+   through pointers or descriptors). Every candidate's output is
    compared bitwise with the chosen config's: launch configs must never change a bit.
 3. The same for a split-K variant with a fixed leaf width (K reduced per leaf by the same
    k-loop, leaves summed in ascending order by a second kernel): a different numerics, timed
@@ -53,7 +54,7 @@ from rlk_triton._triton import jit, tl, triton
 SHAPES = [("o_proj", 4096, 4096), ("up", 4096, 14336), ("down", 14336, 4096), ("q05_up", 896, 4864)]
 MS = [1, 16, 64, 256]
 STREAM_BYTES = 256 << 20
-#: The decode part's selection (main's --shapes, --ms, --stages, --no-leaf, --unroll, --bn).
+#: The decode part's selection (main's --shapes, --ms, --stages, --no-leaf, --unroll, --bn, --bm).
 DECODE: dict = {
     "shapes": None,
     "ms": MS,
@@ -61,6 +62,7 @@ DECODE: dict = {
     "leaf": True,
     "unroll": [1],
     "bn": [16, 32, 64, 128],
+    "bm": [64],
 }
 
 
@@ -794,6 +796,7 @@ def main() -> None:
     ap.add_argument("--no-leaf", action="store_true", help="decode: skip the split-K variant")
     ap.add_argument("--unroll", default="1", help="decode: K tiles per loop iteration (1,2,4)")
     ap.add_argument("--bn", default="16,32,64,128", help="decode: BLOCK_N candidates")
+    ap.add_argument("--bm", default="64", help="decode: BLOCK_M candidates (4 warps each)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     DECODE.update(
@@ -803,6 +806,7 @@ def main() -> None:
         leaf=not args.no_leaf,
         unroll=[int(u) for u in args.unroll.split(",")],
         bn=[int(b) for b in args.bn.split(",")],
+        bm=[int(b) for b in args.bm.split(",")],
     )
     rows: list[dict] = []
     runs = {
@@ -848,7 +852,8 @@ def decode_part(rows) -> None:
     # 2. and 3. GPU time per product
     # Pointer-kernel candidates, and descriptor ones (TMA: the tile of W is one bulk copy).
     cands = [
-        gemm._cfg(64, bn, 4, st, tma=tma, unroll=u)
+        gemm._cfg(bm, bn, 4, st, tma=tma, unroll=u)
+        for bm in DECODE["bm"]
         for tma in (False, True)
         for bn in DECODE["bn"]
         for st in DECODE["stages"]
@@ -918,12 +923,12 @@ def print_tables(rows) -> None:
     if dec:
         print(
             f"{'shape':8} {'M':>5} {'cublas':>7} {'chosen':>7} {'best':>7} {'leaf':>7} "
-            f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best (BN,stages) / leaf"
+            f"{'r_chosen':>8} {'r_best':>6} {'r_leaf':>6} bits  best (BMxBN,stages,unroll) / leaf"
         )
     for r in dec:
         bc, lc = r["best_cfg"], r["leaf_cfg"]
         lcs = f"{lc[0]}:{lc[1]['BLOCK_N']},{lc[1]['num_stages']}" if lc else "-"
-        bcs = f"{bc['BLOCK_N']},{bc['num_stages']},u{bc.get('UNROLL', 1)}"
+        bcs = f"{bc['BLOCK_M']}x{bc['BLOCK_N']},{bc['num_stages']},u{bc.get('UNROLL', 1)}"
         bcs += ",tma" if bc.get("TMA") else ""
         print(
             f"{r['shape']:8} {r['M']:>5} {r['cublas_us']:>7} {r['chosen_us']:>7} "

@@ -349,6 +349,8 @@ _CONFIGS = (
     _cfg(64, 64, 4, 6, tma=True),  # 17: M 65-256, N up to ~8k, descriptors
     _cfg(64, 256, 8, 4, tma=True, persistent=True),  # 18: M ~1k with a short K, persistent
     _cfg(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
+    _cfg(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
+    _cfg(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -370,25 +372,30 @@ def _tiles(M, N, cfg):
 def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     """Config for an [M, N] output reduced over K.
 
-    Up to M = 64 the product streams W from memory (64-row tiles, the fewest wgmma pads). Up
-    to M = 16 the pointer kernel: the widest N tile that still gives every SM a program, with
-    the deepest pipeline that fits shared memory (a descriptor's 64-row box of A, mostly out of
-    range there, made it slower). From M = 17 descriptors: 64x64 tiles, 64x128 where N gives
-    every SM a program at that width. Up to M = 256: 128x256 for N >= 8192 or where it fills
-    the GPU, else 64x64 (a 4-stage pipeline for a short K, <= 1024). Above: 128x256
-    persistent, or 64x256 persistent for a short K (<= 1024) until there are four 128x256 tiles
-    per SM. Chosen from
+    Up to M = 64 the product streams W from memory (64-row tiles, the fewest wgmma pads).
+    Where N is narrower than a 64-wide tile per SM (o_proj and down at 4096), W is streamed by
+    64x32 tiles through pointers that load two K tiles per loop step: such a product is bound
+    by the loop's per-step latency, not by bytes in flight, so the wider step is what moves W
+    faster (0.72 -> 0.93x cuBLAS at 14336 -> 4096, M = 1); a short K (<= 1024) keeps one tile
+    a step on 64x64. Wider N: up to M = 16 the pointer kernel, the widest N tile that still
+    gives every SM a program, with the deepest pipeline that fits shared memory (a
+    descriptor's 64-row box of A, mostly out of range there, made it slower); from M = 17
+    descriptors, 64x128 where N gives every SM a program at that width, else 64x64. Up to
+    M = 256: 128x256 for N >= 8192 or where it fills the GPU, else 64x64 (a 4-stage pipeline
+    for a short K, <= 1024). Above: 128x256 persistent, or 64x256 persistent for a short K
+    (<= 1024) until there are four 128x256 tiles per SM. Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
     cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
     """
     if dtype_bytes == 4:
         return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
-    if M <= 16:
-        for i in (2, 1):
-            if _tiles(M, N, _CONFIGS[i]) >= _NUM_SMS:
-                return i
-        return 0
     if M <= 64:
+        if cdiv(N, 64) < _NUM_SMS:
+            if K > 1024:
+                return 20
+            return 21 if M <= 16 else 15
+        if M <= 16:
+            return 2 if _tiles(M, N, _CONFIGS[2]) >= _NUM_SMS else 1
         return 16 if _tiles(M, N, _CONFIGS[16]) >= _NUM_SMS else 15
     if M <= 256:
         if N >= 8192 or _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS:
