@@ -345,7 +345,7 @@ _CONFIGS = (
     _cfg(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
     _cfg(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
     _cfg(64, 64, 4, 8, tma=True),  # 15: decode M 17-64, N up to ~8k, descriptors
-    _cfg(64, 128, 4, 6, tma=True),  # 16: decode M 17-64, wider N, descriptors
+    _cfg(64, 128, 4, 6, tma=True),  # 16: decode M 17-64, wider N; M 65-256, descriptors
     _cfg(64, 64, 4, 6, tma=True),  # 17: M 65-256, N up to ~8k, descriptors
     _cfg(64, 256, 8, 4, tma=True, persistent=True),  # 18: M ~1k with a short K, persistent
     _cfg(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
@@ -381,8 +381,9 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     gives every SM a program, with the deepest pipeline that fits shared memory (a
     descriptor's 64-row box of A, mostly out of range there, made it slower); from M = 17
     descriptors, 64x128 where N gives every SM a program at that width, else 64x64. Up to
-    M = 256: 128x256 for N >= 8192 or where it fills the GPU, else 64x64 (a 4-stage pipeline
-    for a short K, <= 1024). Above: 128x256 persistent, or 64x256 persistent for a short K
+    M = 256: 128x256 for N >= 8192 or where it fills the GPU, else 64x128 where that gives
+    three quarters of the SMs a program (0.77 -> 0.90x at 14336 -> 4096, M = 256), else 64x64
+    (a 4-stage pipeline for a short K, <= 1024). Above: 128x256 persistent, or 64x256 persistent for a short K
     (<= 1024) until there are four 128x256 tiles per SM. Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
     cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
@@ -400,7 +401,9 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     if M <= 256:
         if N >= 8192 or _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS:
             return 13
-        return 19 if K <= 1024 else 17
+        if K <= 1024:
+            return 19
+        return 16 if 4 * _tiles(M, N, _CONFIGS[16]) >= 3 * _NUM_SMS else 17
     if K <= 1024 and _tiles(M, N, _CONFIGS[14]) < 4 * _NUM_SMS:
         return 18
     return 14
