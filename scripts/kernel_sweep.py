@@ -13,7 +13,8 @@ forward with a plain fp32 sum of squares, timed only, to see what the exact sum 
 partitions and a plain-sum copy, both timed only, against Liger and ``torch.compile``),
 ``fusedmem`` (linear_logprobs' peak memory and eager time under other chunk constants),
 ``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
-the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p).
+the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), ``sampleknobs``
+(its module-level knobs: blocks per part of a threshold pass, the candidate step's warps).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -755,6 +756,43 @@ def _sample_shape(rows, B: int, V: int) -> None:
         )  # fmt: skip
 
 
+#: sampling's module-level launch knobs (no bit depends on them): blocks per part of a threshold
+#: pass, and the candidate step's warps; the first pair is the module's own.
+SAMPLE_KNOBS = ((16, 4), (32, 4), (8, 4), (16, 8), (32, 8), (16, 2))
+
+
+def sample_knobs_part(rows) -> None:
+    """``rlk.sample`` under each (PART_BLOCKS, FEW_WARPS) of SAMPLE_KNOBS, the table's config."""
+    from rlk_triton import sampling
+
+    own = (sampling.PART_BLOCKS, sampling.FEW_WARPS)
+    V = 151936
+    for B in (1, 64, 256):
+        logits = torch.randn(B, V, device="cuda") * 3
+        seeds = torch.arange(B, device="cuda")
+        offsets = torch.zeros(B, dtype=torch.int64, device="cuda")
+        for name, kw in (
+            ("top_k_top_p", dict(temperature=0.8, top_k=50, top_p=0.9)),
+            ("top_p", dict(temperature=0.8, top_p=0.9)),
+            ("top_k_1000", dict(temperature=0.8, top_k=1000)),
+        ):
+            ref = None
+            for pb, fw in (own,) + tuple(k for k in SAMPLE_KNOBS if k != own):
+                sampling.PART_BLOCKS, sampling.FEW_WARPS = pb, fw
+                try:
+                    out = rlk.sample(logits, seeds, offsets, **kw)
+                    ref = out if ref is None else ref
+                    args = (logits, seeds, offsets)
+                    t = products_ms(lambda x, w, a=args, kw=kw: rlk.sample(*a, **kw), None, [None])
+                finally:
+                    sampling.PART_BLOCKS, sampling.FEW_WARPS = own
+                r = {"part": "sample_knobs", "shape": f"{name} B={B} V={V}", "PART_BLOCKS": pb,
+                     "FEW_WARPS": fw, "us": round(t * 1e3, 2),
+                     "bits_equal": bool(torch.equal(out, ref))}  # fmt: skip
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+
+
 def print_memory_bound(rows) -> None:
     """Per part and shape: the chosen config, the fastest one, and the peer, in us."""
     groups: dict = {}
@@ -781,6 +819,11 @@ def print_memory_bound(rows) -> None:
         if r["part"] == "norm_bwd":
             eq = {None: "", True: "bits ok", False: "DIFF"}[r["bits_equal"]]
             print(f"norm bwd {r['shape']:16} {r['variant']:52} {r['us']:>8} us {eq}")
+    for r in rows:
+        if r["part"] == "sample_knobs":
+            ok = "ok" if r["bits_equal"] else "DIFF"
+            print(f"sample {r['shape']:30} PART_BLOCKS {r['PART_BLOCKS']:>2} FEW_WARPS "
+                  f"{r['FEW_WARPS']} {r['us']:>8} us {ok}")  # fmt: skip
     for r in rows:
         if r["part"] == "norm_plain_sum":
             print(f"norm, plain fp32 sum (timing only) {r['shape']:22} {r['us']:>8} us")
@@ -813,7 +856,7 @@ def main() -> None:
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
         "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
-        "fusedmem": fused_memory_part,
+        "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
