@@ -17,8 +17,9 @@ Probes (bf16, CUDA):
 - ``rotary-d64``: ``apply_rotary`` of q and k at T=65536, Hq=14, Hk=2, D=64 (Qwen2-0.5B), where
   rlk's forward is slowest against Liger, then Liger's in-place rope on copies (when installed):
   ``_rotary_kernel``, then Liger's kernel.
-- ``sample-topkp``: ``rlk.sample`` at B=256, V=151936 with temperature 0.8, top-k 50 and top-p
-  0.9 (the harness shape), and with temperature alone: every kernel of both calls.
+- ``sample-topkp``: ``rlk.sample`` at B=256 (or ``PROBE_B``), V=151936 with temperature 0.8,
+  top-k 50 and top-p 0.9 (the harness shape), and with temperature alone: every kernel of both
+  calls.
 - ``sample-mixed``: ``rlk.sample`` on 8 rows of V=151936 that take every path (top-k rows with
   few candidates, with too many, top-p alone, a NaN row, greedy), split and one program per
   row; for ``compute-sanitizer`` (with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``) more than ncu.
@@ -26,6 +27,7 @@ Probes (bf16, CUDA):
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -80,7 +82,7 @@ def rotary_d64() -> None:
 
 
 def sample_topkp() -> None:
-    b, v = 256, 151936
+    b, v = int(os.environ.get("PROBE_B", "256")), 151936
     logits = torch.randn(b, v, device="cuda") * 3
     seeds = torch.arange(b, device="cuda")
     offsets = torch.zeros(b, dtype=torch.int64, device="cuda")
