@@ -3,7 +3,7 @@
 A row's token depends only on its logits, seed, offset and parameters. With enough rows to
 fill the GPU, one program per row does all of a row. With fewer (:data:`TUNING`), each step is
 a launch: the block maxima and each pass of the threshold over (row, part) programs, a part
-being :data:`PART_BLOCKS` blocks, and the pick in ranges of whole blocks, merged as one pass
+being :data:`PART_BLOCKS` blocks (or the launch config's ``part_blocks``), and the pick in ranges of whole blocks, merged as one pass
 over the row would: the same token either way.
 
 - Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
@@ -47,13 +47,14 @@ LEVELS = 32 // RADIX_BITS
 #: The most candidates a top-k row may have for its token to be drawn from them alone
 #: (:func:`_few_token`); a row with more takes the radix passes. 0: never.
 FEW_CAP = 1024
-#: Warps of the candidate step's program (a launch parameter: no bit depends on it).
+#: Warps of the candidate step's program, unless the launch config's ``few_warps`` says (a
+#: launch parameter: no bit depends on it).
 FEW_WARPS = 4
 #: Blocks the candidate step loads at once (a latency choice: no bit depends on it).
 GATHER = tl.constexpr(8)
 #: Blocks per part of a row: a program of the split threshold's passes reads one part. A power
 #: of two, at most 32 (a part's blocks to read are the bits of one int64, :func:`_live_blocks`).
-PART_BLOCKS = 16
+PART_BLOCKS = 16  # unless the launch config's ``part_blocks`` says
 
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
@@ -808,14 +809,25 @@ def _uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
 #: Launch configs. ``programs``: the programs a pass should fill the GPU with. Below that
 #: many rows, the filters' threshold runs as the split threshold (a launch per pass, a program
 #: per part of a row) and the pick in ranges of whole blocks (a program each), merged by a third
-#: kernel; 0 keeps one program per row. Neither changes a bit: counts and masses are exact
-#: integers, and ranges merge as one pass would.
+#: kernel; 0 keeps one program per row. ``part_blocks`` (default :data:`PART_BLOCKS`): blocks per
+#: part of a split pass; ``few_warps`` (default :data:`FEW_WARPS`): the candidate step's warps.
+#: None changes a bit: counts and masses are exact integers, and ranges merge as one pass would.
 def _choose(*, B: int, V: int) -> int:
-    # H200, scripts/kernel_sweep.py --parts sample (V = 151936): from B = 64 to 1024, 2 warps
-    # and 4096 programs are the fastest or within 3% of it (temperature only at B = 1024: 850
-    # against 961 us for the first config, one program per row; top-k + top-p at B = 1024: 686
-    # against 943 us); at B = 1 the first is (8.2 us, against 8.6).
-    return 4 if B >= 64 else 0
+    # H200, scripts/kernel_sweep.py --parts sample,sampleknobs (V = 151936): from B = 64 to 1024,
+    # 2 warps and 4096 programs are the fastest or within 3% of it (temperature only at
+    # B = 1024: 850 against 961 us for the first config, one program per row; top-k + top-p at
+    # B = 1024: 686 against 943 us); at B = 1 the first is (8.2 us, against 8.6). The candidate
+    # step is one program per row: below a row per SM, 8 warps shorten it (top-k 50 + top-p
+    # 0.9: 123.5 -> 105.4 us at B = 64, 97.4 -> 85.4 at B = 1), at B = 256 they cost occupancy
+    # (195.6 -> 223.2). Parts of 32 blocks halve the programs of the passes the candidate step
+    # leaves empty (195.6 -> 170.4 us at B = 256; 3-5% slower there for top-p alone and
+    # top-k 1000); parts of 8 give one row more programs (top-p alone at B = 1: 220.7 ->
+    # 127.3 us, top-k 1000: 155.6 -> 99.4).
+    if B < 32:
+        return 5
+    if B < 128:
+        return 6
+    return 7 if B < 512 else 4
 
 
 TUNING = {
@@ -826,6 +838,9 @@ TUNING = {
             {"num_warps": 8, "programs": 264},
             {"num_warps": 2, "programs": 2048},
             {"num_warps": 2, "programs": 4096},
+            {"num_warps": 4, "programs": 528, "part_blocks": 8, "few_warps": 8},
+            {"num_warps": 2, "programs": 4096, "few_warps": 8},
+            {"num_warps": 2, "programs": 4096, "part_blocks": 32},
         ),
         choose=_choose,
     ),
@@ -875,6 +890,8 @@ def sample(
     if not B:
         return out
     cfg = dict(tuning.config(table, "sample.fwd", B=B, V=V))
+    part_blocks = cfg.pop("part_blocks", PART_BLOCKS)
+    few_warps = cfg.pop("few_warps", FEW_WARPS)
     blocks = cdiv(V, BLOCK)
     parts = min(blocks, cdiv(cfg.pop("programs"), B))
     temperature = temperature.to(torch.float32).contiguous()
@@ -891,7 +908,7 @@ def sample(
             "are exact in int64"
         )
     meta = dict(BLOCK=BLOCK, RADIX_BITS=RADIX_BITS)
-    sizes = dict(PART_BLOCKS=PART_BLOCKS, MAX_BLOCKS=next_power_of_2(blocks))
+    sizes = dict(PART_BLOCKS=part_blocks, MAX_BLOCKS=next_power_of_2(blocks))
     # Written and read only by rows with a filter on (the candidates: by rows with top-k).
     maxima = torch.empty((B, blocks), dtype=torch.int32, device=dev)
     cap = FEW_CAP if top_k is not None else 0
@@ -904,7 +921,8 @@ def sample(
                              FEW_CAP=cap, **cfg)  # fmt: skip
         return out
     few = (seeds, offsets, cand_x, cand_i, out) if cap else None
-    kept, done = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few)
+    kept, done = _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few,
+                                  few_warps)  # fmt: skip
     span = cdiv(blocks, parts) * BLOCK  # whole blocks: the one-pass blocks exactly
     parts = cdiv(V, span)
     best = torch.empty((B, parts), dtype=torch.float32, device=dev)
@@ -918,7 +936,8 @@ def sample(
     return out
 
 
-def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few=None):
+def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg, few=None,
+                     few_warps=FEW_WARPS):  # fmt: skip
     """``(kept, done)``: the filters' threshold key of every row (int64 ``[B]``), a launch per
     pass over (row, part) programs, after the block maxima; without a filter on the host's
     side, zeros and nothing launched. ``few``: ``(seeds, offsets, cand_x, cand_i, out)`` to run
@@ -931,7 +950,7 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg,
     if not (has["HAS_TOPK"] or has["HAS_TOPP"]):
         return torch.zeros(B, dtype=torch.int64, device=dev), done
     blocks = maxima.shape[1]
-    n_parts = cdiv(blocks, PART_BLOCKS)
+    n_parts = cdiv(blocks, sizes["PART_BLOCKS"])
     ncand = 1 << RADIX_BITS
     prefix = torch.empty((B, 2 * LEVELS), dtype=torch.int64, device=dev)
     counts = torch.empty((2, B, n_parts, ncand), dtype=torch.int32, device=dev)
@@ -942,13 +961,13 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg,
     kept = torch.empty(B, dtype=torch.int64, device=dev)
     stride = logits.stride(0)
     _maxima_kernel[(B, n_parts)](logits, temperature, *params, maxima, V, stride, blocks, **has,
-                                 BLOCK=BLOCK, PART_BLOCKS=PART_BLOCKS, **cfg)  # fmt: skip
+                                 BLOCK=BLOCK, PART_BLOCKS=sizes["PART_BLOCKS"], **cfg)  # fmt: skip
     if few:
         seeds, offsets, cand_x, cand_i, out = few
         _few_kernel[(B,)](logits, seeds, offsets, temperature, *params, maxima, cand_x, cand_i,
                           done, out, V, stride, blocks, HAS_TOPP=has["HAS_TOPP"], BLOCK=BLOCK,
                           FEW_CAP=cand_x.shape[1], MAX_BLOCKS=sizes["MAX_BLOCKS"],
-                          num_warps=FEW_WARPS)  # fmt: skip
+                          num_warps=few_warps)  # fmt: skip
     scratch = (maxima, prefix, counts, masses, topk_key, need)
     max_parts = next_power_of_2(n_parts)
     for topp, on in ((False, has["HAS_TOPK"]), (True, has["HAS_TOPP"])):
