@@ -14,7 +14,8 @@ partitions and a plain-sum copy, both timed only, against Liger and ``torch.comp
 ``fusedmem`` (linear_logprobs' peak memory and eager time under other chunk constants),
 ``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
 the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), ``sampleknobs``
-(its module-level knobs: blocks per part of a threshold pass, the candidate step's warps).
+(its module-level knobs: blocks per part of a threshold pass, the candidate step's warps),
+``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -316,6 +317,36 @@ ATTN_BWD = [
     for bm, bn, w in ((128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 128, 4))
     for st in (1, 2, 3)
 ]
+
+
+#: Paged decode launch configs tried beside the table's (deeper pipelines at 64-row tiles).
+PAGED_EXTRA = tuple({"BLOCK_M": 64, "num_warps": 4, "num_stages": st} for st in (4, 5, 6, 8))
+
+
+def paged_part(rows) -> None:
+    """``rlk.paged_attention`` at the harness's decode shapes under every forward config of the
+    table and PAGED_EXTRA (shuffled pages, CUDA-graph GPU time, bits against the chosen)."""
+    from rlk.bench import attention as battn
+    from rlk_triton import attention
+
+    dev, dt = "cuda", torch.bfloat16
+    for b, ctx, hq, hk, d, page in battn.DECODE:
+        per_seq = ctx // page
+        kc = torch.randn(b * per_seq, page, hk, d, device=dev, dtype=dt)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(b * per_seq, device=dev).to(torch.int32).view(b, per_seq)
+        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
+        q = torch.randn(b, hq, d, device=dev, dtype=dt)
+        kv_bytes = 2 * b * ctx * hk * d * 2
+
+        def fn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, cu_q=cu_q):
+            return rlk.paged_attention(q, kc, vc, bt, lens, cu_q)
+
+        configs = list(attention.TUNING["paged_attention.fwd"].configs)
+        configs += [c for c in PAGED_EXTRA if c not in configs]
+        _config_sweep(rows, "paged", f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}", fn,
+                      "paged_attention.fwd", configs, kv_bytes, float("nan"))  # fmt: skip
 
 
 def attention_part(rows) -> None:
@@ -797,7 +828,7 @@ def print_memory_bound(rows) -> None:
     """Per part and shape: the chosen config, the fastest one, and the peer, in us."""
     groups: dict = {}
     for r in rows:
-        if r["part"] in ("logprobs", "silu", "norm", "sample"):
+        if r["part"] in ("logprobs", "silu", "norm", "sample", "paged"):
             groups.setdefault((r["part"], r["shape"]), []).append(r)
     if groups:
         print(f"\n{'part':8} {'shape':36} {'chosen':>8} {'best':>8} {'peer':>8} bits  best cfg")
@@ -856,7 +887,7 @@ def main() -> None:
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
         "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
-        "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part,
+        "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
