@@ -15,8 +15,7 @@ partitions and a plain-sum copy, both timed only, against Liger and ``torch.comp
 ``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
 the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), ``sampleknobs``
 (its module-level knobs: blocks per part of a threshold pass, the candidate step's warps),
-``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes, KV tiles
-per loop step included).
+``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -320,13 +319,8 @@ ATTN_BWD = [
 ]
 
 
-#: Paged decode launch configs tried beside the table's: 64-row tiles, pipeline depths, and
-#: whole KV tiles per loop step (UNROLL).
-PAGED_EXTRA = tuple(
-    {"BLOCK_M": 64, "num_warps": 4, "num_stages": st, **({"UNROLL": u} if u > 1 else {})}
-    for st in (2, 3, 4)
-    for u in (1, 2, 4)
-)
+#: Paged decode launch configs tried beside the table's (deeper pipelines at 64-row tiles).
+PAGED_EXTRA = tuple({"BLOCK_M": 64, "num_warps": 4, "num_stages": st} for st in (4, 5, 6, 8))
 
 
 def paged_part(rows) -> None:

@@ -357,31 +357,6 @@ def test_tuning_invariance_paged():
     _assert_all_equal(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_unrolled_kv_loop_changes_no_bits(dtype):
-    # UNROLL whole KV tiles per loop step, then the rest one at a time, is the same sequence of
-    # tiles: packed (causal and not) and paged forwards keep the bits of UNROLL 1. The long
-    # sequence has 7 whole tiles before its diagonal, so unrolls 2 and 3 leave some over.
-    hq, hk, d = 4, 2, 16
-    lens = [500, 70]
-    q, k, v = _qkv(sum(lens), hq, hk, d, dtype, seed=50)
-    cu = _cu(lens)
-    base = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
-    kv = [(k[:500], v[:500]), (k[500:], v[500:])]
-    qd = torch.cat([q[499:500], q[-1:]])
-    want = {}
-    for unroll in (1, 2, 3):
-        cfg = dict(base, UNROLL=unroll) if unroll > 1 else base
-        with tuning.force("attention", {"attention.fwd": cfg}):
-            got = [_fwd(q, k, v, cu, cu, causal) for causal in (True, False)]
-        with tuning.force("paged_attention", {"paged_attention.fwd": cfg}):
-            got.append(_paged(qd, kv, [1, 1], 16))
-        for i, o in enumerate(got):
-            if unroll == 1:
-                want[i] = o
-            assert torch.equal(o, want[i]), (unroll, i)
-
-
 def test_paged_accuracy_and_nan_pages():
     hq, hk, d = 4, 2, 32
     lens, q_lens = [130, 5, 64], [1, 5, 3]

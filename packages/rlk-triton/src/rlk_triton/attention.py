@@ -172,33 +172,6 @@ def _fwd_tile(
 
 
 @jit
-def _full_tile(
-    acc, m, l, bad_from, j, q, b, n, nk, k_start, BT, stride_btb, stride_kt, stride_kp,
-    stride_vt, stride_vp, n_pages, K, V, k_head, v_head, d, d_ok, qk_scale, dummy,
-    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """The forward's KV tile ``j``, one every row of the program sees whole: its keys and values
-    loaded (paged: by logical position; a page id out of range is never read, and lowers
-    ``bad_from`` to its first position), then :func:`_fwd_tile` without the mask."""
-    kpos = j * BLOCK_N + n
-    k_rows, page_ok = _kv_rows(
-        b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
-    )
-    v_rows, _ = _kv_rows(
-        b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
-    )
-    if PAGED:
-        kv_mask = page_ok[:, None] & d_ok[None, :]
-        bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
-    else:
-        kv_mask = d_ok[None, :]
-    k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
-    return acc, m, l, bad_from
-
-
-@jit
 def _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk):
     """Whether a sequence's offsets keep it inside the tensors: ``0 <= q_start <= q_end <= Tq``
     and ``0 <= k_start``, ``k_end <= Tk``, with at least as many keys as queries. Memory is
@@ -290,7 +263,6 @@ def _fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    UNROLL: tl.constexpr = 1,
 ):
     TOK: tl.constexpr = BLOCK_M // HG
     # Causal: the last query tiles do the most work; start them first.
@@ -369,21 +341,22 @@ def _fwd_kernel(
     # Paged: the first key position whose page id is out of range (nk when none is). Such a
     # page is never read, and the rows that see it are NaN.
     bad_from = nk
-    # UNROLL (a launch parameter) runs that many whole tiles per loop step, then the rest one
-    # at a time: the same tiles in the same order, so the same bits; a decode program is bound
-    # by the loop's per-step latency, which the wider step spreads over more bytes of K and V.
-    full_args = (q, b, n, nk, k_start, BT, stride_btb, stride_kt, stride_kp, stride_vt,
-                 stride_vp, n_pages, K, V, k_head, v_head, d, d_ok, qk_scale, dummy)  # fmt: skip
-    j_main = 0
-    if UNROLL > 1:
-        j_main = n_full - n_full % UNROLL
-        for j0 in range(0, j_main, UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc, m, l, bad_from = _full_tile(acc, m, l, bad_from, j0 + u, *full_args,
-                                                 BLOCK_N, PAGED, PAGE_SIZE, DOT_PREC)  # fmt: skip
-    for j in range(j_main, n_full):
-        acc, m, l, bad_from = _full_tile(acc, m, l, bad_from, j, *full_args, BLOCK_N, PAGED,
-                                         PAGE_SIZE, DOT_PREC)  # fmt: skip
+    for j in range(0, n_full):
+        kpos = j * BLOCK_N + n
+        k_rows, page_ok = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
+        )
+        v_rows, _ = _kv_rows(
+            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
+        )
+        if PAGED:
+            kv_mask = page_ok[:, None] & d_ok[None, :]
+            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+        else:
+            kv_mask = d_ok[None, :]
+        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
@@ -844,7 +817,6 @@ def _forward(
         PAGE_SIZE=page_size,
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
-        UNROLL=cfg.get("UNROLL", 1),
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
     )
