@@ -95,7 +95,11 @@ def _choose_fwd(rows: int, head_dim: int, **_: int) -> int:
 def _choose_paged(rows: int, head_dim: int, **_: int) -> int:
     if head_dim > 128:
         return 1
-    return _long_rows(head_dim) if rows >= 1024 else 3
+    if rows >= 1024:
+        return _long_rows(head_dim)
+    # Decode, H200 (scripts/kernel_sweep.py paged): a 2-stage pipeline at head_dim 128 (page 128:
+    # 315 -> 291 us at B = 64, ctx 4096; page 16 the same), 3 stages at 64 (107.6 against 112.6).
+    return 1 if head_dim > 64 else 3
 
 
 def _choose_bwd(rows: int, head_dim: int, **_: int) -> int:
