@@ -319,8 +319,15 @@ ATTN_BWD = [
 ]
 
 
-#: Paged decode launch configs tried beside the table's (deeper pipelines at 64-row tiles).
-PAGED_EXTRA = tuple({"BLOCK_M": 64, "num_warps": 4, "num_stages": st} for st in (4, 5, 6, 8))
+#: Paged decode launch configs tried beside the table's: deeper pipelines at 64-row tiles, and
+#: register caps that fit 3 or 4 programs of 4 warps per SM (an offline sm_90 compile puts the
+#: head_dim 64 decode kernel at 174 registers, two programs per SM; at 168 it does not spill,
+#: at 128 it spills 24 bytes).
+PAGED_EXTRA = (
+    *({"BLOCK_M": 64, "num_warps": 4, "num_stages": st} for st in (4, 5, 6, 8)),
+    *({"BLOCK_M": 64, "num_warps": 4, "num_stages": st, "maxnreg": r}
+      for st in (2, 3) for r in (128, 168)),
+)  # fmt: skip
 
 
 def paged_part(rows) -> None:

@@ -62,6 +62,8 @@ _DELTA_ROWS = 32
 _LOG2E = 1.4426950408889634
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
+# A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
+# the same instructions, so the same bits).
 _FWD_CONFIGS = (
     {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
@@ -823,6 +825,7 @@ def _forward(
         DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
+        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
     )
     if paged:
         _bounds.report(
