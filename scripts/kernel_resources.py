@@ -1,0 +1,120 @@
+"""Registers, spills and shared memory of the attention kernels, compiled for sm_90 without a GPU.
+
+    python3 scripts/kernel_resources.py [--maxnreg N] [--head-dims 64,128]
+
+Compiles ``rlk_triton.attention``'s forward (packed and paged), dQ and dK/dV kernels at every
+launch config of the tuning table, for an H100/H200 (sm_90), with the specialisations a real
+launch gets (pointers and the harness shapes' strides divisible by 16), and prints what
+``cuobjdump --dump-resource-usage`` reports: registers per thread, stack bytes (spills) and
+shared memory. With those specialisations the figures match Nsight Compute's on the H200 (the
+dQ kernel at head_dim 64, GQA 7: 136 registers); without them every kernel looks spilled.
+
+Runs on a CPU machine: Triton's wheel brings the NVIDIA compiler and ``cuobjdump``. The figures
+are those of the installed Triton; the GPU image runs Triton 3.6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (before rlk imports triton)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rlk_triton import attention  # noqa: E402
+
+#: Integer arguments that the harness shapes make divisible by 16 (strides and head_dim).
+DIV16 = {
+    "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_kp", "stride_vt", "stride_vh",
+    "stride_vp", "stride_ot", "stride_oh", "stride_btb", "D",
+}  # fmt: skip
+POINTERS = {
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
+    "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32",
+    "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32",
+}  # fmt: skip
+FLOATS = {"qk_scale", "scale"}
+
+
+def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None):
+    """``(registers, stack bytes, shared bytes)`` of ``kernel`` compiled for sm_90."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {}
+    for p in params:
+        if p in consts:
+            sig[p] = "constexpr"
+        elif p in POINTERS:
+            sig[p] = POINTERS[p]
+        else:
+            sig[p] = "fp32" if p in FLOATS else "i32"
+    attrs = {
+        (params.index(p),): [["tt.divisibility", 16]]
+        for p in params
+        if p in DIV16 or (p in POINTERS and p not in consts)
+    }
+    src = ASTSource(
+        fn=kernel, signature=sig, attrs=attrs,
+        constexprs={(params.index(k),): v for k, v in consts.items()},
+    )  # fmt: skip
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, stack, ck.metadata.shared
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap every kernel's registers")
+    ap.add_argument("--head-dims", default="64,128")
+    args = ap.parse_args()
+    # (head_dim, query heads per KV head) of the harness shapes; HG packs the whole group.
+    groups = {64: 7, 128: 4}
+    print(f"triton {triton.__version__}, sm_90, maxnreg {args.maxnreg}")
+    print(f"{'kernel':8} {'D':>4} {'config':44} {'regs':>5} {'stack':>6} {'smem':>7}")
+    for d in (int(x) for x in args.head_dims.split(",")):
+        group = groups.get(d, 1)
+        runs = []
+        for key, paged in (("attention.fwd", False), ("paged_attention.fwd", True)):
+            for cfg in attention.TUNING[key].configs:
+                consts = dict(
+                    HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
+                    BLOCK_N=attention.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
+                    PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="tf32",
+                )  # fmt: skip
+                name = "paged" if paged else "fwd"
+                runs.append((name, attention._fwd_kernel, consts, cfg))
+        for cfg in attention.TUNING["attention.bwd"].configs:
+            common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="tf32")
+            dq = dict(HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_N=attention.BLOCK_N, **common)  # fmt: skip
+            dkdv = dict(HG=attention._group_tile(group, attention.BWD_BLOCK_M),
+                        BLOCK_M=attention.BWD_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
+                        SPLIT=attention._split_dkdv(d), **common)  # fmt: skip
+            runs.append(("dq", attention._dq_kernel, dq, cfg))
+            runs.append(("dkdv", attention._dkdv_kernel, dkdv, cfg))
+        for name, kernel, consts, cfg in runs:
+            stages = attention._stages(cfg, d)
+            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, args.maxnreg)
+            desc = f"BLOCK_M {consts['BLOCK_M']} BLOCK_N {consts['BLOCK_N']} "
+            desc += f"warps {cfg['num_warps']} stages {stages}"
+            print(f"{name:8} {d:>4} {desc:44} {regs:>5} {stack:>6} {smem:>7}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
