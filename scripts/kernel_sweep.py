@@ -336,19 +336,12 @@ def paged_part(rows) -> None:
     from rlk.bench import attention as battn
     from rlk_triton import attention
 
-    dev, dt = "cuda", torch.bfloat16
     for b, ctx, hq, hk, d, page in battn.DECODE:
-        per_seq = ctx // page
-        kc = torch.randn(b * per_seq, page, hk, d, device=dev, dtype=dt)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(b * per_seq, device=dev).to(torch.int32).view(b, per_seq)
-        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
-        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
-        q = torch.randn(b, hq, d, device=dev, dtype=dt)
+        inputs = battn.decode_inputs(b, ctx, hq, hk, d, page, device="cuda")
         kv_bytes = 2 * b * ctx * hk * d * 2
 
-        def fn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, cu_q=cu_q):
-            return rlk.paged_attention(q, kc, vc, bt, lens, cu_q)
+        def fn(inputs=inputs):
+            return rlk.paged_attention(*inputs)
 
         configs = list(attention.TUNING["paged_attention.fwd"].configs)
         configs += [c for c in PAGED_EXTRA if c not in configs]

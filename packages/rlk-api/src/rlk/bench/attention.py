@@ -107,19 +107,26 @@ def _train_rows(b, s, hq, hk, d, emit) -> None:
         emit(_timing.timed("attention.fwd", shape, "bf16", "flash-attn", fa_fwd, flops=flops))
 
 
-def _decode_rows(b, ctx, hq, hk, d, page, emit) -> None:
-    import rlk
-
-    dev, dt = _timing.DEVICE, torch.bfloat16
-    shape = f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}"
+def decode_inputs(b, ctx, hq, hk, d, page, device=None):
+    """``(q, k_cache, v_cache, block_table, seq_lens, cu_q)`` of one bf16 decode step: ``b``
+    sequences of ``ctx`` keys in pages of ``page`` slots, the pages in shuffled order (a paged
+    cache after many requests came and went), one query token each."""
+    dev, dt = device or _timing.DEVICE, torch.bfloat16
     per_seq = ctx // page
     kc = torch.randn(b * per_seq, page, hk, d, device=dev, dtype=dt)
     vc = torch.randn_like(kc)
-    # Pages in shuffled order: a paged cache after many requests came and went.
     bt = torch.randperm(b * per_seq, device=dev).to(torch.int32).view(b, per_seq)
     lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
     cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
     q = torch.randn(b, hq, d, device=dev, dtype=dt)
+    return q, kc, vc, bt, lens, cu_q
+
+
+def _decode_rows(b, ctx, hq, hk, d, page, emit) -> None:
+    import rlk
+
+    shape = f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}"
+    q, kc, vc, bt, lens, cu_q = decode_inputs(b, ctx, hq, hk, d, page)
     kv_bytes = 2 * b * ctx * hk * d * 2
     flops = 4 * b * hq * ctx * d
 
