@@ -942,7 +942,8 @@ def _split_threshold(logits, temperature, params, has, maxima, meta, sizes, cfg,
     pass over (row, part) programs, after the block maxima; without a filter on the host's
     side, zeros and nothing launched. ``few``: ``(seeds, offsets, cand_x, cand_i, out)`` to run
     the candidate step first (:func:`_few_kernel`, the rows it decides have their token in
-    ``out`` and ``done`` 1; the passes skip them), or None."""
+    ``out`` and ``done`` 1; the passes skip them), or None; ``few_warps`` its warps. A part is
+    ``sizes["PART_BLOCKS"]`` blocks."""
     B, V = logits.shape
     dev = logits.device
     # Read only with the candidate step (FEW); else a stand-in for its pointer.
