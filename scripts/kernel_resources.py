@@ -38,8 +38,7 @@ DIV16 = {
 POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
     "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32",
-    "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32", "DQA": "*fp32",
-    "SEM": "*i32",
+    "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32",
 }  # fmt: skip
 FLOATS = {"qk_scale", "scale"}
 

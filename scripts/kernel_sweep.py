@@ -319,89 +319,6 @@ ATTN_BWD = [
 ]
 
 
-FUSED_BWD_CFGS = [{"num_warps": w, "num_stages": st} for w in (4, 8) for st in (1, 2, 3)]
-
-
-def fused_bwd_part(rows) -> None:
-    """The attention backward as two kernels (dK/dV, then dQ) against one kernel that passes
-    each query chunk's dQ sum from KV tile to KV tile: fwd+bwd GPU time per launch config,
-    bits across runs and configs, and the kernel split of each."""
-    for shape in ATTN_SHAPES:
-        _fused_bwd_shape(rows, *shape)
-
-
-def _fused_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
-    import sys
-
-    from rlk_triton import attention
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from profile_training import kernel_times
-
-    t = b * s
-    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
-    do = torch.randn_like(q)
-    cu = torch.arange(0, t + 1, s, device="cuda", dtype=torch.int32)
-    flops = 3.5 * 2 * 2 * b * s * s * hq * d / 2
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-
-    def step():
-        out = rlk.attention(*leaves, cu, cu, causal=True)
-        return torch.autograd.grad(out, leaves, do)
-
-    r = {"part": "fusedbwd", "shape": f"B={b} S={s} Hq={hq} Hk={hk} D={d}"}
-    attention._FUSED = False
-    ref = step()
-    r["two_kernel_TF"] = round(flops / products_ms(lambda x, w: step(), None, [None]) / 1e9, 1)
-    _, per = kernel_times(step)
-    r["two_kernel_us"] = {n[:24]: round(u) for n, (u, c) in per.items() if u > 20}
-    attention._FUSED = True
-    first, best = None, (0.0, None)
-    for cfg in FUSED_BWD_CFGS:
-        attention._FUSED_CFG = cfg
-        try:
-            g = step()
-            same = all(torch.equal(x, y) for x, y in zip(g, step(), strict=True))
-            same &= all(torch.equal(x, y) for x, y in zip(g, step(), strict=True))
-            tf = round(flops / products_ms(lambda x, w: step(), None, [None]) / 1e9, 1)
-        except Exception as e:
-            print("skip fused", cfg, type(e).__name__, str(e)[:200], flush=True)
-            continue
-        if first is None:
-            first = g
-            r["dk_dv_equal_two_kernel"] = bool(
-                torch.equal(g[1], ref[1]) and torch.equal(g[2], ref[2])
-            )
-            dq_err = (g[0].float() - ref[0].float()).abs().max().item()
-            r["dq_maxdiff_vs_two_kernel"] = dq_err
-            r["dq_max"] = ref[0].float().abs().max().item()
-        r[f"w{cfg['num_warps']}s{cfg['num_stages']}_TF"] = tf
-        r[f"w{cfg['num_warps']}s{cfg['num_stages']}_ok"] = bool(
-            same and all(torch.equal(x, y) for x, y in zip(g, first, strict=True))
-        )
-        if tf > best[0]:
-            best = (tf, cfg)
-    attention._FUSED_CFG = best[1]
-    if best[1] is not None:
-        _, per = kernel_times(step)
-        r["fused_us"] = {n[:24]: round(u) for n, (u, c) in per.items() if u > 20}
-    attention._FUSED_CFG = None
-
-    def bhsd(x):
-        x = x.view(b, s, -1, d).transpose(1, 2)
-        return x.repeat_interleave(hq // x.shape[1], dim=1).contiguous()
-
-    sg = [bhsd(x).requires_grad_() for x in (q, k, v)]
-    dos = bhsd(do)
-    sdpa = F.scaled_dot_product_attention
-    r["sdpa_TF"] = round(flops / products_ms(
-        lambda x, w: torch.autograd.grad(sdpa(*sg, is_causal=True), sg, dos), None, [None]
-    ) / 1e9, 1)  # fmt: skip
-    r["best"] = best[1]
-    rows.append(r)
-    print(json.dumps(r), flush=True)
-
-
 #: Paged decode launch configs tried beside the table's: deeper pipelines at 64-row tiles, and
 #: register caps that fit 3 or 4 programs of 4 warps per SM (an offline sm_90 compile puts the
 #: head_dim 64 decode kernel at 174 registers, two programs per SM; at 168 it does not spill,
@@ -975,7 +892,6 @@ def main() -> None:
         "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
         "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
-        "fusedbwd": fused_bwd_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:

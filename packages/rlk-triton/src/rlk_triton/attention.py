@@ -50,7 +50,7 @@ import math
 import torch
 
 from rlk_triton import _bounds, tuning
-from rlk_triton._triton import INTERPRET, cdiv, jit, next_power_of_2, tl
+from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 
 #: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
 BLOCK_N = 64
@@ -688,235 +688,6 @@ def _dkdv_kernel(
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@jit
-def _dq_sum_in(DQA, SEM, sem_idx, wait_for, q_off, qmask, d, ASM: tl.constexpr):
-    """A query chunk's running fp32 dQ sum, once the ``wait_for`` tiles above this one have
-    added theirs (``SEM[sem_idx]`` counts them); zeros for the chunk's first tile.
-
-    The counter is read with acquire semantics before the sum, which is read from L2 (``.cg``:
-    this SM's L1 may hold an older copy). The tile above usually finished this chunk long ago
-    (it started its chunks earlier), so the first read is the only one. On CUDA the wait is
-    PTX, each thread spinning on its own acquire load: a loop in Triton (``while``) would stop
-    the pipeliner from prefetching the chunk loop's loads. The sum's mask depends on the
-    value read, so no compiler pass can hoist the sum above the wait."""
-    ptr = SEM + sem_idx
-    # Conditions as [BLOCK_D] vectors: the interpreter mixes a scalar condition into a mask as
-    # an integer array, which tl.load rejects.
-    zero = tl.zeros_like(d)
-    mask = qmask & (zero + wait_for > 0)[None, :]
-    if ASM:
-        seen = tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\tspin:\n\tld.acquire.gpu.global.b32 $0, [$1];\n\t"
-            "setp.lt.s32 p, $0, $2;\n\t@p bra spin;\n\t}",
-            "=r,l,r,~{memory}", [ptr, wait_for], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-        mask = mask & (zero + seen >= wait_for)[None, :]
-    else:
-        # (Without the pipeliner's hoisting: the interpreter, and ROCm, where the loop keeps the
-        # chunk loop from being pipelined at all.)
-        seen = tl.atomic_add(ptr, 0, sem="acquire")
-        while seen < wait_for:
-            seen = tl.atomic_add(ptr, 0, sem="acquire")
-    return tl.load(DQA + q_off[:, None] + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-
-
-@jit
-def _dq_sum_out(DQ, DQA, SEM, sem_idx, count, last, acc, q_off, qmask, d, scale,
-                ASM: tl.constexpr):  # fmt: skip
-    """Pass a query chunk's dQ sum on to the next tile down (``SEM[sem_idx] = count``), or
-    (``last``: tile 0) write dQ. Masked stores, not branches: Triton's loop pipeliner rejects
-    a dot's result stored under ``if``. Every thread's part of the sum is written (a CTA
-    barrier) before one thread releases the counter; on CUDA in PTX, as Triton 3.6 does not
-    pipeline a loop that holds ``tl.debug_barrier()``."""
-    is_last = (tl.zeros_like(d) + last.to(tl.int32)) != 0  # a vector, as in _dq_sum_in
-    tl.store(DQ + q_off[:, None] + d[None, :], (acc * scale).to(DQ.dtype.element_ty),
-             mask=qmask & is_last[None, :])  # fmt: skip
-    tl.store(DQA + q_off[:, None] + d[None, :], acc, mask=qmask & ~is_last[None, :])
-    ptr = SEM + sem_idx
-    if ASM:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\t.reg .b32 t;\n\tmov.u32 t, %tid.x;\n\t"
-            "setp.eq.s32 p, t, 0;\n\tsetp.ne.and.s32 p, $3, 0, p;\n\tbar.sync 0;\n\t"
-            "@p st.release.gpu.global.b32 [$1], $2;\n\tmov.b32 $0, $2;\n\t}",
-            "=r,l,r,r,~{memory}", [ptr, count, (~last).to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        tl.debug_barrier()
-        tl.atomic_xchg(ptr, count, mask=~last, sem="release")
-
-
-@jit
-def _bwd_chunk(
-    dk, dv, it, hc, j, kvh, b, Q, DO, LSE, DELTA, DQ, DQA, SEM, k, v, kpos, k_ok, r, q_start, nq,
-    nk, n_it_max, Hk, stride_qt, stride_qh, qk_scale, scale, GROUP, Hq, d, d_ok,
-    HG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """dK/dV of KV tile ``j`` += query chunk ``it`` of head chunk ``hc``, and that chunk's dQ
-    += this tile's share (:func:`_dq_add`). Without MASK the caller knows every row of the
-    chunk sees every key; rows the loads zero (a chunk's padding rows, heads past the group)
-    then give p = 1 against zero q and dO, which adds exact zeros, as the masked p = 0 does."""
-    TOK: tl.constexpr = BLOCK_M // HG
-    g = hc * HG + r % HG
-    h = kvh * GROUP + g
-    tok = it * TOK + r // HG
-    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
-                                Hq, d, d_ok)  # fmt: skip
-
-    st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
-    pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
-    if MASK:
-        visible = k_ok[:, None] & row_ok[None, :]
-        if CAUSAL:
-            visible = visible & (kpos[:, None] <= (nk - nq + tok)[None, :])
-        pt = tl.where(visible, pt, 0.0)
-    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    dst = pt * (dpt - delta[None, :])
-    dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
-
-    # The chunk's highest visible tile: tiles j' with j' * BLOCK_N below nk and, when causal,
-    # below the chunk's last position + 1 (tile j' then has a row of the chunk that sees it).
-    n_vis = tl.cdiv(nk, BLOCK_N)
-    if CAUSAL:
-        n_vis = tl.minimum(n_vis, tl.cdiv(nk - nq + (it + 1) * TOK, BLOCK_N))
-    wait_for = n_vis - 1 - j
-    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
-    qmask = row_ok[:, None] & d_ok[None, :]
-    sem_idx = ((b.to(tl.int64) * Hk + kvh) * tl.cdiv(GROUP, HG) + hc) * n_it_max + it
-    acc = _dq_sum_in(DQA, SEM, sem_idx, wait_for, q_off, qmask, d, ASM)
-    acc = tl.dot(tl.trans(dst.to(k.dtype)), k, acc, input_precision=DOT_PREC)
-    _dq_sum_out(DQ, DQA, SEM, sem_idx, wait_for + 1, j == 0, acc, q_off, qmask, d, scale, ASM)
-    return dk, dv
-
-
-@jit
-def _bwd_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    DK,
-    DV,
-    DQA,
-    SEM,
-    CU_Q,
-    CU_K,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    qk_scale,
-    scale,
-    GROUP,
-    D,
-    Hq,
-    Hk,
-    Tq,
-    Tk,
-    n_it_max,
-    HG: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    # One program per KV tile of BLOCK_N keys (the forward's tile) and KV head: dK/dV over the
-    # query chunks of BWD_BLOCK_M rows in ascending order, and each chunk's dQ share passed
-    # from tile to tile in descending order. Programs of a (sequence, KV head) are launched
-    # highest tile first, so a program only waits for one launched before it.
-    TOK: tl.constexpr = BLOCK_M // HG
-    j = tl.num_programs(0) - 1 - tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start = tl.load(CU_Q + b)
-    q_end = tl.load(CU_Q + b + 1)
-    k_start = tl.load(CU_K + b)
-    k_end = tl.load(CU_K + b + 1)
-    nq = q_end - q_start
-    nk = k_end - k_start
-    n0 = j * BLOCK_N
-    n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    n_hc = tl.cdiv(GROUP, HG)
-    # Bad offsets: the forward pass has reported them; the rows inside dq/dk/dv are NaN.
-    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
-    if ~seq_ok:
-        rows = k_start + n0 + n
-        inside = (rows >= 0) & (rows < Tk) & (n0 + n < k_end - k_start)
-        off = rows.to(tl.int64)[:, None] * stride_kt + kvh.to(tl.int64) * stride_kh + d[None, :]
-        nan = tl.full([BLOCK_N, BLOCK_D], float("nan"), tl.float32)
-        tl.store(DK + off, nan.to(DK.dtype.element_ty), mask=inside[:, None] & d_ok[None, :])
-        tl.store(DV + off, nan.to(DV.dtype.element_ty), mask=inside[:, None] & d_ok[None, :])
-        if j == 0:
-            for hc in range(0, n_hc):
-                _nan_rows(DQ, DQ, q_start, q_end, Tq, kvh, hc, stride_qt, stride_qh, Hq, GROUP,
-                          D, HG, BLOCK_M, BLOCK_D, False)  # fmt: skip
-    if ~seq_ok | (n0 >= nk):
-        return
-
-    kpos = n0 + n
-    k_ok = kpos < nk
-    kv_mask = k_ok[:, None] & d_ok[None, :]
-    kv_off = (
-        (k_start + kpos).to(tl.int64)[:, None] * stride_kt
-        + kvh.to(tl.int64) * stride_kh
-        + d[None, :]
-    )
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-
-    if CAUSAL:
-        first_tok = tl.maximum(n0 - (nk - nq), 0)
-        # The first chunk whose every token sees every key of this tile.
-        it_vis = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - (nk - nq), 0), TOK)
-    else:
-        first_tok = 0
-        it_vis = 0
-    it0 = first_tok // TOK
-    n_it = tl.cdiv(nq, TOK)
-    # SPLIT: chunks [it_vis, it_end) run without the mask: all their tokens exist and see the
-    # whole tile, whose keys all exist. The others run the masked body. The three loops keep
-    # the ascending chunk order, and the mask of a fully visible chunk is all true: the same
-    # bits with or without SPLIT (see _split_dkdv).
-    it_vis = tl.minimum(tl.maximum(it_vis, it0), n_it)
-    it_end = tl.maximum(tl.minimum(nq // TOK, n_it), it_vis)
-    if n0 + BLOCK_N > nk:
-        it_end = it_vis
-    r = tl.arange(0, BLOCK_M)
-    args = (j, kvh, b, Q, DO, LSE, DELTA, DQ, DQA, SEM, k, v, kpos, k_ok, r, q_start, nq, nk,
-            n_it_max, Hk, stride_qt, stride_qh, qk_scale, scale, GROUP, Hq, d, d_ok)  # fmt: skip
-    for hc in range(0, n_hc):
-        if SPLIT:
-            for it in range(it0, it_vis):
-                dk, dv = _bwd_chunk(dk, dv, it, hc, *args, HG, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
-                                    True, DOT_PREC, ASM)  # fmt: skip
-            for it in range(it_vis, it_end):
-                dk, dv = _bwd_chunk(dk, dv, it, hc, *args, HG, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
-                                    False, DOT_PREC, ASM)  # fmt: skip
-            for it in range(it_end, n_it):
-                dk, dv = _bwd_chunk(dk, dv, it, hc, *args, HG, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
-                                    True, DOT_PREC, ASM)  # fmt: skip
-        else:
-            for it in range(it0, n_it):
-                dk, dv = _bwd_chunk(dk, dv, it, hc, *args, HG, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
-                                    True, DOT_PREC, ASM)  # fmt: skip
-    dk = dk * scale
-    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
@@ -946,8 +717,6 @@ def _stages(cfg, head_dim: int) -> int:
 
 
 _max_len_memo: list = []
-_FUSED = True
-_FUSED_CFG = None
 
 
 def _max_len(cu: torch.Tensor) -> int:
@@ -1107,22 +876,6 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
-    if _FUSED:
-        n_it_max = cdiv(max_nq, BWD_BLOCK_M // hg)
-        n_hc = cdiv(group, hg)
-        sem = torch.zeros(b * hk * n_hc * n_it_max, dtype=torch.int32, device=q.device)
-        dqa = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        fcfg = _FUSED_CFG or {"num_warps": 8 if d > 64 else 4, "num_stages": cfg["num_stages"]}
-        _bwd_kernel[(cdiv(max_nk, BLOCK_N), hk, b)](
-            q, k, v, do, lse, delta, dq, dk, dv, dqa, sem, cu_q, cu_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), scale * _LOG2E, scale,
-            group, d, hq, hk, tq, tk, n_it_max,
-            HG=hg, BLOCK_M=BWD_BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            CAUSAL=causal, SPLIT=_split_dkdv(d), DOT_PREC=prec,
-            ASM=q.is_cuda and torch.version.hip is None and not INTERPRET,
-            num_warps=fcfg["num_warps"], num_stages=fcfg["num_stages"],
-        )  # fmt: skip
-        return dq, dk, dv
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
