@@ -50,6 +50,8 @@ def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: in
     for p in params:
         if p in consts:
             sig[p] = "constexpr"
+        elif p in ("K_DESC", "V_DESC"):
+            sig[p] = f"tensordesc<bf16[{consts['BLOCK_N']},{consts['BLOCK_D']}]>"
         elif p in POINTERS:
             sig[p] = POINTERS[p]
         else:
@@ -86,7 +88,7 @@ def main() -> None:
     # (head_dim, query heads per KV head) of the harness shapes; HG packs the whole group.
     groups = {64: 7, 128: 4}
     print(f"triton {triton.__version__}, sm_90, maxnreg {args.maxnreg}")
-    print(f"{'kernel':8} {'D':>4} {'config':44} {'regs':>5} {'stack':>6} {'smem':>7}")
+    print(f"{'kernel':8} {'D':>4} {'config':56} {'regs':>5} {'stack':>6} {'smem':>7}")
     for d in (int(x) for x in args.head_dims.split(",")):
         group = groups.get(d, 1)
         runs = []
@@ -96,7 +98,10 @@ def main() -> None:
                     HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=attention.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
                     PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="tf32",
+                    TMA=bool(cfg.get("TMA")) and not paged,
                 )  # fmt: skip
+                if not consts["TMA"]:
+                    consts.update(K_DESC=None, V_DESC=None)
                 name = "paged" if paged else "fwd"
                 runs.append((name, attention._fwd_kernel, consts, cfg))
         for cfg in attention.TUNING["attention.bwd"].configs:
@@ -110,10 +115,13 @@ def main() -> None:
             runs.append(("dkdv", attention._dkdv_kernel, dkdv, cfg))
         for name, kernel, consts, cfg in runs:
             stages = attention._stages(cfg, d)
-            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, args.maxnreg)
+            cap = args.maxnreg or cfg.get("maxnreg")
+            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, cap)
             desc = f"BLOCK_M {consts['BLOCK_M']} BLOCK_N {consts['BLOCK_N']} "
             desc += f"warps {cfg['num_warps']} stages {stages}"
-            print(f"{name:8} {d:>4} {desc:44} {regs:>5} {stack:>6} {smem:>7}", flush=True)
+            desc += " TMA" if consts.get("TMA") else ""
+            desc += f" maxnreg {cap}" if cap else ""
+            print(f"{name:8} {d:>4} {desc:56} {regs:>5} {stack:>6} {smem:>7}", flush=True)
 
 
 if __name__ == "__main__":

@@ -308,10 +308,14 @@ def _rotary_shape(rows, T: int, Hq: int, Hk: int, D: int) -> None:
 
 ATTN_SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
 ATTN_FWD = [
-    {"BLOCK_M": bm, "num_warps": w, "num_stages": st}
+    {"BLOCK_M": bm, "num_warps": w, "num_stages": st, **({"TMA": True} if tma else {})}
+    for tma in (False, True)
     for bm, w in ((128, 8), (128, 4), (64, 4))
     for st in (2, 3, 4)
 ]
+#: --attn-fwd-only: the attention part sweeps forward configs only (no backward, no 128-key
+#: tiles).
+ATTN_FWD_ONLY = [False]
 ATTN_BWD = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
     for bm, bn, w in ((128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 128, 4))
@@ -402,7 +406,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
         if t_ < best_f[0]:
             best_f = (t_, cf)
     best_b, equal_b = (bwd_ms, None), True
-    for cf in ATTN_BWD:
+    for cf in [] if ATTN_FWD_ONLY[0] else ATTN_BWD:
         with tuning.force("attention", {"attention.bwd": cf}):
             try:
                 g = step()
@@ -418,7 +422,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     saved = attention.BLOCK_N
     try:
         attention.BLOCK_N = 128
-        for cf in ATTN_FWD[:6]:
+        for cf in [] if ATTN_FWD_ONLY[0] else ATTN_FWD[:6]:
             with tuning.force("attention", {"attention.fwd": cf}):
                 try:
                     fwd()
@@ -875,8 +879,10 @@ def main() -> None:
     ap.add_argument("--unroll", default="1", help="decode: K tiles per loop iteration (1,2,4)")
     ap.add_argument("--bn", default="16,32,64,128", help="decode: BLOCK_N candidates")
     ap.add_argument("--bm", default="64", help="decode: BLOCK_M candidates (4 warps each)")
+    ap.add_argument("--attn-fwd-only", action="store_true", help="attention: forward configs")
     args = ap.parse_args()
     parts = args.parts.split(",")
+    ATTN_FWD_ONLY[0] = args.attn_fwd_only
     DECODE.update(
         shapes=args.shapes.split(",") if args.shapes else None,
         ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,

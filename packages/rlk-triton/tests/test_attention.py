@@ -320,6 +320,51 @@ def test_length_bounds_change_no_bits():
             assert torch.equal(a, b), f"{name} changed with the bounds {bq}, {bk}"
 
 
+def test_descriptor_loads_change_no_bits():
+    """A forward config's ``TMA`` reads the full KV tiles through tensor descriptors: the bits
+    of the pointer loads, and only the sequence's own keys (the middle sequence's K and V are
+    NaN; its neighbours' rows stay finite). A head_dim that is not a power of two keeps the
+    pointer loads."""
+    hq, hk = 4, 2
+    lens = [150, 70, 9]
+    cu = _cu(lens)
+    for d in (16, 24):
+        q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=24)
+        k[150:220], v[150:220] = float("nan"), float("nan")
+        assert attn._descriptors_fit(k, v, False) == (d == 16)
+        for causal, cfg in itertools.product((True, False), TABLE["attention.fwd"].configs):
+            plain = {key: val for key, val in cfg.items() if key != "TMA"}
+            with tuning.force("attention", {"attention.fwd": plain}):
+                want = _fwd(q, k, v, cu, cu, causal)
+            with tuning.force("attention", {"attention.fwd": {**plain, "TMA": True}}):
+                got = _fwd(q, k, v, cu, cu, causal)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+            assert torch.isfinite(got[:150]).all() and torch.isfinite(got[220:]).all()
+
+
+def test_eager_small_calls_read_through_pointers(monkeypatch):
+    """A chosen TMA config reads through pointers for an eager call under
+    tuning.HOST_BOUND_FLOPS (the same bits), through descriptors above it."""
+    import triton.tools.tensor_descriptor as td
+
+    made = []
+
+    class Recorded(td.TensorDescriptor):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(td, "TensorDescriptor", Recorded)
+    tma = next(i for i, c in enumerate(TABLE["attention.fwd"].configs) if c.get("TMA"))
+    table = {**TABLE, "attention.fwd": tuning.Rule(TABLE["attention.fwd"].configs, lambda **_: tma)}
+    q, k, v = _qkv(150, 2, 1, 16, torch.bfloat16, seed=25)
+    cu = _cu([150])
+    want = _fwd(q, k, v, cu, cu, table=table)
+    assert made == []
+    monkeypatch.setattr(tuning, "HOST_BOUND_FLOPS", 0)
+    assert torch.equal(_fwd(q, k, v, cu, cu, table=table), want) and made == [1, 1]
+
+
 def _all_configs(op):
     return tuning.op_configs(TABLE, op)
 

@@ -167,7 +167,7 @@ def test_default_configs_keep_one_mma_kind():
 
 def test_eager_small_products_launch_pointers(monkeypatch):
     # A chosen descriptor config runs the pointer kernel (same tiles, same bits) for an eager
-    # product under _HOST_BOUND_FLOPS; a larger product, or a forced config, gets descriptors.
+    # product under tuning.HOST_BOUND_FLOPS; a larger product, or a forced config, gets descriptors.
     seen = []
     monkeypatch.setattr(gemm, "_launch_tma", lambda *args: seen.append("tma"))
     x, w, _ = _inputs(300, 64, 48, torch.bfloat16)
@@ -178,7 +178,7 @@ def test_eager_small_products_launch_pointers(monkeypatch):
     with tuning.force("linear", {"linear.fwd": cfg}):
         gemm.linear(x, w, None, table=gemm.TUNING)
     assert seen == ["tma"]
-    monkeypatch.setattr(gemm, "_HOST_BOUND_FLOPS", 0)
+    monkeypatch.setattr(tuning, "HOST_BOUND_FLOPS", 0)
     gemm.linear(x, w, None, table=gemm.TUNING)
     assert seen == ["tma", "tma"]
 

@@ -64,12 +64,19 @@ _LOG2E = 1.4426950408889634
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
 # A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
 # the same instructions, so the same bits).
+# ``TMA``: the packed path reads full KV tiles through tensor descriptors (the same values, so
+# the same bits; the paged path and head dims a descriptor cannot express read through pointers
+# whatever the config).
 _FWD_CONFIGS = (
     {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 128, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_M": 128, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "num_warps": 4, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "maxnreg": 128},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5},
 )
 # Backward: BLOCK_M tiles the dQ kernel's queries, BLOCK_N the dK/dV kernel's keys; both
 # kernels take num_warps, so 8 warps go with BLOCK_M = BLOCK_N = 128 only (same family rule).
@@ -83,8 +90,9 @@ _BWD_CONFIGS = (
 def _long_rows(head_dim: int) -> int:
     # Long sequences, from scripts/kernel_sweep.py's attention part on an H200 (causal, GQA):
     # a 4-stage pipeline with 8 warps at head_dim 128 (+22% over 2 stages), 4 warps and 3
-    # stages at head_dim 64 (+71%).
-    return 4 if head_dim > 64 else 2
+    # stages at head_dim 64 (+71%); K/V through descriptors on top of that: 411 -> 464 and
+    # 409 -> 476 TFLOP/s at head_dim 128, 313 -> 340 at 64.
+    return 5 if head_dim > 64 else 6
 
 
 def _choose_fwd(rows: int, head_dim: int, **_: int) -> int:
@@ -99,9 +107,11 @@ def _choose_paged(rows: int, head_dim: int, **_: int) -> int:
         return 1
     if rows >= 1024:
         return _long_rows(head_dim)
-    # Decode, H200 (scripts/kernel_sweep.py paged): a 2-stage pipeline at head_dim 128 (page 128:
-    # 315 -> 291 us at B = 64, ctx 4096; page 16 the same), 3 stages at 64 (107.6 against 112.6).
-    return 1 if head_dim > 64 else 3
+    # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
+    # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->
+    # 287); at 64, 3 stages with registers capped at 128 per thread (4 programs per SM instead
+    # of 2; 24 bytes spilled): 107.4 -> 80.8 us.
+    return 8 if head_dim > 64 else 7
 
 
 def _choose_bwd(rows: int, head_dim: int, **_: int) -> int:
@@ -260,6 +270,8 @@ def _fwd_kernel(
     n_pages,
     max_nq,
     max_nk,
+    K_DESC,
+    V_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -269,6 +281,7 @@ def _fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     TOK: tl.constexpr = BLOCK_M // HG
     # Causal: the last query tiles do the most work; start them first.
@@ -348,20 +361,24 @@ def _fwd_kernel(
     # page is never read, and the rows that see it are NaN.
     bad_from = nk
     for j in range(0, n_full):
-        kpos = j * BLOCK_N + n
-        k_rows, page_ok = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
-        )
-        v_rows, _ = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
-        )
-        if PAGED:
-            kv_mask = page_ok[:, None] & d_ok[None, :]
-            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+        if TMA:
+            # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
+            # sequence's own keys, the very values the pointer loads read.
+            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
         else:
-            kv_mask = d_ok[None, :]
-        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            kpos = j * BLOCK_N + n
+            k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                       stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+            v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp,
+                                 n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+            if PAGED:
+                kv_mask = page_ok[:, None] & d_ok[None, :]
+                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+            else:
+                kv_mask = d_ok[None, :]
+            k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
@@ -719,6 +736,24 @@ def _stages(cfg, head_dim: int) -> int:
 _max_len_memo: list = []
 
 
+def _descriptors_fit(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
+    """Whether the packed forward can read K and V through tensor descriptors: contiguous
+    16-bit ``[Tk, Hk, D]`` with D a power of two (a box of D columns is one head's row) and
+    16-byte rows."""
+    d = k.shape[-1]
+    return (
+        not paged
+        and k.dtype in (torch.bfloat16, torch.float16)
+        and v.dtype == k.dtype
+        and k.is_contiguous()
+        and v.is_contiguous()
+        and d >= 16
+        and d & (d - 1) == 0
+        and k.shape[0] > 0
+        and (k.shape[1] * d * 2) % 16 == 0
+    )
+
+
 def _max_len(cu: torch.Tensor) -> int:
     """Longest sequence of ``cu`` (a host read). A model's layers pass the same ``cu`` objects
     within a forward, so the last two answers are remembered by object and version."""
@@ -782,6 +817,17 @@ def _forward(
     # Without a caller's bound on the keys, the kernels' own checks (keys inside k, at least as
     # many as queries) are the whole bound.
     max_nk = tk if max_nk is None else max_nk
+    k_desc = v_desc = None
+    # Causal FLOPs if every sequence had max_nq queries and keys: a call below the host-bound
+    # size reads through pointers (tuning.HOST_BOUND_FLOPS).
+    flops = 2 * tq * max_nq * hq * d
+    tma = _descriptors_fit(k, v, paged) and tuning.use_descriptors(cfg, key, flops, q)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc, v_desc = (
+            TensorDescriptor(x, [tk, hk * d], [hk * d, 1], [BLOCK_N, d]) for x in (k, v)
+        )
     ok = _bounds.flag(q.device)
     _fwd_kernel[grid](
         q,
@@ -814,6 +860,8 @@ def _forward(
         n_pages,
         max_nq,
         max_nk,
+        k_desc,
+        v_desc,
         HG=hg,
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
@@ -823,6 +871,7 @@ def _forward(
         PAGE_SIZE=page_size,
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
+        TMA=tma,
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),

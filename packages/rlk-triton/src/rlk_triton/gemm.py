@@ -355,15 +355,6 @@ _CONFIGS = (
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
 
-#: Called eagerly (not under CUDA graph capture), a product of fewer FLOPs than this runs the
-#: pointer kernel on the tiles its config names, even where the config asks for descriptors.
-#: Such a product takes under about 100 us on an H200, and an eager step of them (training, an
-#: eager rollout) waits on the host, for whom a descriptor launch costs 25-55 us more than a
-#: pointer launch (three tensor maps encoded per call; scripts/host_overhead.py). A captured
-#: graph pays that cost once, so there the config's choice stands. A forced config (the
-#: conformance kit, the tests) is always launched as it is. Either kernel gives the same bits.
-_HOST_BOUND_FLOPS = 2**36
-
 
 def _tiles(M, N, cfg):
     return cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
@@ -557,11 +548,9 @@ def _matmul(a, b, bias, out_dtype, table, key, rows=None, out=None, accumulate=F
             return c
         return c.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(c))
     cfg = tuning.config(table, key, M=M, N=N, K=R, dtype_bytes=a.element_size())
-    descriptors = bool(cfg.get("TMA")) and (
-        2 * M * N * R >= _HOST_BOUND_FLOPS
-        or tuning.is_forced(key)
-        or (c.is_cuda and torch.cuda.is_current_stream_capturing())
-    )
+    # An eager product too small for descriptors' host cost runs the pointer kernel on the
+    # same tiles (tuning.HOST_BOUND_FLOPS).
+    descriptors = tuning.use_descriptors(cfg, key, 2 * M * N * R, c)
     _launch(a, b, bias, c, cfg, descriptors, rows, accumulate)
     return c
 

@@ -68,6 +68,29 @@ def is_forced(key: str) -> bool:
     return (_forced.get() or {}).get(key) is not None
 
 
+#: Called eagerly (not under CUDA graph capture), a kernel call of fewer FLOPs than this runs
+#: through pointers even where its config asks for tensor descriptors (``TMA``). Such a call
+#: takes under about 100 us on an H200, and an eager step of them (training, an eager rollout)
+#: waits on the host, for whom encoding tensor maps costs 25-55 us per launch
+#: (scripts/host_overhead.py). A captured graph pays that cost once, so there the config's
+#: choice stands; a forced config (the conformance kit, the tests) is always launched as it
+#: is. Either way the kernel reads the same values: the same bits.
+HOST_BOUND_FLOPS = 2**36
+
+
+def use_descriptors(cfg: Config, key: str, flops: int, device_tensor) -> bool:
+    """Whether kernel ``key`` launched with ``cfg`` reads through tensor descriptors: the
+    config asks for them (``TMA``) and the call is worth their host cost (see
+    :data:`HOST_BOUND_FLOPS`)."""
+    import torch
+
+    return bool(cfg.get("TMA")) and (
+        flops >= HOST_BOUND_FLOPS
+        or is_forced(key)
+        or (device_tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
+
+
 #: Ops built from other ops' kernels: their tuning is the tuning of those kernels.
 COMPOSED = {"linear_logprobs": ("linear", "logprobs")}
 
