@@ -41,22 +41,17 @@ POINTERS = {
     "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32",
 }  # fmt: skip
 FLOATS = {"qk_scale", "scale"}
-DESCS = ("K_DESC", "V_DESC", "Q_DESC", "DO_DESC")
 
 
-def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None,
-              boxes: dict | None = None):  # fmt: skip
-    """``(registers, stack bytes, shared bytes)`` of ``kernel`` compiled for sm_90; ``boxes``:
-    the block shape of each tensor-descriptor argument (the others are None constexprs)."""
-    boxes = boxes or {}
+def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None):
+    """``(registers, stack bytes, shared bytes)`` of ``kernel`` compiled for sm_90."""
     params = list(inspect.signature(kernel.fn).parameters)
-    consts = {**{p: None for p in DESCS if p in params and p not in boxes}, **consts}
     sig = {}
     for p in params:
         if p in consts:
             sig[p] = "constexpr"
-        elif p in boxes:
-            sig[p] = f"tensordesc<bf16[{','.join(map(str, boxes[p]))}]>"
+        elif p in ("K_DESC", "V_DESC"):
+            sig[p] = f"tensordesc<bf16[{consts['BLOCK_N']},{consts['BLOCK_D']}]>"
         elif p in POINTERS:
             sig[p] = POINTERS[p]
         else:
@@ -105,10 +100,10 @@ def main() -> None:
                     PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="tf32",
                     TMA=bool(cfg.get("TMA")) and not paged,
                 )  # fmt: skip
-                kv = [attention.BLOCK_N, d]
-                boxes = {"K_DESC": kv, "V_DESC": kv} if consts["TMA"] else {}
+                if not consts["TMA"]:
+                    consts.update(K_DESC=None, V_DESC=None)
                 name = "paged" if paged else "fwd"
-                runs.append((name, attention._fwd_kernel, consts, cfg, boxes))
+                runs.append((name, attention._fwd_kernel, consts, cfg))
         for cfg in attention.TUNING["attention.bwd"].configs:
             common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="tf32")
             dq = dict(HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
@@ -116,21 +111,12 @@ def main() -> None:
             dkdv = dict(HG=attention._group_tile(group, attention.BWD_BLOCK_M),
                         BLOCK_M=attention.BWD_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
                         SPLIT=attention._split_dkdv(d), **common)  # fmt: skip
-            tma = bool(cfg.get("TMA"))
-            hg = dkdv["HG"]
-            tma_q = tma and hg == group and group & (group - 1) == 0
-            kv = [attention.BLOCK_N, d]
-            qbox = [attention.BWD_BLOCK_M // hg, hg, d]
-            dq.update(TMA=tma)
-            dkdv.update(TMA=tma_q)
-            runs.append(("dq", attention._dq_kernel, dq, cfg,
-                         {"K_DESC": kv, "V_DESC": kv} if tma else {}))  # fmt: skip
-            runs.append(("dkdv", attention._dkdv_kernel, dkdv, cfg,
-                         {"Q_DESC": qbox, "DO_DESC": qbox} if tma_q else {}))  # fmt: skip
-        for name, kernel, consts, cfg, boxes in runs:
+            runs.append(("dq", attention._dq_kernel, dq, cfg))
+            runs.append(("dkdv", attention._dkdv_kernel, dkdv, cfg))
+        for name, kernel, consts, cfg in runs:
             stages = attention._stages(cfg, d)
             cap = args.maxnreg or cfg.get("maxnreg")
-            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, cap, boxes)
+            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, cap)
             desc = f"BLOCK_M {consts['BLOCK_M']} BLOCK_N {consts['BLOCK_N']} "
             desc += f"warps {cfg['num_warps']} stages {stages}"
             desc += " TMA" if consts.get("TMA") else ""

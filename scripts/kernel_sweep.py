@@ -313,17 +313,13 @@ ATTN_FWD = [
     for bm, w in ((128, 8), (128, 4), (64, 4))
     for st in (2, 3, 4)
 ]
-#: --attn: what the attention part sweeps (fwd: forward configs, bwd: backward configs, bwdtma:
-#: the backward's descriptor configs only, n128: the forward at 128-key tiles).
-ATTN_SWEEP = {"fwd", "bwd", "n128"}
+#: --attn-fwd-only: the attention part sweeps forward configs only (no backward, no 128-key
+#: tiles).
+ATTN_FWD_ONLY = [False]
 ATTN_BWD = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
     for bm, bn, w in ((128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 128, 4))
     for st in (1, 2, 3)
-] + [
-    {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st, "TMA": True}
-    for bm, bn, w in ((128, 128, 8), (128, 64, 4))
-    for st in (2, 3)
 ]
 
 
@@ -399,7 +395,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
         lambda x, w: torch.autograd.grad(sdpa(*sg, is_causal=True), sg, dos), None, [None]
     )
     best_f, equal_f = (fwd_ms, None), True
-    for cf in ATTN_FWD if "fwd" in ATTN_SWEEP else []:
+    for cf in ATTN_FWD:
         with tuning.force("attention", {"attention.fwd": cf}):
             try:
                 equal_f &= torch.equal(fwd(), ref)
@@ -410,10 +406,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
         if t_ < best_f[0]:
             best_f = (t_, cf)
     best_b, equal_b = (bwd_ms, None), True
-    bwd_cfgs = ATTN_BWD if "bwd" in ATTN_SWEEP else []
-    if "bwdtma" in ATTN_SWEEP:
-        bwd_cfgs = [c for c in ATTN_BWD if c.get("TMA")]
-    for cf in bwd_cfgs:
+    for cf in [] if ATTN_FWD_ONLY[0] else ATTN_BWD:
         with tuning.force("attention", {"attention.bwd": cf}):
             try:
                 g = step()
@@ -429,7 +422,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     saved = attention.BLOCK_N
     try:
         attention.BLOCK_N = 128
-        for cf in ATTN_FWD[:6] if "n128" in ATTN_SWEEP else []:
+        for cf in [] if ATTN_FWD_ONLY[0] else ATTN_FWD[:6]:
             with tuning.force("attention", {"attention.fwd": cf}):
                 try:
                     fwd()
@@ -886,11 +879,10 @@ def main() -> None:
     ap.add_argument("--unroll", default="1", help="decode: K tiles per loop iteration (1,2,4)")
     ap.add_argument("--bn", default="16,32,64,128", help="decode: BLOCK_N candidates")
     ap.add_argument("--bm", default="64", help="decode: BLOCK_M candidates (4 warps each)")
-    ap.add_argument("--attn", default="fwd,bwd,n128", help="attention: what to sweep")
+    ap.add_argument("--attn-fwd-only", action="store_true", help="attention: forward configs")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    ATTN_SWEEP.clear()
-    ATTN_SWEEP.update(args.attn.split(","))
+    ATTN_FWD_ONLY[0] = args.attn_fwd_only
     DECODE.update(
         shapes=args.shapes.split(",") if args.shapes else None,
         ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,

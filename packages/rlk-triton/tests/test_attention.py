@@ -342,47 +342,6 @@ def test_descriptor_loads_change_no_bits():
             assert torch.isfinite(got[:150]).all() and torch.isfinite(got[220:]).all()
 
 
-@pytest.mark.parametrize("hq", [4, 6])
-def test_descriptor_loads_change_no_bits_backward(hq, monkeypatch):
-    """A backward config's ``TMA``: the dQ kernel's full KV tiles, and (a group that is a power
-    of two) the dK/dV kernel's fully visible q and dO chunks, through descriptors. The bits
-    of the pointer loads at every backward config, causal or not, and the neighbours of a
-    sequence with NaN keys and values keep finite gradients."""
-    hk, d = 2, 16
-    lens = [150, 70, 140]
-    cu = _cu(lens)
-    q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=26)
-    k[150:220], v[150:220] = float("nan"), float("nan")
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(27)).to(torch.bfloat16)
-    fwd = TABLE["attention.fwd"].configs[0]
-    # The dK/dV kernel's unmasked loop (where its descriptors are read) runs at head_dim > 64
-    # only; force it here.
-    monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim: True)
-    import triton.tools.tensor_descriptor as td
-
-    made = []
-
-    class Recorded(td.TensorDescriptor):
-        def __init__(self, base, *args, **kwargs):
-            made.append(base.shape[1])
-            super().__init__(base, *args, **kwargs)
-
-    monkeypatch.setattr(td, "TensorDescriptor", Recorded)
-    for causal, cfg in itertools.product((True, False), TABLE["attention.bwd"].configs):
-        plain = {key: val for key, val in cfg.items() if key != "TMA"}
-        with tuning.force("attention", {"attention.fwd": fwd, "attention.bwd": plain}):
-            want = _fwd_bwd(q, k, v, cu, cu, do, causal)
-        with tuning.force(
-            "attention", {"attention.fwd": fwd, "attention.bwd": {**plain, "TMA": True}}
-        ):
-            got = _fwd_bwd(q, k, v, cu, cu, do, causal)
-        for name, a, b in zip(["o", "dq", "dk", "dv"], want, got, strict=True):
-            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=name)
-            assert torch.isfinite(b[:150]).all() and torch.isfinite(b[220:]).all(), name
-    # k and v always; q and dO when the group (2, not 3) is a power of two
-    assert made[:4] == ([hk, hk, hq, hq] if hq == 4 else [hk, hk, hk, hk])
-
-
 def test_eager_small_calls_read_through_pointers(monkeypatch):
     """A chosen TMA config reads through pointers for an eager call under
     tuning.HOST_BOUND_FLOPS (the same bits), through descriptors above it."""

@@ -84,7 +84,6 @@ _BWD_CONFIGS = (
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
 )
 
 
@@ -484,15 +483,12 @@ def _dq_kernel(
     Hq,
     Tq,
     Tk,
-    K_DESC,
-    V_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
@@ -545,15 +541,10 @@ def _dq_kernel(
     kv_head = kvh.to(tl.int64) * stride_kh
     dummy = r < BLOCK_M
     for j in range(0, n_full):
-        if TMA:
-            # As in the forward: a full tile through descriptors, the same values.
-            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-        else:
-            kpos = j * BLOCK_N + n
-            off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
-            k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        kpos = j * BLOCK_N + n
+        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
         dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
@@ -571,32 +562,21 @@ def _dq_kernel(
 
 @jit
 def _dkdv_chunk(
-    dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, Q_DESC, DO_DESC, k, v, kpos, k_ok, r, q_start, nq,
-    nk, stride_qt, stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
+    stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """dK/dV of one KV tile += the query chunk ``it`` of head chunk ``hc``. Without MASK the
     caller knows every row of the chunk sees every key; rows the loads zero (a chunk's padding
     rows, heads past the group) then give p = 1 against zero q and dO, which adds exact zeros,
-    as the masked p = 0 does. With TMA (the launcher's promise that a head chunk is the whole
-    group) such a chunk's q and dO come through descriptors over ``[Tq, Hq, D]``: boxes of TOK
-    tokens x HG heads, row ``tok * HG + g`` as below, the same values."""
+    as the masked p = 0 does."""
     TOK: tl.constexpr = BLOCK_M // HG
     g = hc * HG + r % HG
     h = kvh * GROUP + g
     tok = it * TOK + r // HG
     row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    if TMA and not MASK:
-        t = q_start + it * TOK
-        q = tl.reshape(Q_DESC.load([t, kvh * GROUP, 0]), [BLOCK_M, BLOCK_D])
-        do = tl.reshape(DO_DESC.load([t, kvh * GROUP, 0]), [BLOCK_M, BLOCK_D])
-        stat_off = (q_start + tok).to(tl.int64) * Hq + h
-        lse = tl.load(LSE + stat_off)
-        delta = tl.load(DELTA + stat_off)
-    else:
-        q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt,
-                                    stride_qh, Hq, d, d_ok)  # fmt: skip
+    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
+                                Hq, d, d_ok)  # fmt: skip
 
     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
@@ -635,8 +615,6 @@ def _dkdv_kernel(
     Hq,
     Tq,
     Tk,
-    Q_DESC,
-    DO_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -644,7 +622,6 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
     # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
     # dot) is the constant BWD_BLOCK_M, so dK/dV add the same partial sums in the same order.
@@ -706,23 +683,23 @@ def _dkdv_kernel(
         it_end = it_vis
     r = tl.arange(0, BLOCK_M)
     n_hc = tl.cdiv(GROUP, HG)
-    args = (Q, DO, LSE, DELTA, Q_DESC, DO_DESC, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
-            stride_qh, qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
+    args = (Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt, stride_qh,
+            qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
     for hc in range(0, n_hc):
         if SPLIT:
             for it in range(it0, it_vis):
-                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, BLOCK_D, CAUSAL, True,
-                                     DOT_PREC, TMA)  # fmt: skip
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
             for it in range(it_vis, it_end):
-                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, BLOCK_D, CAUSAL, False,
-                                     DOT_PREC, TMA)  # fmt: skip
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False,
+                                     DOT_PREC)  # fmt: skip
             for it in range(it_end, n_it):
-                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, BLOCK_D, CAUSAL, True,
-                                     DOT_PREC, TMA)  # fmt: skip
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
         else:
             for it in range(it0, n_it):
-                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, BLOCK_D, CAUSAL, True,
-                                     DOT_PREC, TMA)  # fmt: skip
+                dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
+                                     DOT_PREC)  # fmt: skip
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -948,23 +925,6 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
-    # Descriptors: K/V tiles of the dQ kernel as in the forward; the dK/dV kernel's q and dO
-    # chunks (boxes of tokens x the whole group) where the group is a power of two up to 64.
-    flops = 2 * 2 * max(tq, tk) * max(max_nq, max_nk) * hq * d
-    tma = _descriptors_fit(k, v, False) and tuning.use_descriptors(cfg, "attention.bwd", flops, q)
-    k_desc = v_desc = q_desc = do_desc = None
-    tma_q = tma and hg == group and group & (group - 1) == 0 and (hq * d * 2) % 16 == 0
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        k_desc, v_desc = (
-            TensorDescriptor(x, [tk, hk * d], [hk * d, 1], [BLOCK_N, d]) for x in (k, v)
-        )
-        if tma_q:
-            box = [BWD_BLOCK_M // hg, hg, d]
-            q_desc, do_desc = (
-                TensorDescriptor(x, [tq, hq, d], [hq * d, d, 1], box) for x in (q, do)
-            )
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
@@ -987,14 +947,11 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         hq,
         tq,
         tk,
-        q_desc,
-        do_desc,
         HG=hg,
         BLOCK_M=BWD_BLOCK_M,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_D=block_d,
         SPLIT=_split_dkdv(d),
-        TMA=tma_q,
         **common,
     )
     if max_nq:
@@ -1021,13 +978,10 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
             hq,
             tq,
             tk,
-            k_desc,
-            v_desc,
             HG=hg,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
-            TMA=tma,
             **common,
         )
     return dq, dk, dv
