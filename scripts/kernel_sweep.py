@@ -326,11 +326,13 @@ ATTN_BWD = [
 #: Paged decode launch configs tried beside the table's: deeper pipelines at 64-row tiles, and
 #: register caps that fit 3 or 4 programs of 4 warps per SM (an offline sm_90 compile puts the
 #: head_dim 64 decode kernel at 174 registers, two programs per SM; at 168 it does not spill,
-#: at 128 it spills 24 bytes).
+#: at 128 it spills 24 bytes; the cap of 128 at 3 stages is the table's head_dim 64 decode
+#: config), with deeper pipelines under the cap of 128.
 PAGED_EXTRA = (
     *({"BLOCK_M": 64, "num_warps": 4, "num_stages": st} for st in (4, 5, 6, 8)),
     *({"BLOCK_M": 64, "num_warps": 4, "num_stages": st, "maxnreg": r}
       for st in (2, 3) for r in (128, 168)),
+    *({"BLOCK_M": 64, "num_warps": 4, "num_stages": st, "maxnreg": 128} for st in (4, 5, 6)),
 )  # fmt: skip
 
 
