@@ -332,6 +332,9 @@ def test_descriptor_loads_change_no_bits():
         q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=24)
         k[150:220], v[150:220] = float("nan"), float("nan")
         assert attn._descriptors_fit(k, v, False) == (d == 16)
+        # a contiguous view whose base is not 16-byte aligned keeps the pointer loads
+        shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)
+        assert not attn._descriptors_fit(shifted.copy_(k), v, False)
         for causal, cfg in itertools.product((True, False), TABLE["attention.fwd"].configs):
             plain = {key: val for key, val in cfg.items() if key != "TMA"}
             with tuning.force("attention", {"attention.fwd": plain}):

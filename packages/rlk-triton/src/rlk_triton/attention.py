@@ -738,8 +738,8 @@ _max_len_memo: list = []
 
 def _descriptors_fit(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     """Whether the packed forward can read K and V through tensor descriptors: contiguous
-    16-bit ``[Tk, Hk, D]`` with D a power of two (a box of D columns is one head's row) and
-    16-byte rows."""
+    16-bit ``[Tk, Hk, D]`` with D a power of two (a box of D columns is one head's row), 16-byte
+    rows and 16-byte aligned bases (a contiguous view may start anywhere in its storage)."""
     d = k.shape[-1]
     return (
         not paged
@@ -747,6 +747,8 @@ def _descriptors_fit(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
         and v.dtype == k.dtype
         and k.is_contiguous()
         and v.is_contiguous()
+        and k.data_ptr() % 16 == 0
+        and v.data_ptr() % 16 == 0
         and d >= 16
         and d & (d - 1) == 0
         and k.shape[0] > 0
