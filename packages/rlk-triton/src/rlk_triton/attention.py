@@ -739,10 +739,12 @@ _max_len_memo: list = []
 def _descriptors_fit(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     """Whether the packed forward can read K and V through tensor descriptors: contiguous
     16-bit ``[Tk, Hk, D]`` with D a power of two (a box of D columns is one head's row), 16-byte
-    rows and 16-byte aligned bases (a contiguous view may start anywhere in its storage)."""
+    rows and 16-byte aligned bases (a contiguous view may start anywhere in its storage). Not
+    on ROCm, whose tables (portable rules for attention) have not been timed with them."""
     d = k.shape[-1]
     return (
         not paged
+        and torch.version.hip is None
         and k.dtype in (torch.bfloat16, torch.float16)
         and v.dtype == k.dtype
         and k.is_contiguous()
