@@ -825,7 +825,7 @@ def _forward(
     # Causal FLOPs if every sequence had max_nq queries and keys: a call below the host-bound
     # size reads through pointers (tuning.HOST_BOUND_FLOPS).
     flops = 2 * tq * max_nq * hq * d
-    tma = _descriptors_fit(k, v, paged) and tuning.use_descriptors(cfg, key, flops, q)
+    tma = tuning.use_descriptors(cfg, key, flops, q) and _descriptors_fit(k, v, paged)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
