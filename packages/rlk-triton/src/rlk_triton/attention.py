@@ -33,6 +33,9 @@ Why every path gives the same bits (training, prefill, chunked prefill, decode, 
   instruction's N is ``BLOCK_N`` (scores) or ``D`` (output), both fixed by the op.
 * The final ``acc / l`` (plus ``+ 0.0``, which maps a possible ``-0.0`` to ``+0.0``) is the
   same epilogue for every path.
+* How a tile reaches the kernel is a launch choice: the packed path's full tiles may come
+  through tensor descriptors (TMA, a config's ``TMA``) instead of pointer loads. A full tile
+  holds only the sequence's own keys, so both bring the same values to the same arithmetic.
 
 Backward (training path; also valid for nq < nk): ``delta = rowsum(dO * O)`` by a kernel with
 a fixed config; dK/dV by one program per KV tile looping over query chunks of the constant
