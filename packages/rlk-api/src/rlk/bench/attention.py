@@ -26,11 +26,14 @@ from rlk.bench import _timing
 # (B, S, Hq, Hk, D)
 SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
 QUICK_SHAPES = SHAPES[:1]
-# (B, ctx, Hq, Hk, D, page)
+# (B, ctx, Hq, Hk, D, page): the rollout batch sizes, and the corners of B = 1-256 with
+# contexts of 512-8192 (one long sequence; a few short ones).
 DECODE = [
     (64, 4096, 32, 8, 128, 16),
     (64, 4096, 32, 8, 128, 128),
     (256, 2048, 14, 2, 64, 32),
+    (1, 8192, 32, 8, 128, 16),
+    (8, 512, 14, 2, 64, 16),
 ]
 QUICK_DECODE = DECODE[:1]
 
