@@ -322,15 +322,15 @@ def test_length_bounds_change_no_bits():
 
 def test_descriptor_loads_change_no_bits():
     """A forward config's ``TMA`` reads the full KV tiles through tensor descriptors: the bits
-    of the pointer loads, and only the sequence's own keys (the middle sequence's K and V are
-    NaN; its neighbours' rows stay finite). A head_dim that is not a power of two keeps the
-    pointer loads."""
+    of the pointer loads, and only the sequence's own keys (the first sequence's K and V are
+    NaN; the others' rows stay finite, the second one's full tiles starting at row 70). A
+    head_dim that is not a power of two keeps the pointer loads."""
     hq, hk = 4, 2
-    lens = [150, 70, 9]
+    lens = [70, 150, 9]
     cu = _cu(lens)
     for d in (16, 24):
         q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=24)
-        k[150:220], v[150:220] = float("nan"), float("nan")
+        k[:70], v[:70] = float("nan"), float("nan")
         assert attn._descriptors_fit(k, v, False) == (d == 16)
         # a contiguous view whose base is not 16-byte aligned keeps the pointer loads
         shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)
@@ -342,7 +342,20 @@ def test_descriptor_loads_change_no_bits():
             with tuning.force("attention", {"attention.fwd": {**plain, "TMA": True}}):
                 got = _fwd(q, k, v, cu, cu, causal)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-            assert torch.isfinite(got[:150]).all() and torch.isfinite(got[220:]).all()
+            assert torch.isfinite(got[70:]).all()
+    # fp16, queries that are each sequence's last tokens (chunked prefill)
+    lens_q = [5, 100, 9]
+    q, k, v = _qkv(sum(lens), hq, hk, 16, torch.float16, seed=28)
+    q = q[: sum(lens_q)].contiguous()
+    k[:70], v[:70] = float("nan"), float("nan")
+    for cfg in TABLE["attention.fwd"].configs:
+        plain = {key: val for key, val in cfg.items() if key != "TMA"}
+        with tuning.force("attention", {"attention.fwd": plain}):
+            want = _fwd(q, k, v, _cu(lens_q), cu)
+        with tuning.force("attention", {"attention.fwd": {**plain, "TMA": True}}):
+            got = _fwd(q, k, v, _cu(lens_q), cu)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(got[5:]).all()
 
 
 def test_eager_small_calls_read_through_pointers(monkeypatch):
