@@ -315,7 +315,7 @@ ATTN_FWD = [
 ]
 #: --attn-fwd-only: the attention part sweeps forward configs only (no backward, no 128-key
 #: tiles).
-ATTN_FWD_ONLY = [False]
+ATTN_FWD_ONLY = False
 ATTN_BWD = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
     for bm, bn, w in ((128, 128, 8), (128, 64, 4), (64, 64, 4), (64, 128, 4))
@@ -408,7 +408,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
         if t_ < best_f[0]:
             best_f = (t_, cf)
     best_b, equal_b = (bwd_ms, None), True
-    for cf in [] if ATTN_FWD_ONLY[0] else ATTN_BWD:
+    for cf in [] if ATTN_FWD_ONLY else ATTN_BWD:
         with tuning.force("attention", {"attention.bwd": cf}):
             try:
                 g = step()
@@ -424,7 +424,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     saved = attention.BLOCK_N
     try:
         attention.BLOCK_N = 128
-        for cf in [] if ATTN_FWD_ONLY[0] else ATTN_FWD[:6]:
+        for cf in [] if ATTN_FWD_ONLY else ATTN_FWD[:6]:
             with tuning.force("attention", {"attention.fwd": cf}):
                 try:
                     fwd()
@@ -884,7 +884,8 @@ def main() -> None:
     ap.add_argument("--attn-fwd-only", action="store_true", help="attention: forward configs")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    ATTN_FWD_ONLY[0] = args.attn_fwd_only
+    global ATTN_FWD_ONLY
+    ATTN_FWD_ONLY = args.attn_fwd_only
     DECODE.update(
         shapes=args.shapes.split(",") if args.shapes else None,
         ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,

@@ -320,6 +320,16 @@ def test_length_bounds_change_no_bits():
             assert torch.equal(a, b), f"{name} changed with the bounds {bq}, {bk}"
 
 
+def _pointers_and_descriptors(cfg, q, k, v, cu_q, cu_k, causal=True):
+    """The forward under ``cfg`` without and with ``TMA``."""
+    plain = {key: val for key, val in cfg.items() if key != "TMA"}
+    outs = []
+    for c in (plain, {**plain, "TMA": True}):
+        with tuning.force("attention", {"attention.fwd": c}):
+            outs.append(_fwd(q, k, v, cu_q, cu_k, causal))
+    return outs
+
+
 def test_descriptor_loads_change_no_bits():
     """A forward config's ``TMA`` reads the full KV tiles through tensor descriptors: the bits
     of the pointer loads, and only the sequence's own keys (the first sequence's K and V are
@@ -336,11 +346,7 @@ def test_descriptor_loads_change_no_bits():
         shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)
         assert not attn._descriptors_fit(shifted.copy_(k), v, False)
         for causal, cfg in itertools.product((True, False), TABLE["attention.fwd"].configs):
-            plain = {key: val for key, val in cfg.items() if key != "TMA"}
-            with tuning.force("attention", {"attention.fwd": plain}):
-                want = _fwd(q, k, v, cu, cu, causal)
-            with tuning.force("attention", {"attention.fwd": {**plain, "TMA": True}}):
-                got = _fwd(q, k, v, cu, cu, causal)
+            want, got = _pointers_and_descriptors(cfg, q, k, v, cu, cu, causal)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
             assert torch.isfinite(got[70:]).all()
     # fp16, queries that are each sequence's last tokens (chunked prefill)
@@ -349,11 +355,7 @@ def test_descriptor_loads_change_no_bits():
     q = q[: sum(lens_q)].contiguous()
     k[:70], v[:70] = float("nan"), float("nan")
     for cfg in TABLE["attention.fwd"].configs:
-        plain = {key: val for key, val in cfg.items() if key != "TMA"}
-        with tuning.force("attention", {"attention.fwd": plain}):
-            want = _fwd(q, k, v, _cu(lens_q), cu)
-        with tuning.force("attention", {"attention.fwd": {**plain, "TMA": True}}):
-            got = _fwd(q, k, v, _cu(lens_q), cu)
+        want, got = _pointers_and_descriptors(cfg, q, k, v, _cu(lens_q), cu)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         assert torch.isfinite(got[5:]).all()
 

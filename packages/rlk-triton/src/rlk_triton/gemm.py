@@ -374,8 +374,8 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     descriptors, 64x128 where N gives every SM a program at that width, else 64x64. Up to
     M = 256: 128x256 for N >= 8192 or where it fills the GPU, else 64x128 where that gives
     three quarters of the SMs a program (0.77 -> 0.90x at 14336 -> 4096, M = 256), else 64x64
-    (a 4-stage pipeline for a short K, <= 1024). Above: 128x256 persistent, or 64x256 persistent for a short K
-    (<= 1024) until there are four 128x256 tiles per SM. Chosen from
+    (a 4-stage pipeline for a short K, <= 1024). Above: 128x256 persistent, or 64x256
+    persistent for a short K (<= 1024) until there are four 128x256 tiles per SM. Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
     cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
     """

@@ -3,8 +3,8 @@
 A row's token depends only on its logits, seed, offset and parameters. With enough rows to
 fill the GPU, one program per row does all of a row. With fewer (:data:`TUNING`), each step is
 a launch: the block maxima and each pass of the threshold over (row, part) programs, a part
-being :data:`PART_BLOCKS` blocks (or the launch config's ``part_blocks``), and the pick in ranges of whole blocks, merged as one pass
-over the row would: the same token either way.
+being :data:`PART_BLOCKS` blocks (or the launch config's ``part_blocks``), and the pick in
+ranges of whole blocks, merged as one pass over the row would: the same token either way.
 
 - Noise: ``u`` from Philox-4x32-10 exactly as :mod:`rlk_reference.philox` specifies (key = the
   seed's two 32-bit words, counter = ``(v, offset_lo, offset_hi, 0)``), ``g = -log(-log(u))``.
