@@ -11,6 +11,11 @@ Probes (bf16, CUDA):
   kernels are ``_dkdv_kernel`` and ``_dq_kernel`` (one launch each per call).
 - ``linear-decode``: ``rlk.linear`` then ``F.linear`` (cuBLAS) at M=1, K=14336, N=4096 (the
   Llama-3-8B down projection in decode): one ``_matmul_kernel`` launch, then cuBLAS's kernel.
+- ``linear-shortk``: ``rlk.linear`` then ``F.linear`` at M=1024, K=896, N=4864 (the Qwen2-0.5B
+  up projection in prefill, the harness shape where rlk's GEMM is slowest against cuBLAS): one
+  ``_matmul_tma_kernel`` launch, then cuBLAS's kernel.
+- ``paged-b1``: ``rlk.paged_attention`` decode at B=1, ctx 8192, Hq=32, Hk=8, D=128, pages of
+  16 (the harness's small-batch decode): one ``_fwd_kernel`` launch per call.
 - ``norm-bwd``: ``rms_norm`` forward + backward at T=65536, H=896 (Qwen2-0.5B's hidden size),
   the harness shape where rlk's backward is slowest against ``torch.compile``; its kernels are
   ``_rms_norm_fwd_kernel``, ``_rms_norm_bwd_kernel`` and the dweight partial sums.
@@ -91,6 +96,22 @@ def sample_topkp() -> None:
         rlk.sample(logits, seeds, offsets, temperature=0.8)
 
 
+def linear_shortk() -> None:
+    x = torch.randn(1024, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4864, 896, device="cuda", dtype=torch.bfloat16) / 30
+    for _ in range(3):
+        rlk.linear(x, w)
+        F.linear(x, w)
+
+
+def paged_b1() -> None:
+    from rlk.bench.attention import decode_inputs
+
+    inputs = decode_inputs(1, 8192, 32, 8, 128, 16, device="cuda")
+    for _ in range(3):
+        rlk.paged_attention(*inputs)
+
+
 def sample_mixed() -> None:
     from rlk_triton import backend, sampling, tuning
 
@@ -117,6 +138,8 @@ def sample_mixed() -> None:
 PROBES = {
     "attention-bwd": attention_bwd,
     "linear-decode": linear_decode,
+    "linear-shortk": linear_shortk,
+    "paged-b1": paged_b1,
     "norm-bwd": norm_bwd,
     "rotary-d64": rotary_d64,
     "sample-topkp": sample_topkp,
