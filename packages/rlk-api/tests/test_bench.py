@@ -176,7 +176,13 @@ def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
 
     shapes = {"logprobs": [(8, 512)], "linear_logprobs": [(8, 64, 512)]}
     rows = _run(monkeypatch, logprobs, SHAPES=shapes)
-    assert _rlk_ops(rows) == {"logprobs.fwd", "logprobs.fwd+bwd", "linear_logprobs.fwd+bwd"}
+    assert _rlk_ops(rows) == {
+        "logprobs.fwd",
+        "logprobs.fwd+bwd",
+        "logprobs_entropy.fwd",
+        "logprobs_entropy.fwd+bwd",
+        "linear_logprobs.fwd+bwd",
+    }
     rows = _run(monkeypatch, sampling, SHAPES=[(4, 512)])
     assert _rlk_ops(rows) == {"sample.temperature", "sample.top_k_top_p"}
     assert {r["impl"] for r in rows} >= {"rlk", "torch"}

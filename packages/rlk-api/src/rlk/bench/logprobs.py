@@ -16,7 +16,11 @@ of each target (what an RL loss needs per token, not a reduced loss):
 Rows: ``logprobs.fwd`` (inputs not requiring grad), ``logprobs.fwd+bwd`` and
 ``linear_logprobs.fwd+bwd``: the forward on inputs that require grad, then
 ``torch.autograd.grad`` with a fixed random per-token upstream gradient, to the logits, or to
-hidden and weight (the lm_head is trained). Each impl is called once before it is timed.
+hidden and weight (the lm_head is trained). ``logprobs_entropy.fwd`` and ``.fwd+bwd``, at the
+first logprobs shape: rlk with ``return_entropy=True`` and the compiled reference with the
+entropy ``-sum(p * log p)`` too (each returns log-probability + entropy, so the backward runs
+through both), against Liger's cross-entropy, which computes no entropy: what a loss with an
+entropy term costs against one without. Each impl is called once before it is timed.
 
 Work: ``logprobs`` is memory-bound, counted in bytes (each pass reads its inputs once and writes
 its outputs once; the targets and the ``[T]`` outputs are left out): fwd reads the logits, T*V*e;
@@ -54,6 +58,18 @@ def _logprobs_ref(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
 
 
+def _logprobs_entropy_ref(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    return lsm.gather(1, targets[:, None])[:, 0] - (lsm.exp() * lsm).sum(-1)
+
+
+def _with_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """rlk's log-probability plus its entropy, one ``[T]`` tensor (so that a backward runs
+    through both, as through the reference's sum)."""
+    lp, ent = rlk.logprobs(logits, targets, return_entropy=True)
+    return lp + ent
+
+
 def _linear_logprobs_ref(hidden, weight, targets):
     return _logprobs_ref(hidden @ weight.T, targets)  # logits rounded to bf16 first, as in rlk
 
@@ -66,12 +82,15 @@ def _targets(T: int, V: int) -> torch.Tensor:
     return torch.randint(0, V, (T,), device=_timing.DEVICE, generator=_timing.generator())
 
 
-def _logprobs(emit, T: int, V: int) -> None:
+def _logprobs(emit, T: int, V: int, entropy: bool = False) -> None:
     logits, targets = _randn(T, V), _targets(T, V)
-    cases: list[Case] = [
-        ("rlk", lambda: rlk.logprobs(logits, targets), (logits,)),
-        ("compile", functools.partial(compiled(_logprobs_ref), logits, targets), (logits,)),
-    ]
+    if entropy:
+        rlk_fn = functools.partial(_with_entropy, logits, targets)
+        ref_fn = functools.partial(compiled(_logprobs_entropy_ref), logits, targets)
+    else:
+        rlk_fn = functools.partial(rlk.logprobs, logits, targets)
+        ref_fn = functools.partial(compiled(_logprobs_ref), logits, targets)
+    cases: list[Case] = [("rlk", rlk_fn, (logits,)), ("compile", ref_fn, (logits,))]
     F = liger("LigerCrossEntropyFunction")
     if F is not None:
         # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction)
@@ -85,7 +104,8 @@ def _logprobs(emit, T: int, V: int) -> None:
         cases.append(("liger", lambda: -F.apply(*args)[0], (own,)))
     e = logits.element_size()
     fwd, fwd_bwd = {"nbytes": T * V * e}, {"nbytes": 3 * T * V * e}
-    time_op(emit, "logprobs", f"T={T} V={V}", DTYPE, cases, fwd, fwd_bwd)
+    op = "logprobs_entropy" if entropy else "logprobs"
+    time_op(emit, op, f"T={T} V={V}", DTYPE, cases, fwd, fwd_bwd)
 
 
 def _linear_logprobs(emit, T: int, H: int, V: int) -> None:
@@ -115,5 +135,7 @@ def run(quick: bool, emit: Callable[[dict], None]) -> None:
     n = 1 if quick else None
     for T, V in SHAPES["logprobs"][:n]:
         _logprobs(emit, T, V)
+    for T, V in SHAPES["logprobs"][:1]:
+        _logprobs(emit, T, V, entropy=True)
     for T, H, V in SHAPES["linear_logprobs"][:n]:
         _linear_logprobs(emit, T, H, V)

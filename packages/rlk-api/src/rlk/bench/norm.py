@@ -46,11 +46,12 @@ from rlk.bench import _timing
 from rlk.bench._peers import Case, compiled, liger, time_op
 
 #: Shapes per op (``quick`` takes the first of each): real model sizes, each call >= 50 us on an
-#: H200. rms_norm (and rms_norm_residual): Llama-3-8B, Llama-3.2-1B and Qwen2.5-0.5B hidden
-#: sizes. silu_and_mul ``(T, I)``, gate and up being ``[T, I]``: Llama-3-8B, Qwen2.5-0.5B.
-#: apply_rotary ``(T, Hq, Hk, D)``: Llama-3-8B, Qwen2.5-0.5B.
+#: H200 (or timed as a CUDA graph of several). rms_norm (and rms_norm_residual): Llama-3-8B,
+#: Llama-3.2-1B and Qwen2.5-0.5B hidden sizes, the last at two token counts, and a 70B-class
+#: hidden size (8192) at 4096 tokens. silu_and_mul ``(T, I)``, gate and up being ``[T, I]``:
+#: Llama-3-8B, Qwen2.5-0.5B. apply_rotary ``(T, Hq, Hk, D)``: Llama-3-8B, Qwen2.5-0.5B.
 SHAPES: dict[str, list[tuple[int, ...]]] = {
-    "rms_norm": [(16384, 4096), (65536, 2048), (65536, 896)],
+    "rms_norm": [(16384, 4096), (65536, 2048), (65536, 896), (32768, 896), (4096, 8192)],
     "silu_and_mul": [(16384, 14336), (32768, 4864)],
     "apply_rotary": [(16384, 32, 8, 128), (65536, 14, 2, 64)],
 }
