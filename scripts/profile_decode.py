@@ -15,11 +15,19 @@ recorded one by one). Prints
 
 The step count is the number of new tokens (prefill runs inside the first steps; its kernels
 are in the totals).
+
+``--padded``: the eager padded rollout instead (``rlk_integrations.rollout.generate``, rlk's ops
+called one by one from Python on a left-padded batch) against transformers' ``generate`` on the
+unpatched model: wall and GPU kernel time per step for both, and the host functions that take
+the most time in one rlk rollout (cProfile, by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -29,7 +37,7 @@ from rlk.bench._timing import ceilings
 from rlk_integrations import e2e_bench as e2e
 from rlk_integrations.consistency import random_prompts
 from rlk_integrations.models import load_model
-from rlk_integrations.transformers import patch_model
+from rlk_integrations.transformers import patch_model, unpatch_model
 
 
 def main() -> None:
@@ -38,11 +46,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new", type=int, default=e2e.NEW_TOKENS)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--padded", action="store_true", help="the eager padded rollout instead")
     a = p.parse_args()
     device = torch.device("cuda")
     model = load_model(a.model, dtype=e2e.DTYPE, device=device, seed=0)
     patch_model(model)
     prompts = random_prompts(a.batch, model.config.vocab_size, *e2e.PROMPT_LEN, seed=e2e.SEED)
+    if a.padded:
+        padded(model, prompts, a.new, a.top)
+        return
 
     engine = e2e._paged_engine(model, prompts, a.new)
 
@@ -84,6 +96,40 @@ def main() -> None:
     print(f"{'achieved read rate (GB/s)':<40} {achieved:12.1f}")
     print(f"{'copy bandwidth (GB/s)':<40} {copy:12.1f}")
     print(f"{'share of the roofline':<40} {achieved / copy:12.1%}")
+
+
+def _timed(run) -> tuple[float, float]:
+    """Wall seconds of one call of ``run`` after a warm-up call, and its GPU kernel seconds."""
+    run()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, kernel_times(run)[0]
+
+
+def padded(model, prompts, new: int, top: int) -> None:
+    """``--padded``: the eager padded rollout against transformers' ``generate``."""
+
+    def rlk_run():
+        return e2e._rlk_padded(model, prompts, new)
+
+    rlk_wall, rlk_gpu = _timed(rlk_run)
+    pr = cProfile.Profile()
+    pr.enable()
+    rlk_run()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    print(out.getvalue())
+    unpatch_model(model)
+    hf_wall, hf_gpu = _timed(lambda: e2e._hf_generate(model, prompts, new))
+    print(f"B={len(prompts)}  new={new}  prompts {e2e.PROMPT_LEN}")
+    print(f"{'impl':<14} {'wall us/step':>13} {'GPU us/step':>12} {'host-bound us/step':>19}")
+    for name, wall, gpu in (("rlk padded", rlk_wall, rlk_gpu), ("hf-generate", hf_wall, hf_gpu)):
+        print(f"{name:<14} {wall / new * 1e6:13.1f} {gpu / new * 1e6:12.1f} "
+              f"{(wall - gpu) / new * 1e6:19.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
