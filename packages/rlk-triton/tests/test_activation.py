@@ -57,6 +57,22 @@ def test_matches_rlk_reference():
         torch.testing.assert_close(y, ref.silu_and_mul(x), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_no_grad_path_equals_autograd_path(split):
+    """Without inputs that need a gradient silu_and_mul skips autograd.Function: the same
+    kernel, so the same bits, on non-contiguous inputs too (every other row; gate and up as
+    one tensor or as two)."""
+    x, _ = _inputs(10, 80, torch.bfloat16, seed=3)
+    x = x[::2]
+    args = (x[:, :80], x[:, 80:]) if split else (x,)
+    with torch.no_grad():
+        plain = activation.silu_and_mul(*args, table=TABLE)
+    leaves = [a.clone().requires_grad_() for a in args]
+    recorded = activation.silu_and_mul(*leaves, table=TABLE)
+    assert plain.grad_fn is None and recorded.grad_fn is not None
+    assert torch.equal(plain, recorded)
+
+
 def test_batch_and_tuning_invariance():
     x, dy = _inputs(9, 80, torch.bfloat16, seed=3)
     y, dx = _run(x, dy)

@@ -96,6 +96,23 @@ def test_batch_and_tuning_invariance():
         assert all(torch.equal(a, b) for a, b in zip(got, out)), cfg
 
 
+@pytest.mark.parametrize("with_k", [False, True])
+def test_no_grad_path_equals_autograd_path(with_k):
+    """Without inputs that need a gradient apply_rotary skips autograd.Function: the same
+    kernel, so the same bits, on non-contiguous inputs too (every other token)."""
+    q, cos, sin, _ = _inputs(12, 4, 16, torch.bfloat16, torch.float32, seed=5)
+    k, _, _, _ = _inputs(12, 2, 16, torch.bfloat16, torch.float32, seed=6)
+    q, k, cos, sin = q[::2], k[::2], cos[::2], sin[::2]
+    kk = k if with_k else None
+    with torch.no_grad():
+        plain = rotary.apply_rotary(q, cos, sin, kk, table=TABLE)
+    recorded = rotary.apply_rotary(q.clone().requires_grad_(), cos, sin, kk, table=TABLE)
+    plain = plain if isinstance(plain, tuple) else (plain,)
+    recorded = recorded if isinstance(recorded, tuple) else (recorded,)
+    assert all(o.grad_fn is None for o in plain) and recorded[0].grad_fn is not None
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
+
+
 def test_no_cos_sin_grad():
     x, cos, sin, dy = _inputs(3, 2, 64, torch.float32, torch.float32, seed=4)
     _, dx, dcos, dsin = _run(x, cos, sin, dy, cs_grad=False)

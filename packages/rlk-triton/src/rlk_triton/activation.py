@@ -115,14 +115,20 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :i], x[:, i:]
 
 
+def _forward(x: torch.Tensor, up: torch.Tensor | None, table) -> torch.Tensor:
+    """``silu(gate) * up`` of contiguous ``x`` (and ``up``): one launch."""
+    g, u = (x, up) if up is not None else _halves(x)
+    y = x.new_empty(g.shape)
+    _launch(_silu_and_mul_fwd_kernel, "silu_and_mul.fwd", table, g, u, y)
+    return y
+
+
 class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, table):
         x = x.contiguous()
         up = up.contiguous() if up is not None else None
-        g, u = (x, up) if up is not None else _halves(x)
-        y = x.new_empty(g.shape)
-        _launch(_silu_and_mul_fwd_kernel, "silu_and_mul.fwd", table, g, u, y)
+        y = _forward(x, up, table)
         ctx.save_for_backward(x, up)
         ctx.table = table
         return y
@@ -148,4 +154,8 @@ def silu_and_mul(
     See :func:`rlk.silu_and_mul`. Computed in fp32, rounded once, by the same kernel for both
     forms; differentiable in ``x`` and ``up``.
     """
-    return SiluAndMulFunction.apply(x, up, table)
+    if torch.is_grad_enabled() and (x.requires_grad or (up is not None and up.requires_grad)):
+        return SiluAndMulFunction.apply(x, up, table)
+    # Nothing to differentiate: the forward alone, without an autograd.Function call's host
+    # cost; the same kernel, so the same bits.
+    return _forward(x.contiguous(), up.contiguous() if up is not None else None, table)

@@ -533,4 +533,13 @@ def rms_norm(
     ``s = x + residual`` rounded to ``x.dtype`` and ``y = rms_norm(s)``. Differentiable in
     ``x``, ``weight`` and ``residual``; the weight gradient has ``weight.dtype``.
     """
-    return RMSNormFunction.apply(x, weight, eps, residual, table)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
+    ):
+        return RMSNormFunction.apply(x, weight, eps, residual, table)
+    # Nothing to differentiate (inference, a rollout): the forward alone, without the host
+    # cost of an autograd.Function call; the same kernel, so the same bits.
+    if residual is not None:
+        residual = residual.contiguous()
+    y, s, _ = _forward(x.contiguous(), weight.contiguous(), eps, residual, table)
+    return y if s is None else (y, s)

@@ -239,4 +239,10 @@ def apply_rotary(
     Returns ``[T, H, D]`` in ``x.dtype``, or ``(x', k')`` with ``k``: one launch, each bitwise
     the result of its own call. Differentiable in ``x``, ``k``, ``cos`` and ``sin``.
     """
-    return ApplyRotaryFunction.apply(x, cos, sin, k, table)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, cos, sin, k)):
+        return ApplyRotaryFunction.apply(x, cos, sin, k, table)
+    # Nothing to differentiate: the forward alone, without an autograd.Function call's host
+    # cost; the same kernel, so the same bits.
+    k = k.contiguous() if k is not None else None
+    y, ky = _rotate(x.contiguous(), k, cos.contiguous(), sin.contiguous(), False, table)
+    return y if k is None else (y, ky)
