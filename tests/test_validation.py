@@ -153,6 +153,27 @@ CASES = {
         "residual",
     ),
     "rms_norm empty hidden": (lambda: rlk.rms_norm(r(2, 0), r(0)), ValueError, "x"),
+    "rms_norm eps nan": (lambda: rlk.rms_norm(r(2, 8), r(8), float("nan")), ValueError, "eps"),
+    "rms_norm eps inf": (lambda: rlk.rms_norm(r(2, 8), r(8), float("inf")), ValueError, "eps"),
+    "rms_norm eps zero": (lambda: rlk.rms_norm(r(2, 8), r(8), 0.0), ValueError, "eps"),
+    "rms_norm eps str": (lambda: rlk.rms_norm(r(2, 8), r(8), "1e-6"), TypeError, "eps"),
+    "rms_norm x non-contiguous": (lambda: rlk.rms_norm(r(8, 2).t(), r(8)), ValueError, "x"),
+    "rms_norm int x": (
+        lambda: rlk.rms_norm(torch.ones(2, 8, dtype=torch.int64), r(8)),
+        TypeError,
+        "x",
+    ),
+    "rms_norm weight 2-D": (lambda: rlk.rms_norm(r(2, 8), r(1, 8)), ValueError, "weight"),
+    "rms_norm residual non-contiguous": (
+        lambda: rlk.rms_norm(r(2, 8), r(8), 1e-6, r(8, 2).t()),
+        ValueError,
+        "residual",
+    ),
+    "rms_norm device mismatch": (
+        lambda: rlk.rms_norm(r(2, 8), r(8).to("meta")),
+        ValueError,
+        "weight",
+    ),
     # silu_and_mul
     "silu odd": (lambda: rlk.silu_and_mul(r(2, 7)), ValueError, "x"),
     "silu up shape": (lambda: rlk.silu_and_mul(r(2, 7), r(2, 6)), ValueError, "up"),
