@@ -55,12 +55,17 @@ def attention_bwd() -> None:
         torch.autograd.grad(rlk.attention(q, k, v, cu, cu, causal=True), (q, k, v), do)
 
 
-def linear_decode() -> None:
-    x = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 120
+def _linear(m: int, k: int, n: int) -> None:
+    """``rlk.linear`` then ``F.linear`` of ``[m, k]`` by ``[n, k]``, three times."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     for _ in range(3):
         rlk.linear(x, w)
         F.linear(x, w)
+
+
+def linear_decode() -> None:
+    _linear(1, 14336, 4096)
 
 
 def norm_bwd() -> None:
@@ -97,11 +102,7 @@ def sample_topkp() -> None:
 
 
 def linear_shortk() -> None:
-    x = torch.randn(1024, 896, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4864, 896, device="cuda", dtype=torch.bfloat16) / 30
-    for _ in range(3):
-        rlk.linear(x, w)
-        F.linear(x, w)
+    _linear(1024, 896, 4864)
 
 
 def paged_b1() -> None:

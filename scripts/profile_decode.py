@@ -101,11 +101,7 @@ def main() -> None:
 def _wall(run) -> float:
     """Wall seconds of one call of ``run``, after a warm-up call."""
     run()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    run()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
+    return e2e._wall(run, torch.device("cuda"))[1]
 
 
 def padded(model, prompts, new: int, top: int) -> None:

@@ -89,6 +89,9 @@ def _unrows(y: torch.Tensor, *shape: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+_FLOAT_DTYPES = frozenset(chk.FLOAT_DTYPES)
+
+
 def _plain_linear_args(x: object, weight: object, bias: object) -> bool:
     """Whether ``x``, ``weight`` (and ``bias``) pass every check of :func:`check_linear`, in a
     few comparisons: a decode step makes hundreds of these calls, each worth microseconds of
@@ -115,9 +118,6 @@ def _plain_linear_args(x: object, weight: object, bias: object) -> bool:
         and bias.device == x.device
         and bias.is_contiguous()
     )
-
-
-_FLOAT_DTYPES = frozenset(chk.FLOAT_DTYPES)
 
 
 def check_linear(x: object, weight: object, bias: object) -> torch.device:

@@ -125,9 +125,7 @@ def _forward(x: torch.Tensor, up: torch.Tensor | None, table) -> torch.Tensor:
 
 class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, up, table):
-        x = x.contiguous()
-        up = up.contiguous() if up is not None else None
+    def forward(ctx, x, up, table):  # contiguous inputs (silu_and_mul)
         y = _forward(x, up, table)
         ctx.save_for_backward(x, up)
         ctx.table = table
@@ -154,8 +152,10 @@ def silu_and_mul(
     See :func:`rlk.silu_and_mul`. Computed in fp32, rounded once, by the same kernel for both
     forms; differentiable in ``x`` and ``up``.
     """
+    x = x.contiguous()
+    up = up.contiguous() if up is not None else None
     if torch.is_grad_enabled() and (x.requires_grad or (up is not None and up.requires_grad)):
         return SiluAndMulFunction.apply(x, up, table)
     # Nothing to differentiate: the forward alone, without an autograd.Function call's host
     # cost; the same kernel, so the same bits.
-    return _forward(x.contiguous(), up.contiguous() if up is not None else None, table)
+    return _forward(x, up, table)

@@ -496,11 +496,7 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual, table):
-        x = x.contiguous()
-        weight = weight.contiguous()
-        if residual is not None:
-            residual = residual.contiguous()
+    def forward(ctx, x, weight, eps, residual, table):  # contiguous inputs (rms_norm)
         y, s, rstd = _forward(x, weight, eps, residual, table)
         ctx.has_residual = residual is not None
         ctx.table = table
@@ -533,13 +529,13 @@ def rms_norm(
     ``s = x + residual`` rounded to ``x.dtype`` and ``y = rms_norm(s)``. Differentiable in
     ``x``, ``weight`` and ``residual``; the weight gradient has ``weight.dtype``.
     """
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     if torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
     ):
         return RMSNormFunction.apply(x, weight, eps, residual, table)
     # Nothing to differentiate (inference, a rollout): the forward alone, without the host
     # cost of an autograd.Function call; the same kernel, so the same bits.
-    if residual is not None:
-        residual = residual.contiguous()
-    y, s, _ = _forward(x.contiguous(), weight.contiguous(), eps, residual, table)
+    y, s, _ = _forward(x, weight, eps, residual, table)
     return y if s is None else (y, s)

@@ -193,9 +193,7 @@ def _dcos_dsin(x, dy, cos, sin, table):
 
 class ApplyRotaryFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, k, table):
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        k = k.contiguous() if k is not None else None
+    def forward(ctx, x, cos, sin, k, table):  # contiguous inputs (apply_rotary)
         ctx.save_for_backward(x, cos, sin, k)
         ctx.table = table
         y, ky = _rotate(x, k, cos, sin, False, table)
@@ -239,10 +237,11 @@ def apply_rotary(
     Returns ``[T, H, D]`` in ``x.dtype``, or ``(x', k')`` with ``k``: one launch, each bitwise
     the result of its own call. Differentiable in ``x``, ``k``, ``cos`` and ``sin``.
     """
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    k = k.contiguous() if k is not None else None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, cos, sin, k)):
         return ApplyRotaryFunction.apply(x, cos, sin, k, table)
     # Nothing to differentiate: the forward alone, without an autograd.Function call's host
     # cost; the same kernel, so the same bits.
-    k = k.contiguous() if k is not None else None
-    y, ky = _rotate(x.contiguous(), k, cos.contiguous(), sin.contiguous(), False, table)
+    y, ky = _rotate(x, k, cos, sin, False, table)
     return y if k is None else (y, ky)
