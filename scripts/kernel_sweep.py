@@ -342,7 +342,9 @@ def paged_part(rows) -> None:
     from rlk.bench import attention as battn
     from rlk_triton import attention
 
-    for b, ctx, hq, hk, d, page in battn.DECODE:
+    for i, (b, ctx, hq, hk, d, page) in enumerate(battn.DECODE):
+        if PAGED_SHAPES is not None and i not in PAGED_SHAPES:
+            continue
         inputs = battn.decode_inputs(b, ctx, hq, hk, d, page, device="cuda")
         kv_bytes = 2 * b * ctx * hk * d * 2
 
@@ -543,8 +545,15 @@ def _silu_shape(rows, T: int, I: int) -> None:
     )  # fmt: skip
 
 
+#: The (T, H) shapes of the norm and normbwd parts (--norm-shapes).
+NORM_SHAPES = [(16384, 4096), (65536, 2048), (65536, 896), (32768, 896), (4096, 8192)]
+#: The paged part's decode shapes, as indices into rlk.bench.attention.DECODE (--paged-shapes;
+#: None: all).
+PAGED_SHAPES = None
+
+
 def norm_part(rows) -> None:
-    for T, H in ((16384, 4096), (65536, 2048), (65536, 896)):
+    for T, H in NORM_SHAPES:
         _norm_shape(rows, T, H)
 
 
@@ -584,6 +593,8 @@ def _norm_shape(rows, T: int, H: int) -> None:
     peer = _liger_ms("LigerRMSNormFunction", lambda Fn: Fn.apply(x, w, 1e-6, 0.0, "gemma", False))
     configs = [{"tile": t, "num_warps": nw} for t in (2048, 4096, 8192) for nw in (4, 8, 16)]
     configs += [{"tile": t, "num_warps": nw} for t in (1024, 2048, 4096) for nw in (1, 2)]
+    if H >= 8192:  # two rows per program
+        configs += [{"tile": 16384, "num_warps": nw} for nw in (8, 16, 32)]
     _config_sweep(
         rows, "norm", f"T={T} H={H}", lambda: rlk.rms_norm(x, w, 1e-6), "rms_norm.fwd",
         configs, 2 * T * H * 2, peer,
@@ -598,7 +609,7 @@ def _norm_shape(rows, T: int, H: int) -> None:
 
 
 def norm_bwd_part(rows) -> None:
-    for T, H in ((16384, 4096), (65536, 2048), (65536, 896)):
+    for T, H in NORM_SHAPES:
         _norm_bwd_shape(rows, T, H)
 
 
@@ -681,7 +692,7 @@ def _norm_bwd_shape(rows, T: int, H: int) -> None:
     try:
         for dw_rows in (16, 32, 64, 128):
             normmod._dw_rows = lambda b, n=dw_rows: n
-            for nw in (1, 2, 4, 8):
+            for nw in (1, 2, 4, 8, 16):
                 with tuning.force("rms_norm", {"rms_norm.bwd": {"num_warps": nw}}):
                     emit(f"dweight rows={dw_rows} num_warps={nw}", us(bwd))
     finally:
@@ -882,10 +893,16 @@ def main() -> None:
     ap.add_argument("--bn", default="16,32,64,128", help="decode: BLOCK_N candidates")
     ap.add_argument("--bm", default="64", help="decode: BLOCK_M candidates (4 warps each)")
     ap.add_argument("--attn-fwd-only", action="store_true", help="attention: forward configs")
+    ap.add_argument("--norm-shapes", default=None, help="norm, normbwd: TxH,TxH,...")
+    ap.add_argument("--paged-shapes", default=None, help="paged: indices into DECODE (0,1,..)")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    global ATTN_FWD_ONLY
+    global ATTN_FWD_ONLY, NORM_SHAPES, PAGED_SHAPES
     ATTN_FWD_ONLY = args.attn_fwd_only
+    if args.norm_shapes:
+        NORM_SHAPES = [tuple(int(n) for n in sh.split("x")) for sh in args.norm_shapes.split(",")]
+    if args.paged_shapes:
+        PAGED_SHAPES = {int(i) for i in args.paged_shapes.split(",")}
     DECODE.update(
         shapes=args.shapes.split(",") if args.shapes else None,
         ms=[int(m) for m in args.ms.split(",")] if args.ms else MS,

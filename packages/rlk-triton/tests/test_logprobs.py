@@ -60,6 +60,19 @@ def test_accuracy_vs_float64(dtype, temp, chunk):
     assert torch.equal(lp2, lp)  # entropy on or off: the same log-probabilities
 
 
+def test_entropy_whether_or_not_the_max_moves(chunk):
+    """The chunk loop skips the entropy rescale when no row's max moved: rows whose max moves
+    in every chunk (ascending), in none after the first (descending), and a mix in one program,
+    against float64."""
+    up = torch.linspace(-20.0, 20.0, 300)
+    logits = torch.stack([up, up.flip(0), up, torch.randn(300) * 4, up.flip(0)])
+    targets = torch.tensor([0, 299, 150, 7, 3])
+    lp, ent, _ = _run(logits, targets)
+    log_p = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(lp, log_p.gather(1, targets[:, None])[:, 0].float())
+    torch.testing.assert_close(ent, -(log_p.exp() * log_p).sum(-1).float(), atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_vs_float64_autograd(dtype, chunk):
     temp = 0.8

@@ -109,11 +109,21 @@ def accumulate(m, sv, tv, z, valid, ENTROPY: tl.constexpr):
     # logit counts 1 instead of exp(inf - inf) = NaN: the row's log-sum-exp is then +inf.
     d = _minus(m, ref)[:, None]  # <= 0; -inf before the first finite logit
     a = tl.exp(d)
-    w = _minus(zm, ref[:, None])
+    # The kernel is bound by this per-element arithmetic, so two block-uniform branches skip
+    # work whose result is already known; each takes values equal bit for bit to the full
+    # expression's, so the branches never change a bit. With every row's max finite,
+    # zm - ref is exactly _minus(zm, ref) (x - x is +0.0; -inf and NaN pass through).
+    if tl.sum((tl.abs(ref) == float("inf")).to(tl.int32), axis=0) == 0:
+        w = zm - ref[:, None]
+    else:
+        w = _minus(zm, ref[:, None])
     e = tl.exp(w)
     if ENTROPY:
-        # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s).
-        tv = tl.where(d == 0.0, tv, tl.where(sv > 0, (tv + d * sv) * a, 0.0))
+        # Rescale to the new max: sum e^(z-m')(z-m') = a * (t + (m - m') * s); a row whose
+        # max did not move (d == 0) keeps t as it is, so when no row's max moved (the usual
+        # chunk once the row's largest logits are behind) there is nothing to do.
+        if tl.sum(tl.sum((d != 0.0).to(tl.int32), axis=1), axis=0) > 0:
+            tv = tl.where(d == 0.0, tv, tl.where(sv > 0, (tv + d * sv) * a, 0.0))
         tv = tl.where(e > 0, tv + e * w, tv)
     sv = sv * a + e
     return m_new, sv, tv
