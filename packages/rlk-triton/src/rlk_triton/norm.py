@@ -16,8 +16,8 @@ Numerics (docs/guide.md, "The numerics contract"):
   than ``MAX_BLOCK`` are summed in chunks of ``MAX_BLOCK`` columns (as above within a chunk,
   chunks added in ascending order in fp32).
 - The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of
-  ``_dw_rows(H)`` consecutive rows (:data:`DW_ROWS`, or :data:`DW_ROWS_WIDE` for rows wider
-  than 2048) gives a partial, its rows added one after the other in ascending order in fp32,
+  ``_dw_rows(H)`` consecutive rows (:data:`DW_ROWS`, or :data:`DW_ROWS_WIDE` for rows of
+  2049 to 4096 columns) gives a partial, its rows added one after the other in ascending order in fp32,
   and :func:`_sum_partials` adds the partials exactly in groups of ``DW_GROUP``, level after
   level. The partition is set by these constants and ``H``; never by tuning or the GPU.
 - A row's input gradients depend only on that row.
@@ -37,8 +37,11 @@ MAX_BLOCK = 8192
 #: Levels of the fixed pairwise tree that adds a row's terms in groups of 2**PAIR_LEVELS adjacent
 #: columns before the exact sum (part of the numerics: the group sums are what is summed).
 PAIR_LEVELS = 3
-#: Rows per weight-gradient partial (the fixed row partition of dweight) for rows of at most
-#: 2048 columns, and for wider rows: fewer partials to write and sum where each is long.
+#: Rows per weight-gradient partial (the fixed row partition of dweight): DW_ROWS, and
+#: DW_ROWS_WIDE for rows of 2049 to 4096 columns (fewer partials to write and sum where each is
+#: long). Rows of 8192 columns per block are back at DW_ROWS: a 4096-token batch then has 128
+#: programs rather than 64 for 132 SMs (H200, scripts/kernel_sweep.py --parts normbwd at
+#: T = 4096, H = 8192: 122.9 -> 77.5 us for the whole backward).
 DW_ROWS = 32
 DW_ROWS_WIDE = 64
 #: Partials added together per program when combining dweight partials.
@@ -59,7 +62,7 @@ def _levels(block_h: int) -> int:
 
 
 def _dw_rows(block_h: int) -> int:
-    return DW_ROWS if block_h <= 2048 else DW_ROWS_WIDE
+    return DW_ROWS_WIDE if 2048 < block_h <= 4096 else DW_ROWS
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -327,7 +330,9 @@ def _choose_fwd(*, rows: int, hidden: int) -> int:
     # H200, scripts/kernel_sweep.py --parts norm: one row per program up to H = 2048, on one
     # warp up to 1024 columns (59 us at T = 65536, H = 896, against 73 us for two rows on 4
     # warps) and on two up to 2048 (130 us at T = 65536, H = 2048, against 135 us); 2048
-    # elements and 4 warps up to 4096 (68 us at T = 16384, H = 4096, as fast as 4096 elements).
+    # elements and 4 warps up to 4096 (68 us at T = 16384, H = 4096, as fast as 4096 elements);
+    # one row of 8192 on 8 warps (38.6 us at T = 4096, H = 8192, against 50.0 on 16 warps and
+    # 57.8 for two rows on 8).
     block = _block(hidden)
     if block <= 1024:
         return 5  # 1024 elements (one row), 1 warp
@@ -335,13 +340,14 @@ def _choose_fwd(*, rows: int, hidden: int) -> int:
         return 6  # one row, 2 warps
     if block <= 4096:
         return 0  # 2048 elements per program, 4 warps
-    return 4  # 8192, 16 warps
+    return 3  # 8192, 8 warps
 
 
 def _choose_bwd(*, rows: int, hidden: int) -> int:
     # H200, scripts/kernel_sweep.py --parts normbwd (the whole backward): 1 warp up to 1024
     # columns (118 us at T = 65536, H = 896, against 121 us on 4 warps), 4 up to 2048 (253 us
-    # at T = 65536, H = 2048), 8 up to 4096 (143 us at T = 16384, H = 4096, against 145 us).
+    # at T = 65536, H = 2048), 8 up to 4096 (143 us at T = 16384, H = 4096, against 145 us),
+    # 16 beyond (77.5 us at T = 4096, H = 8192, against 78.3 on 8).
     block = _block(hidden)
     if block <= 1024:
         return 3
