@@ -5,6 +5,7 @@ is left out with one line on stderr, rlk's own errors propagate)."""
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +87,12 @@ def measure(
     ``nbytes`` and/or ``flops``; ``memory``: the row also gets ``extra_GiB``
     (:func:`~rlk.bench._timing.extra_memory_gib` of one more call). A peer that fails is left
     out with one line on stderr; rlk's own errors propagate."""
+    if torch.cuda.is_available():
+        # What earlier cases left cached (their compiled graphs, outputs, CUDA-graph pools) is
+        # given back first: held, it left torch.compile's linear_logprobs at T = 32768 out of
+        # memory (18.6 GiB asked with 2.9 free on an H200) once the entropy rows ran before it.
+        gc.collect()
+        torch.cuda.empty_cache()
     try:
         fn()
         row = _timing.timed(op, shape, dtype, impl, fn, **work)
