@@ -105,7 +105,8 @@ def _choose_fwd(rows: int, head_dim: int, **_: int) -> int:
     return _long_rows(head_dim) if rows >= 1024 else 1
 
 
-def _choose_paged(rows: int, head_dim: int, **_: int) -> int:
+def _choose_paged(rows: int, head_dim: int, programs: int = 1 << 30, **_: int) -> int:
+    # programs: sequences x KV heads, the decode grid's size.
     if head_dim > 128:
         return 1
     if rows >= 1024:
@@ -113,7 +114,12 @@ def _choose_paged(rows: int, head_dim: int, **_: int) -> int:
     # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
     # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->
     # 287); at 64, 3 stages with registers capped at 128 per thread (4 programs per SM instead
-    # of 2; 24 bytes spilled): 107.4 -> 80.8 us.
+    # of 2; 24 bytes spilled): 107.4 -> 80.8 us. A grid of a few programs (one per SM at
+    # most) gains nothing from more programs per SM or a deeper pipeline: 3 stages without a
+    # cap (B = 1, ctx 8192, head_dim 128, 8 programs: 205.2 -> 190.5 us; B = 8, ctx 512,
+    # head_dim 64, 16 programs: 14.9 -> 14.4 us). Grids of 17 to 511 programs were not timed.
+    if programs <= 16:
+        return 3
     return 8 if head_dim > 64 else 7
 
 
@@ -803,7 +809,7 @@ def _forward(
         max_nq, max_nk = bounds
     if max_nq == 0:
         return o, lse
-    cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d)
+    cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d, programs=b * hk)
     block_m = cfg["BLOCK_M"]
     hg = _group_tile(group, block_m)
     tok = block_m // hg
