@@ -81,6 +81,40 @@ def test_render_and_merge(tmp_path):
     assert json.loads(out.read_text())["rows"] == merged["rows"]
 
 
+def test_a_peer_that_raises_is_recorded_as_left_out(on_cpu, monkeypatch):
+    """A failing peer gets no row but a left_out record with its error, through run(), merge()
+    and the Markdown; an error of rlk's own propagates."""
+    from rlk.bench import _peers
+
+    def family(quick, emit):
+        _peers.measure(emit, "x.fwd", "T=1", "bf16", "rlk", lambda: None, nbytes=1)
+
+        def oom():
+            raise MemoryError("out of memory\nmore lines")
+
+        _peers.measure(emit, "x.fwd", "T=1", "bf16", "compile", oom, nbytes=1)
+
+    monkeypatch.setattr(bench, "family_module", lambda name: type("M", (), {"run": family}))
+    left: list[dict] = []
+    rows, failed = bench.run(["norm"], True, left_out=left)
+    assert [r["impl"] for r in rows] == ["rlk"] and failed == []
+    assert left == [{"family": "norm", "op": "x.fwd", "shape": "T=1", "dtype": "bf16",
+                     "impl": "compile", "left_out": "MemoryError: out of memory"}]  # fmt: skip
+    a, b = _report(rows), _report([])
+    a["left_out"] = left
+    merged = bench.merge([a, b])
+    assert merged["left_out"] == left
+    assert "- left out (the peer raised): `compile` at x.fwd T=1: MemoryError: out of memory" in (
+        bench.render_markdown(merged)
+    )
+    with pytest.raises(RuntimeError, match="own"):
+        _peers.measure(print, "x.fwd", "T=1", "bf16", "rlk", _raise_own, nbytes=1)
+
+
+def _raise_own():
+    raise RuntimeError("rlk's own error")
+
+
 def test_cli_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench", "--quick"]) == 2

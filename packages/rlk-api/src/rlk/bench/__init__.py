@@ -13,7 +13,9 @@ the peer's name (``cublas``, ``sdpa``, ``sdpa-flash``, ``liger``, ``compile``, `
 ``hf-generate``, ``stock``, ``stock+liger``).
 
 The report (``--json``) holds ``meta`` (commit, GPU, versions, the copy-bandwidth and cuBLAS
-ceilings measured in the same run), ``rows`` and ``failed`` (families that raised);
+ceilings measured in the same run), ``rows``, ``failed`` (families that raised) and
+``left_out`` (peers that raised, so have no row: ``{family, op, shape, dtype, impl,
+left_out}``, the last the error's type and first line);
 :func:`render_markdown` turns it into the table document (``docs/benchmarks/h200.md``).
 
 Example::
@@ -125,15 +127,26 @@ def run(
     quick: bool,
     progress: Callable[[str], None] | None = None,
     on_row: Callable[[list[dict], list[str]], None] | None = None,
+    left_out: list[dict] | None = None,
 ) -> tuple[list[dict], list[str]]:
     """Run ``families``; returns ``(rows, failed families)``. A family that raises is reported
     (traceback to stderr) and the others still run. ``on_row(rows, failed)`` is called after
-    every row and every failure."""
+    every row and every failure. A family emits a peer that raised as a record with a
+    ``left_out`` key (its error) instead of ``ms``: it goes to ``left_out`` when given, never
+    to the rows."""
     rows: list[dict] = []
     failed: list[str] = []
 
     def emit(r: dict) -> None:
         r = {"family": fam, **r}
+        if "left_out" in r:
+            if left_out is not None:
+                left_out.append(r)
+            if on_row is not None:
+                on_row(rows, failed)
+            if progress is not None:
+                progress(f"  {r['op']} {r['shape']} {r['impl']} left out: {r['left_out']}")
+            return
         rows.append(r)
         if on_row is not None:
             on_row(rows, failed)
@@ -251,7 +264,8 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
         )
     rows = [r for p in parts for r in p["rows"]]
     failed = [f for p in parts for f in p.get("failed", [])]
-    return {"meta": meta, "rows": rows, "failed": failed}
+    left_out = [r for p in parts for r in p.get("left_out", [])]
+    return {"meta": meta, "rows": rows, "failed": failed, "left_out": left_out}
 
 
 def render_markdown(report: dict) -> str:
@@ -281,6 +295,9 @@ def render_markdown(report: dict) -> str:
     ]
     if report.get("failed"):
         out.append(f"- families that failed in this run: {', '.join(report['failed'])}")
+    for r in report.get("left_out", []):
+        out.append(f"- left out (the peer raised): `{r['impl']}` at {r['op']} {r['shape']}: "
+                   f"{r['left_out']}")  # fmt: skip
     worst = {}
     for x in ratios(report["rows"]):
         if x["family"] not in worst or x["peer_over_rlk"] < worst[x["family"]]["peer_over_rlk"]:
@@ -343,14 +360,17 @@ def main(
         f"cuBLAS bf16 {report['meta']['cublas_bf16_TFLOPs']:.0f} TFLOP/s"
     )
 
+    left_out: list[dict] = []
+
     def save(rows: list[dict], failed: list[str]) -> None:
         # The report is rewritten after every row: a run cut short by a time limit keeps what
         # it measured.
         if json_path:
-            _write_json({**report, "rows": rows, "failed": failed}, json_path)
+            _write_json({**report, "rows": rows, "failed": failed, "left_out": left_out},
+                        json_path)  # fmt: skip
 
-    rows, failed = run(families, quick, say, save)
-    report["rows"], report["failed"] = rows, failed
+    rows, failed = run(families, quick, say, save, left_out)
+    report["rows"], report["failed"], report["left_out"] = rows, failed, left_out
     save(rows, failed)
     for fam in families:
         if any(r.get("family") == fam for r in rows):

@@ -1,6 +1,7 @@
 """Peers of the ``rlk bench`` families: Liger-Kernel's Functions, ``torch.compile`` of eager
 code, and the timing of one case (compile and first call outside the timing; a peer that fails
-is left out with one line on stderr, rlk's own errors propagate)."""
+is left out, recorded in the report's ``left_out`` with its error; rlk's own errors
+propagate)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def measure(
     """Call ``fn`` once (compilation, autotuning), time it and emit its row; ``work`` is
     ``nbytes`` and/or ``flops``; ``memory``: the row also gets ``extra_GiB``
     (:func:`~rlk.bench._timing.extra_memory_gib` of one more call). A peer that fails is left
-    out with one line on stderr; rlk's own errors propagate."""
+    out: ``emit`` gets a record with its error under ``left_out`` instead of a row; rlk's own
+    errors propagate."""
     if torch.cuda.is_available():
         # What earlier cases left cached (their compiled graphs, outputs, CUDA-graph pools) is
         # given back first: held, it left torch.compile's linear_logprobs at T = 32768 out of
@@ -103,7 +105,9 @@ def measure(
         if impl == "rlk":
             raise
         first = (str(e).splitlines() or [""])[0][:200]
-        _say(f"{op} {shape} {impl} left out: {type(e).__name__}: {first}")
+        # Recorded in the report's left_out, so that a missing peer row says why.
+        emit({"op": op, "shape": shape, "dtype": dtype, "impl": impl,
+              "left_out": f"{type(e).__name__}: {first}"})  # fmt: skip
         return
     emit(row)
 
