@@ -8,7 +8,7 @@ tensors, as an engine batches requests), drawing from the same distribution:
 - ``torch``: softmax of ``logits / temperature``, filtered by top-k then top-p with one sort
   (vLLM's PyTorch filter), then ``torch.multinomial``;
 - ``compile``: ``torch.compile`` of that code, compiled once per shape, before the timing (its
-  rows are left out, with a line on stderr, where it does not compile).
+  rows are left out, recorded in the report's ``left_out``, where it does not compile).
 
 Rows: ``sample.temperature`` (temperature 0.8 alone) and ``sample.top_k_top_p`` (temperature
 0.8, top_k 50, top_p 0.9). Each impl is called once before it is timed.
