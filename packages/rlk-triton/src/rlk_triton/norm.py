@@ -17,9 +17,9 @@ Numerics (docs/guide.md, "The numerics contract"):
   chunks added in ascending order in fp32).
 - The weight gradient sums ``dy * x_hat`` over rows without atomics: each block of
   ``_dw_rows(H)`` consecutive rows (:data:`DW_ROWS`, or :data:`DW_ROWS_WIDE` for rows of
-  2049 to 4096 columns) gives a partial, its rows added one after the other in ascending order in fp32,
-  and :func:`_sum_partials` adds the partials exactly in groups of ``DW_GROUP``, level after
-  level. The partition is set by these constants and ``H``; never by tuning or the GPU.
+  2049 to 4096 columns) gives a partial, its rows added one after the other in ascending order
+  in fp32, and :func:`_sum_partials` adds the partials exactly in groups of ``DW_GROUP``, level
+  after level. The partition is set by these constants and ``H``; never by tuning or the GPU.
 - A row's input gradients depend only on that row.
 """
 
