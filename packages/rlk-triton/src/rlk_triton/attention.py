@@ -105,8 +105,8 @@ def _choose_fwd(rows: int, head_dim: int, **_: int) -> int:
     return _long_rows(head_dim) if rows >= 1024 else 1
 
 
-def _choose_paged(rows: int, head_dim: int, programs: int = 1 << 30, **_: int) -> int:
-    # programs: sequences x KV heads, the decode grid's size.
+def _choose_paged(rows: int, head_dim: int, programs: int, **_: int) -> int:
+    # programs: sequences x KV heads, the decode grid's size (_forward passes it).
     if head_dim > 128:
         return 1
     if rows >= 1024:
