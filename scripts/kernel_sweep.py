@@ -450,6 +450,82 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     print(json.dumps(r), flush=True)
 
 
+#: The backward part's candidates: the table's configs, then dQ reading full KV tiles through
+#: descriptors (TMA) and with its own pipeline depth (DQ_STAGES).
+ATTN_BWD_TMA = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 3,
+     "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 4,
+     "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "DQ_STAGES": 3,
+     "TMA": True},
+]  # fmt: skip
+
+
+def attention_bwd_part(rows) -> None:
+    """The causal backward at the attention part's shapes: GPU time per kernel of one forward +
+    backward (torch.profiler, chosen configs), then each ATTN_BWD_TMA config (CUDA graphs; bits
+    against the chosen config)."""
+    for shape in ATTN_SHAPES:
+        _attention_bwd_shape(rows, *shape)
+
+
+def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlk_triton import attention
+
+    shape = f"B={b} S={s} Hq={hq} Hk={hk} D={d}"
+    t = b * s
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
+    do = torch.randn_like(q)
+    cu = torch.arange(0, t + 1, s, device="cuda", dtype=torch.int32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flops = 2 * 2 * b * s * s * hq * d / 2
+
+    def step():
+        out = rlk.attention(*leaves, cu, cu, causal=True)
+        return torch.autograd.grad(out, leaves, do)
+
+    ref = step()
+    torch.cuda.synchronize()
+    n = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    per: dict = {}
+    kernels = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel")
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA":
+            continue
+        name = next((kn for kn in kernels if kn in e.key), "other")
+        per[name] = per.get(name, 0.0) + e.self_device_time_total / n
+    total = sum(per.values())
+    r = {"part": "attn_bwd_split", "shape": shape, "total_us": round(total, 1),
+         **{k_: round(v_, 1) for k_, v_ in sorted(per.items())},
+         "fb_TF": round(3.5 * flops / total / 1e6, 1)}  # fmt: skip
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+    chosen = products_ms(lambda x, w: step(), None, [None])
+    for cf in list(attention.TUNING["attention.bwd"].configs) + ATTN_BWD_TMA:
+        with tuning.force("attention", {"attention.bwd": cf}):
+            try:
+                g = step()
+                us = products_ms(lambda x, w: step(), None, [None]) * 1e3
+            except Exception as e:
+                print("skip attn bwd", cf, type(e).__name__, str(e)[:120], flush=True)
+                continue
+        equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
+        r = {"part": "attn_bwd_cfg", "shape": shape, "cfg": cf, "us": round(us, 1),
+             "chosen_us": round(chosen * 1e3, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
+             "bits_equal": equal}  # fmt: skip
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+
 # --------------------------------------------------------------------------------------------
 # Memory-bound kernels: logprobs (the chunk-group constant and launch configs), silu_and_mul and
 # rms_norm launch configs, each against Liger-Kernel, GPU time from CUDA graphs
@@ -915,7 +991,8 @@ def main() -> None:
     rows: list[dict] = []
     runs = {
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
-        "attention": attention_part, "logprobs": logprobs_part, "silu": silu_part,
+        "attention": attention_part, "attnbwd": attention_bwd_part, "logprobs": logprobs_part,
+        "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
         "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
     }  # fmt: skip

@@ -492,12 +492,15 @@ def _dq_kernel(
     Hq,
     Tq,
     Tk,
+    K_DESC,
+    V_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
@@ -550,10 +553,15 @@ def _dq_kernel(
     kv_head = kvh.to(tl.int64) * stride_kh
     dummy = r < BLOCK_M
     for j in range(0, n_full):
-        kpos = j * BLOCK_N + n
-        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
-        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
-        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        if TMA:
+            # As in the forward: a full tile through descriptors is the same values.
+            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+        else:
+            kpos = j * BLOCK_N + n
+            off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+            k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
         dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
@@ -970,6 +978,17 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
     if max_nq:
         hg = _group_tile(group, cfg["BLOCK_M"])
         tok = cfg["BLOCK_M"] // hg
+        k_desc = v_desc = None
+        flops = 2 * tq * max_nq * hq * d
+        tma = tuning.use_descriptors(cfg, "attention.bwd", flops, q) and _descriptors_fit(
+            k, v, False
+        )
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            k_desc, v_desc = (
+                TensorDescriptor(x, [tk, hk * d], [hk * d, 1], [BLOCK_N, d]) for x in (k, v)
+            )
         _dq_kernel[(cdiv(max_nq, tok), hk * cdiv(group, hg), b)](
             q,
             k,
@@ -991,11 +1010,14 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
             hq,
             tq,
             tk,
+            k_desc,
+            v_desc,
             HG=hg,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
-            **common,
+            TMA=tma,
+            **{**common, "num_stages": cfg.get("DQ_STAGES", cfg["num_stages"])},
         )
     return dq, dk, dv
 
