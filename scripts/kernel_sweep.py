@@ -525,6 +525,33 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
         rows.append(r)
         print(json.dumps(r), flush=True)
 
+    # Other dK/dV query chunks (BWD_BLOCK_M; another summation order of dK and dV, so other
+    # bits by design) and the masked body for every chunk (_split_dkdv off; the same bits).
+    saved = attention.BWD_BLOCK_M, attention._split_dkdv
+    variants = [(bm, None) for bm in (32, 128)] + [(64, False)]
+    try:
+        for bm, split in variants:
+            attention.BWD_BLOCK_M = bm
+            if split is not None:
+                attention._split_dkdv = lambda head_dim, split=split: split
+            for cf in attention.TUNING["attention.bwd"].configs:
+                with tuning.force("attention", {"attention.bwd": cf}):
+                    try:
+                        g = step()
+                        us = products_ms(lambda x, w: step(), None, [None]) * 1e3
+                    except Exception as e:
+                        print("skip attn bwd", bm, cf, type(e).__name__, str(e)[:120], flush=True)
+                        continue
+                equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
+                r = {"part": "attn_bwd_chunk", "shape": shape, "chunk": bm, "split": split,
+                     "cfg": cf, "us": round(us, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
+                     "bits_equal": equal}  # fmt: skip
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            attention.BWD_BLOCK_M, attention._split_dkdv = saved
+    finally:
+        attention.BWD_BLOCK_M, attention._split_dkdv = saved
+
 
 # --------------------------------------------------------------------------------------------
 # Memory-bound kernels: logprobs (the chunk-group constant and launch configs), silu_and_mul and

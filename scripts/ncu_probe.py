@@ -8,7 +8,8 @@ Probes (bf16, CUDA):
 
 - ``attention-bwd``: causal varlen attention forward + backward, B=16 S=2048 Hq=14 Hk=2 D=64
   (Qwen2-0.5B's heads), the harness shape where rlk's backward is slowest against SDPA; its
-  kernels are ``_dkdv_kernel`` and ``_dq_kernel`` (one launch each per call).
+  kernels are ``_dkdv_kernel`` and ``_dq_kernel`` (one launch each per call). Another shape:
+  ``PROBE_ATTN=B,S,Hq,Hk,D``.
 - ``linear-decode``: ``rlk.linear`` then ``F.linear`` (cuBLAS) at M=1, K=14336, N=4096 (the
   Llama-3-8B down projection in decode): one ``_matmul_kernel`` launch, then cuBLAS's kernel.
 - ``linear-shortk``: ``rlk.linear`` then ``F.linear`` at M=1024, K=896, N=4864 (the Qwen2-0.5B
@@ -42,7 +43,7 @@ import rlk
 
 
 def attention_bwd() -> None:
-    b, s, hq, hk, d = 16, 2048, 14, 2, 64
+    b, s, hq, hk, d = (int(x) for x in os.environ.get("PROBE_ATTN", "16,2048,14,2,64").split(","))
     t = b * s
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
