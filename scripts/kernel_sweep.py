@@ -450,24 +450,15 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     print(json.dumps(r), flush=True)
 
 
-#: The backward part's candidates: the table's configs, then dQ reading full KV tiles through
-#: descriptors (TMA) and with its own pipeline depth (DQ_STAGES).
-ATTN_BWD_TMA = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 3,
-     "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "DQ_STAGES": 4,
-     "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "DQ_STAGES": 3,
-     "TMA": True},
-]  # fmt: skip
+#: The backward part's variants: (the dK/dV kernel issues dV's dO product before the exponent,
+#: it reads full query chunks through tensor descriptors).
+ATTN_BWD_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def attention_bwd_part(rows) -> None:
-    """The causal backward at the attention part's shapes: GPU time per kernel of one forward +
-    backward (torch.profiler, chosen configs), then each ATTN_BWD_TMA config (CUDA graphs; bits
-    against the chosen config)."""
+    """The causal backward at the attention part's shapes, for each ATTN_BWD_VARIANTS: GPU
+    time per kernel of one forward + backward (torch.profiler), the whole step's time (CUDA
+    graphs) and its bits against the first variant."""
     for shape in ATTN_SHAPES:
         _attention_bwd_shape(rows, *shape)
 
@@ -489,68 +480,36 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
         out = rlk.attention(*leaves, cu, cu, causal=True)
         return torch.autograd.grad(out, leaves, do)
 
-    ref = step()
-    torch.cuda.synchronize()
-    n = 5
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-    per: dict = {}
-    kernels = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel")
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA":
-            continue
-        name = next((kn for kn in kernels if kn in e.key), "other")
-        per[name] = per.get(name, 0.0) + e.self_device_time_total / n
-    total = sum(per.values())
-    r = {"part": "attn_bwd_split", "shape": shape, "total_us": round(total, 1),
-         **{k_: round(v_, 1) for k_, v_ in sorted(per.items())},
-         "fb_TF": round(3.5 * flops / total / 1e6, 1)}  # fmt: skip
-    rows.append(r)
-    print(json.dumps(r), flush=True)
-    chosen = products_ms(lambda x, w: step(), None, [None])
-    for cf in list(attention.TUNING["attention.bwd"].configs) + ATTN_BWD_TMA:
-        with tuning.force("attention", {"attention.bwd": cf}):
-            try:
-                g = step()
-                us = products_ms(lambda x, w: step(), None, [None]) * 1e3
-            except Exception as e:
-                print("skip attn bwd", cf, type(e).__name__, str(e)[:120], flush=True)
-                continue
-        equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
-        r = {"part": "attn_bwd_cfg", "shape": shape, "cfg": cf, "us": round(us, 1),
-             "chosen_us": round(chosen * 1e3, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
-             "bits_equal": equal}  # fmt: skip
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-
-    # Other dK/dV query chunks (BWD_BLOCK_M; another summation order of dK and dV, so other
-    # bits by design) and the masked body for every chunk (_split_dkdv off; the same bits).
-    saved = attention.BWD_BLOCK_M, attention._split_dkdv
-    variants = [(bm, None) for bm in (32, 128)] + [(64, False)]
+    saved = attention._EARLY_DP, attention._DKDV_TMA
+    ref = None
     try:
-        for bm, split in variants:
-            attention.BWD_BLOCK_M = bm
-            if split is not None:
-                attention._split_dkdv = lambda head_dim, split=split: split
-            for cf in attention.TUNING["attention.bwd"].configs:
-                with tuning.force("attention", {"attention.bwd": cf}):
-                    try:
-                        g = step()
-                        us = products_ms(lambda x, w: step(), None, [None]) * 1e3
-                    except Exception as e:
-                        print("skip attn bwd", bm, cf, type(e).__name__, str(e)[:120], flush=True)
-                        continue
-                equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
-                r = {"part": "attn_bwd_chunk", "shape": shape, "chunk": bm, "split": split,
-                     "cfg": cf, "us": round(us, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
-                     "bits_equal": equal}  # fmt: skip
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-            attention.BWD_BLOCK_M, attention._split_dkdv = saved
+        for early, qtma in ATTN_BWD_VARIANTS:
+            attention._EARLY_DP, attention._DKDV_TMA = early, qtma
+            g = step()
+            ref = g if ref is None else ref
+            torch.cuda.synchronize()
+            n = 5
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize()
+            per: dict = {}
+            kernels = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel")
+            for e in prof.key_averages():
+                if e.device_type.name != "CUDA":
+                    continue
+                name = next((kn for kn in kernels if kn in e.key), "other")
+                per[name] = per.get(name, 0.0) + e.self_device_time_total / n
+            us = products_ms(lambda x, w: step(), None, [None]) * 1e3
+            equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
+            r = {"part": "attn_bwd", "shape": shape, "early_dp": early, "qtma": qtma,
+                 "us": round(us, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
+                 **{k_: round(v_, 1) for k_, v_ in sorted(per.items())},
+                 "bits_equal": equal}  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     finally:
-        attention.BWD_BLOCK_M, attention._split_dkdv = saved
+        attention._EARLY_DP, attention._DKDV_TMA = saved
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ BWD_BLOCK_M = 64
 _DELTA_ROWS = 32
 
 _LOG2E = 1.4426950408889634
+_EARLY_DP = False
+_DKDV_TMA = False
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
 # A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
@@ -459,13 +461,17 @@ def _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh, Hq
 
 @jit
 def _dq_tile(
-    dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr
-):
+    dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+    EARLY_DP: tl.constexpr = False,
+):  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if EARLY_DP:
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if MASK:
         s = tl.where(visible, s, float("-inf"))
     p = tl.math.exp2(tl.fma(s, qk_scale, -lse[:, None]))
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if not EARLY_DP:
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
@@ -501,6 +507,7 @@ def _dq_kernel(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr = False,
+    EARLY_DP: tl.constexpr = False,
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
@@ -562,7 +569,8 @@ def _dq_kernel(
             off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
             k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
             v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
-        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC,
+                      EARLY_DP)  # fmt: skip
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
@@ -572,7 +580,7 @@ def _dq_kernel(
         visible = k_ok[None, :] & (r >= 0)[:, None]
         if CAUSAL:
             visible = visible & (kpos[None, :] <= pos[:, None])
-        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, visible, True, DOT_PREC)
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, visible, True, DOT_PREC, EARLY_DP)
     dq = dq * scale
     tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
@@ -580,8 +588,9 @@ def _dq_kernel(
 @jit
 def _dkdv_chunk(
     dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
-    stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+    stride_qh, qk_scale, GROUP, Hq, d, d_ok, Q_DESC, DO_DESC, HG: tl.constexpr,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+    EARLY_DP: tl.constexpr = False, QTMA: tl.constexpr = False,
 ):  # fmt: skip
     """dK/dV of one KV tile += the query chunk ``it`` of head chunk ``hc``. Without MASK the
     caller knows every row of the chunk sees every key; rows the loads zero (a chunk's padding
@@ -592,10 +601,20 @@ def _dkdv_chunk(
     h = kvh * GROUP + g
     tok = it * TOK + r // HG
     row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
-                                Hq, d, d_ok)  # fmt: skip
+    if QTMA:
+        BLOCK_D: tl.constexpr = Q_DESC.block_shape[2]
+        q = Q_DESC.load([q_start + it * TOK, kvh * GROUP + hc * HG, 0]).reshape(BLOCK_M, BLOCK_D)
+        do = DO_DESC.load([q_start + it * TOK, kvh * GROUP + hc * HG, 0]).reshape(BLOCK_M, BLOCK_D)
+        stat_off = (q_start + tok).to(tl.int64) * Hq + h
+        lse = tl.load(LSE + stat_off)
+        delta = tl.load(DELTA + stat_off)
+    else:
+        q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt,
+                                    stride_qh, Hq, d, d_ok)  # fmt: skip
 
     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    if EARLY_DP:
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
     if MASK:
         visible = k_ok[:, None] & row_ok[None, :]
@@ -603,7 +622,8 @@ def _dkdv_chunk(
             visible = visible & (kpos[:, None] <= (nk - nq + tok)[None, :])
         pt = tl.where(visible, pt, 0.0)
     dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if not EARLY_DP:
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     dst = pt * (dpt - delta[None, :])
     dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv
@@ -632,6 +652,8 @@ def _dkdv_kernel(
     Hq,
     Tq,
     Tk,
+    Q_DESC,
+    DO_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -639,6 +661,8 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    EARLY_DP: tl.constexpr = False,
+    QTMA: tl.constexpr = False,
 ):
     # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
     # dot) is the constant BWD_BLOCK_M, so dK/dV add the same partial sums in the same order.
@@ -701,22 +725,22 @@ def _dkdv_kernel(
     r = tl.arange(0, BLOCK_M)
     n_hc = tl.cdiv(GROUP, HG)
     args = (Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt, stride_qh,
-            qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
+            qk_scale, GROUP, Hq, d, d_ok, Q_DESC, DO_DESC)  # fmt: skip
     for hc in range(0, n_hc):
         if SPLIT:
             for it in range(it0, it_vis):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC)  # fmt: skip
+                                     DOT_PREC, EARLY_DP)  # fmt: skip
             for it in range(it_vis, it_end):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False,
-                                     DOT_PREC)  # fmt: skip
+                                     DOT_PREC, EARLY_DP, QTMA)  # fmt: skip
             for it in range(it_end, n_it):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC)  # fmt: skip
+                                     DOT_PREC, EARLY_DP)  # fmt: skip
         else:
             for it in range(it0, n_it):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC)  # fmt: skip
+                                     DOT_PREC, EARLY_DP)  # fmt: skip
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -946,6 +970,21 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
+    q_desc = do_desc = None
+    qtma = (
+        _DKDV_TMA
+        and _split_dkdv(d)
+        and group == hg
+        and hg & (hg - 1) == 0
+        and _descriptors_fit(q, do, False)
+    )
+    if qtma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        q_desc, do_desc = (
+            TensorDescriptor(x, [tq, hq, d], [hq * d, d, 1], [BWD_BLOCK_M // hg, hg, d])
+            for x in (q, do)
+        )
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
@@ -968,11 +1007,15 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         hq,
         tq,
         tk,
+        q_desc,
+        do_desc,
         HG=hg,
         BLOCK_M=BWD_BLOCK_M,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_D=block_d,
         SPLIT=_split_dkdv(d),
+        EARLY_DP=_EARLY_DP,
+        QTMA=qtma,
         **common,
     )
     if max_nq:
@@ -1017,6 +1060,7 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
             TMA=tma,
+            EARLY_DP=_EARLY_DP,
             **{**common, "num_stages": cfg.get("DQ_STAGES", cfg["num_stages"])},
         )
     return dq, dk, dv
