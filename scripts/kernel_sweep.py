@@ -450,9 +450,9 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     print(json.dumps(r), flush=True)
 
 
-#: The backward part's variants: (the dK/dV kernel issues dV's dO product before the exponent,
-#: it reads full query chunks through tensor descriptors).
-ATTN_BWD_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+#: The backward part's variants: whether the dK/dV kernel issues the dO V^T product before the
+#: exponent (attention._early_dp).
+ATTN_BWD_VARIANTS = [False, True]
 
 
 def attention_bwd_part(rows) -> None:
@@ -480,11 +480,11 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
         out = rlk.attention(*leaves, cu, cu, causal=True)
         return torch.autograd.grad(out, leaves, do)
 
-    saved = attention._EARLY_DP, attention._DKDV_TMA
+    saved = attention._early_dp
     ref = None
     try:
-        for early, qtma in ATTN_BWD_VARIANTS:
-            attention._EARLY_DP, attention._DKDV_TMA = early, qtma
+        for early in ATTN_BWD_VARIANTS:
+            attention._early_dp = lambda head_dim, early=early: early
             g = step()
             ref = g if ref is None else ref
             torch.cuda.synchronize()
@@ -502,14 +502,14 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
                 per[name] = per.get(name, 0.0) + e.self_device_time_total / n
             us = products_ms(lambda x, w: step(), None, [None]) * 1e3
             equal = all(torch.equal(x, y) for x, y in zip(g, ref, strict=True))
-            r = {"part": "attn_bwd", "shape": shape, "early_dp": early, "qtma": qtma,
+            r = {"part": "attn_bwd", "shape": shape, "early_dp": early,
                  "us": round(us, 1), "fb_TF": round(3.5 * flops / us / 1e6, 1),
                  **{k_: round(v_, 1) for k_, v_ in sorted(per.items())},
                  "bits_equal": equal}  # fmt: skip
             rows.append(r)
             print(json.dumps(r), flush=True)
     finally:
-        attention._EARLY_DP, attention._DKDV_TMA = saved
+        attention._early_dp = saved
 
 
 # --------------------------------------------------------------------------------------------

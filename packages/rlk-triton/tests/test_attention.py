@@ -279,10 +279,11 @@ def test_backward_determinism_and_batch_invariance(causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_unmasked_dkdv_chunks_change_no_bits(causal, monkeypatch):
+def test_dkdv_loop_variants_change_no_bits(causal, monkeypatch):
     """The dK/dV kernel's unmasked loop (query chunks that see a whole KV tile) gives the bits
-    of the masked loop alone, with padding rows (group 3 packs 21 of 64 rows per token chunk),
-    nq < nk, a ragged last tile and every backward config."""
+    of the masked loop alone, and so does issuing the dO V^T product early, with padding rows
+    (group 3 packs 21 of 64 rows per token chunk), nq < nk, a ragged last tile and every
+    backward config."""
     hq, hk, d = 6, 2, 16
     lens_q, lens_k = [150, 9, 64], [170, 9, 64]
     if not causal:
@@ -293,12 +294,14 @@ def test_unmasked_dkdv_chunks_change_no_bits(causal, monkeypatch):
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     for cfg in TABLE["attention.bwd"].configs:
         got = {}
-        for split in (False, True):
+        for split, early in ((False, False), (True, False), (True, True), (False, True)):
             monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim, split=split: split)
+            monkeypatch.setattr(attn, "_early_dp", lambda head_dim, early=early: early)
             with tuning.force("attention", {"attention.bwd": cfg}):
-                got[split] = _fwd_bwd(q, k, v, cu_q, cu_k, do, causal)
-        for name, a, b in zip(["o", "dq", "dk", "dv"], got[False], got[True], strict=True):
-            assert torch.equal(a, b), f"{name} changed with the unmasked loop ({cfg})"
+                got[split, early] = _fwd_bwd(q, k, v, cu_q, cu_k, do, causal)
+        for variant, res in got.items():
+            for name, a, b in zip(["o", "dq", "dk", "dv"], got[False, False], res, strict=True):
+                assert torch.equal(a, b), f"{name} changed with {variant} ({cfg})"
 
 
 def test_length_bounds_change_no_bits():
@@ -518,7 +521,7 @@ def test_gpu_batch_invariance_and_tuning():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_backward_determinism_batch_and_tuning(causal):
+def test_gpu_backward_determinism_batch_and_tuning(causal, monkeypatch):
     hq, hk, d = 16, 4, 128
     lens = [1024, 333, 2000]
     q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=130, device="cuda")
@@ -534,6 +537,13 @@ def test_gpu_backward_determinism_batch_and_tuning(causal):
                 ["o", "dq", "dk", "dv"], base, _fwd_bwd(q, k, v, cu, cu, do, causal), strict=True
             ):
                 assert torch.equal(a, b), f"{name} changed with config {cfg}"
+    for split, early in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim, split=split: split)
+        monkeypatch.setattr(attn, "_early_dp", lambda head_dim, early=early: early)
+        got = _fwd_bwd(q, k, v, cu, cu, do, causal)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], base, got, strict=True):
+            assert torch.equal(a, b), f"{name} changed with the dK/dV loop {(split, early)}"
+    monkeypatch.undo()
     s = slice(1024 + 333, sum(lens))
     alone = _fwd_bwd(q[s], k[s], v[s], _cu([2000], "cuda"), _cu([2000], "cuda"), do[s], causal)
     for name, a, b in zip(["o", "dq", "dk", "dv"], base, alone, strict=True):

@@ -63,8 +63,6 @@ BWD_BLOCK_M = 64
 _DELTA_ROWS = 32
 
 _LOG2E = 1.4426950408889634
-_EARLY_DP = False
-_DKDV_TMA = False
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
 # A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
@@ -461,17 +459,13 @@ def _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh, Hq
 
 @jit
 def _dq_tile(
-    dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
-    EARLY_DP: tl.constexpr = False,
-):  # fmt: skip
+    dq, q, do, lse, delta, k, v, qk_scale, visible, MASK: tl.constexpr, DOT_PREC: tl.constexpr
+):
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if EARLY_DP:
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if MASK:
         s = tl.where(visible, s, float("-inf"))
     p = tl.math.exp2(tl.fma(s, qk_scale, -lse[:, None]))
-    if not EARLY_DP:
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
@@ -498,16 +492,12 @@ def _dq_kernel(
     Hq,
     Tq,
     Tk,
-    K_DESC,
-    V_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr = False,
-    EARLY_DP: tl.constexpr = False,
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
@@ -560,17 +550,11 @@ def _dq_kernel(
     kv_head = kvh.to(tl.int64) * stride_kh
     dummy = r < BLOCK_M
     for j in range(0, n_full):
-        if TMA:
-            # As in the forward: a full tile through descriptors is the same values.
-            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-        else:
-            kpos = j * BLOCK_N + n
-            off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
-            k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
-        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC,
-                      EARLY_DP)  # fmt: skip
+        kpos = j * BLOCK_N + n
+        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
@@ -580,7 +564,7 @@ def _dq_kernel(
         visible = k_ok[None, :] & (r >= 0)[:, None]
         if CAUSAL:
             visible = visible & (kpos[None, :] <= pos[:, None])
-        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, visible, True, DOT_PREC, EARLY_DP)
+        dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, visible, True, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + q_off[:, None] + d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
@@ -588,9 +572,8 @@ def _dq_kernel(
 @jit
 def _dkdv_chunk(
     dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
-    stride_qh, qk_scale, GROUP, Hq, d, d_ok, Q_DESC, DO_DESC, HG: tl.constexpr,
-    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr,
-    EARLY_DP: tl.constexpr = False, QTMA: tl.constexpr = False,
+    stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, EARLY_DP: tl.constexpr,
 ):  # fmt: skip
     """dK/dV of one KV tile += the query chunk ``it`` of head chunk ``hc``. Without MASK the
     caller knows every row of the chunk sees every key; rows the loads zero (a chunk's padding
@@ -601,19 +584,12 @@ def _dkdv_chunk(
     h = kvh * GROUP + g
     tok = it * TOK + r // HG
     row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    if QTMA:
-        BLOCK_D: tl.constexpr = Q_DESC.block_shape[2]
-        q = Q_DESC.load([q_start + it * TOK, kvh * GROUP + hc * HG, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = DO_DESC.load([q_start + it * TOK, kvh * GROUP + hc * HG, 0]).reshape(BLOCK_M, BLOCK_D)
-        stat_off = (q_start + tok).to(tl.int64) * Hq + h
-        lse = tl.load(LSE + stat_off)
-        delta = tl.load(DELTA + stat_off)
-    else:
-        q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt,
-                                    stride_qh, Hq, d, d_ok)  # fmt: skip
+    q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
+                                Hq, d, d_ok)  # fmt: skip
 
     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     if EARLY_DP:
+        # Issued before the exponent, so that this product can overlap it (see _early_dp).
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     pt = tl.math.exp2(tl.fma(st, qk_scale, -lse[None, :]))
     if MASK:
@@ -652,8 +628,6 @@ def _dkdv_kernel(
     Hq,
     Tq,
     Tk,
-    Q_DESC,
-    DO_DESC,
     HG: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -661,8 +635,7 @@ def _dkdv_kernel(
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    EARLY_DP: tl.constexpr = False,
-    QTMA: tl.constexpr = False,
+    EARLY_DP: tl.constexpr,
 ):
     # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
     # dot) is the constant BWD_BLOCK_M, so dK/dV add the same partial sums in the same order.
@@ -725,7 +698,7 @@ def _dkdv_kernel(
     r = tl.arange(0, BLOCK_M)
     n_hc = tl.cdiv(GROUP, HG)
     args = (Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt, stride_qh,
-            qk_scale, GROUP, Hq, d, d_ok, Q_DESC, DO_DESC)  # fmt: skip
+            qk_scale, GROUP, Hq, d, d_ok)  # fmt: skip
     for hc in range(0, n_hc):
         if SPLIT:
             for it in range(it0, it_vis):
@@ -733,7 +706,7 @@ def _dkdv_kernel(
                                      DOT_PREC, EARLY_DP)  # fmt: skip
             for it in range(it_vis, it_end):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False,
-                                     DOT_PREC, EARLY_DP, QTMA)  # fmt: skip
+                                     DOT_PREC, EARLY_DP)  # fmt: skip
             for it in range(it_end, n_it):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
                                      DOT_PREC, EARLY_DP)  # fmt: skip
@@ -766,6 +739,15 @@ def _split_dkdv(head_dim: int) -> bool:
     mask (the bits are the same either way). On an H200 that made the causal backward
     1.02-1.05x faster at head_dim 128 and 0.80x as fast at head_dim 64 (GQA 7), where the
     kernel with three loop bodies ran slower."""
+    return head_dim > 64
+
+
+def _early_dp(head_dim: int) -> bool:
+    """Whether the dK/dV kernel issues the dO V^T product before the exponent of its chunk
+    rather than after dV's product (the same products, so the same bits). On an H200 (causal,
+    bf16, ``scripts/kernel_sweep.py`` attnbwd) that kernel took 6725 -> 6325 us at B=8 S=4096
+    Hq=32 Hk=8 and 6237 -> 5865 us at B=4 S=8192 Hq=Hk=16 (head_dim 128), and 1406 -> 1444 us at
+    head_dim 64 (B=16 S=2048 Hq=14 Hk=2)."""
     return head_dim > 64
 
 
@@ -970,21 +952,6 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
-    q_desc = do_desc = None
-    qtma = (
-        _DKDV_TMA
-        and _split_dkdv(d)
-        and group == hg
-        and hg & (hg - 1) == 0
-        and _descriptors_fit(q, do, False)
-    )
-    if qtma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        q_desc, do_desc = (
-            TensorDescriptor(x, [tq, hq, d], [hq * d, d, 1], [BWD_BLOCK_M // hg, hg, d])
-            for x in (q, do)
-        )
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
@@ -1007,31 +974,17 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         hq,
         tq,
         tk,
-        q_desc,
-        do_desc,
         HG=hg,
         BLOCK_M=BWD_BLOCK_M,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_D=block_d,
         SPLIT=_split_dkdv(d),
-        EARLY_DP=_EARLY_DP,
-        QTMA=qtma,
+        EARLY_DP=_early_dp(d),
         **common,
     )
     if max_nq:
         hg = _group_tile(group, cfg["BLOCK_M"])
         tok = cfg["BLOCK_M"] // hg
-        k_desc = v_desc = None
-        flops = 2 * tq * max_nq * hq * d
-        tma = tuning.use_descriptors(cfg, "attention.bwd", flops, q) and _descriptors_fit(
-            k, v, False
-        )
-        if tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            k_desc, v_desc = (
-                TensorDescriptor(x, [tk, hk * d], [hk * d, 1], [BLOCK_N, d]) for x in (k, v)
-            )
         _dq_kernel[(cdiv(max_nq, tok), hk * cdiv(group, hg), b)](
             q,
             k,
@@ -1053,15 +1006,11 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
             hq,
             tq,
             tk,
-            k_desc,
-            v_desc,
             HG=hg,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
-            TMA=tma,
-            EARLY_DP=_EARLY_DP,
-            **{**common, "num_stages": cfg.get("DQ_STAGES", cfg["num_stages"])},
+            **common,
         )
     return dq, dk, dv
 
