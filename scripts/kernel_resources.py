@@ -110,7 +110,8 @@ def main() -> None:
                       BLOCK_N=attention.BLOCK_N, **common)  # fmt: skip
             dkdv = dict(HG=attention._group_tile(group, attention.BWD_BLOCK_M),
                         BLOCK_M=attention.BWD_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
-                        SPLIT=attention._split_dkdv(d), **common)  # fmt: skip
+                        SPLIT=attention._split_dkdv(d), EARLY_DP=attention._early_dp(d),
+                        **common)  # fmt: skip
             runs.append(("dq", attention._dq_kernel, dq, cfg))
             runs.append(("dkdv", attention._dkdv_kernel, dkdv, cfg))
         for name, kernel, consts, cfg in runs:
