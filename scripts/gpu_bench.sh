@@ -37,8 +37,12 @@ checks() {  # real-shape conformance of the kernels changed since the last GPU r
     --ops "${CHECK_OPS:-linear,attention,paged_attention,apply_rotary}"
 }
 gputests() {  # the GPU tests of the files changed since the last GPU run
+  # Four processes on the one GPU when pytest-xdist is there: the tests' time is mostly
+  # compiling, on the CPU.
+  local par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 4)
   # shellcheck disable=SC2086
-  step gpu_tests "${TESTS_SECS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf ${TESTS:-}
+  step gpu_tests "${TESTS_SECS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+    "${par[@]}" ${TESTS:-}
 }
 decode() {  # a decode step's GPU time per kernel and its share of the HBM roofline
   step decode_b64 150 python3 scripts/profile_decode.py --batch 64

@@ -15,7 +15,9 @@ partitions and a plain-sum copy, both timed only, against Liger and ``torch.comp
 ``sample`` (the launch configs of ``rlk.sample``: warps and the programs a threshold pass fills
 the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), ``sampleknobs``
 (its module-level knobs: blocks per part of a threshold pass, the candidate step's warps),
-``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes).
+``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes), ``attnbwd``
+(the GPU time of each kernel of a causal forward + backward, with and without the dK/dV
+kernel's early dO V^T product).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
