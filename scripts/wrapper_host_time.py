@@ -6,8 +6,10 @@ What an eager training step or padded rollout pays per op on the host, apart fro
 launch: argument checks, backend dispatch, the ``autograd.Function``, output allocation and,
 for the backward, autograd's engine. Tiny tensors keep the CPU's own tensor work (allocations,
 fills) out of the figures. The stubbed kernels write nothing, so the outputs are garbage; only
-the time means anything. Two commits compare by running this once per checkout (put the other
-checkout's ``packages/*/src`` first on ``PYTHONPATH``), best of five rounds each.
+the time means anything. The checks that read values, which a CPU tensor always gets and a GPU
+one only under ``RLK_VALIDATE=1``, are turned off, as on a GPU by default. Two commits compare
+by running this once per checkout (put the other checkout's ``packages/*/src`` first on
+``PYTHONPATH``), best of five rounds each.
 
 On a GPU, ``scripts/host_overhead.py`` times the same calls with their real launches.
 """
@@ -27,6 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import rlk  # noqa: E402
 import rlk_triton  # noqa: E402
+from rlk import _validate  # noqa: E402
 
 
 def _stub_launches() -> int:
@@ -55,6 +58,7 @@ def _best_us(fn, calls: int) -> float:
 
 def main() -> None:
     print(f"rlk from {os.path.dirname(rlk.__file__)}; {_stub_launches()} kernels stubbed")
+    _validate.value_checks_enabled = lambda t: False
     torch.manual_seed(0)
     bf = torch.bfloat16
     t, h, hq, hk, d, inter = 8, 64, 14, 2, 16, 128
