@@ -364,23 +364,30 @@ def attention_part(rows) -> None:
         _attention_shape(rows, *shape)
 
 
-def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
-    from rlk_triton import attention
-
-    dev, dt = "cuda", torch.bfloat16
+def _attention_case(b: int, s: int, hq: int, hk: int, d: int):
+    """Random bf16 ``q, k, v, dO`` of B sequences of S tokens on the GPU, their offsets ``cu``,
+    the causal forward's FLOPs (half the dense ones) and ``step``: one forward + backward."""
     t = b * s
-    q, k, v = (torch.randn(t, h, d, device=dev, dtype=dt) for h in (hq, hk, hk))
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
     do = torch.randn_like(q)
-    cu = torch.arange(0, t + 1, s, device=dev, dtype=torch.int32)
+    cu = torch.arange(0, t + 1, s, device="cuda", dtype=torch.int32)
     flops = 2 * 2 * b * s * s * hq * d / 2
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-
-    def fwd():
-        return rlk.attention(q, k, v, cu, cu, causal=True)
 
     def step():
         out = rlk.attention(*leaves, cu, cu, causal=True)
         return torch.autograd.grad(out, leaves, do)
+
+    return q, k, v, do, cu, flops, step
+
+
+def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
+    from rlk_triton import attention
+
+    q, k, v, do, cu, flops, step = _attention_case(b, s, hq, hk, d)
+
+    def fwd():
+        return rlk.attention(q, k, v, cu, cu, causal=True)
 
     def tf(ms, mult=1.0):
         return round(mult * flops / ms / 1e9, 1)
@@ -471,17 +478,7 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
     from rlk_triton import attention
 
     shape = f"B={b} S={s} Hq={hq} Hk={hk} D={d}"
-    t = b * s
-    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk))
-    do = torch.randn_like(q)
-    cu = torch.arange(0, t + 1, s, device="cuda", dtype=torch.int32)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    flops = 2 * 2 * b * s * s * hq * d / 2
-
-    def step():
-        out = rlk.attention(*leaves, cu, cu, causal=True)
-        return torch.autograd.grad(out, leaves, do)
-
+    *_, flops, step = _attention_case(b, s, hq, hk, d)
     saved = attention._early_dp
     ref = None
     try:
