@@ -4,6 +4,10 @@
 A module beside the package, as ``rlk_cli`` is beside ``rlk``: importing it imports neither torch
 nor transformers nor ``rlk_integrations`` (which imports rlk first), so ``rlk --help`` reads the
 arguments declared here at once; :func:`_run` imports the engines when the command runs.
+
+It also holds the registry of rollout engines, :data:`ROLLOUT_ENGINES`, so that the choices of
+``--rollout-mode`` come from it without importing an engine (:mod:`rlk_integrations.engines`
+imports one when it is asked for).
 """
 
 from __future__ import annotations
@@ -13,6 +17,18 @@ import sys
 from typing import Any
 
 from rlk_cli import Command
+
+#: The rollout engines, by name: ``"module:Class"`` of a class implementing
+#: :class:`rlk_integrations.engines.RolloutEngine`, and what it is (``rlk consistency --help``).
+#: ``rlk consistency`` and ``rlk bench``'s e2e family run every engine named here.
+ROLLOUT_ENGINES: dict[str, tuple[str, str]] = {
+    "padded": ("rlk_integrations.rollout:PaddedRollout", "left-padded batch, KV cache"),
+    "paged": ("rlk_integrations.paged:PagedRollout", "paged KV cache, continuous batching"),
+}
+
+#: ``--rollout-mode`` values naming several engines: ``all`` runs every engine that can run
+#: here (the report names the others and why); ``both`` is padded and paged.
+ROLLOUT_GROUPS: dict[str, tuple[str, ...] | None] = {"all": None, "both": ("padded", "paged")}
 
 
 def _add_arguments(pk: argparse.ArgumentParser) -> None:
@@ -31,12 +47,14 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
     pk.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed")
     pk.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     pk.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    engines = "; ".join(f"{name}: {what}" for name, (_, what) in ROLLOUT_ENGINES.items())
     pk.add_argument(
         "--rollout-mode",
-        default="both",
-        choices=("padded", "paged", "both"),
-        help="rlk rollout: left-padded batch, paged KV cache with continuous batching, or a row "
-        "for each (default: both; the stock side is always padded)",
+        default="all",
+        choices=(*ROLLOUT_ENGINES, *ROLLOUT_GROUPS),
+        help=f"rlk rollout engine ({engines}), both (padded and paged) or all (a row for each "
+        "engine that can run here; the report says why the others cannot) (default: all; the "
+        "stock side is always padded)",
     )
     pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
     pk.add_argument(
@@ -116,9 +134,7 @@ def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> d
         temperature=args.temperature,
         device=args.device,
         dtype=getattr(torch, args.dtype),
-        rollout_modes=consistency.ROLLOUT_MODES
-        if args.rollout_mode == "both"
-        else (args.rollout_mode,),
+        rollout_modes=ROLLOUT_GROUPS.get(args.rollout_mode, (args.rollout_mode,)),
         page_size=args.page_size,
         max_batch=args.max_batch,
         train_engine=args.train_engine,

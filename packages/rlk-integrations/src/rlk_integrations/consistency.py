@@ -10,10 +10,13 @@ another composition (another order and size) with gradients on, and runs backwar
 - rlk: the model patched by :func:`rlk_integrations.transformers.patch_model`, ``rlk.sample``
   and ``rlk.logprobs`` in the rollout, ``rlk.linear_logprobs`` in training.
 
-Rollout modes (``rollout_modes``/``--rollout-mode``): ``padded`` is the left-padded batch above;
-``paged`` is :func:`rlk_integrations.paged.generate_paged` (paged KV cache, continuous batching,
-``rlk.paged_attention``), rlk only: the stock side always runs the padded batch. The rlk side
-gets one row per mode, each with its own rollout and training recompute.
+Rollout modes (``rollout_modes``/``--rollout-mode``) are the rollout engines of
+:mod:`rlk_integrations.engines`, run through its protocol alone: ``padded`` is the left-padded
+batch above; ``paged`` is :class:`rlk_integrations.paged.PagedRollout` (paged KV cache,
+continuous batching, ``rlk.paged_attention``). The rlk side gets one row per engine, each with
+its own rollout and training recompute; by default every registered engine that can run here,
+and the report names the others with the reason. The stock side always runs the padded batch
+with torch sampling (``PaddedRollout(sampler="torch")``).
 
 Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
 same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
@@ -42,12 +45,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from rlk_integrations.engines import RolloutEngine
+
 SIDES = ("stock", "rlk")
-ROLLOUT_MODES = ("padded", "paged")
 TRAIN_ENGINES = ("transformers", "megatron", "transformers-graphs")
 
 
@@ -98,89 +103,53 @@ def run_side(
     prompts: list[list[int]],
     new_tokens: int,
     *,
+    engine: RolloutEngine,
     micro_batch: int,
     seed: int = 0,
     temperature: float = 1.0,
-    rollout_mode: str = "padded",
-    page_size: int = 16,
-    max_batch: int | None = None,
     train_model: torch.nn.Module | None = None,
     recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
-    rollout_fn: Callable[..., Any] | None = None,
     warm_passes: int = 0,
     train_graphs: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> SideResult:
-    """Rollout then training recompute (forward + backward) on one side; ``model`` is patched or
-    unpatched by the caller to match ``side``. ``rollout_mode="paged"`` (rlk only) samples with
-    continuous batching on a paged KV cache of ``page_size`` tokens per page, at most
-    ``max_batch`` requests at once (default: all). ``train_model``: an rlk Megatron
+    """Rollout with ``engine`` (a :class:`~rlk_integrations.engines.RolloutEngine`; its name is
+    the row's rollout mode), then training recompute (forward + backward) on one side; ``model``
+    is patched or unpatched by the caller to match ``side``. ``train_model``: an rlk Megatron
     ``GPTModel`` with ``model``'s weights (rlk only) that does the training recompute instead
     of ``model``. ``recompute(samples, groups, temperature, logits_dtype) -> (log-probs per
     sample, seconds)``: a training recompute done elsewhere (TP ranks), rlk only.
-    ``rollout_fn(mode, prompts, new_tokens, kw) -> RolloutResult``: a rollout done elsewhere
-    (TP ranks, :class:`TPRollout`), rlk only. ``warm_passes``: untimed training passes before
-    the timed one (on a GPU the training shapes' kernels compile in the first).
-    ``train_graphs``: the transformers recompute through ``training.GraphedLogprobs`` (rlk
-    only)."""
-    from rlk_integrations import paged, rollout, training
-
-    if rollout_mode not in ROLLOUT_MODES:
-        raise ValueError(f"rollout_mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
+    ``warm_passes``: untimed training passes before the timed one (on a GPU the training
+    shapes' kernels compile in the first). ``train_graphs``: the transformers recompute through
+    ``training.GraphedLogprobs`` (rlk only)."""
+    from rlk_integrations import training
 
     use_rlk = side == "rlk"
-    if (train_model is not None or recompute is not None or rollout_fn) and not use_rlk:
+    if (train_model is not None or recompute is not None) and not use_rlk:
         raise ValueError("the Megatron and tensor-parallel paths run on rlk only")
     if train_graphs and (not use_rlk or train_model is not None or recompute is not None):
         raise ValueError("train_graphs is rlk's transformers recompute in this process")
     trainer = model if train_model is None else train_model
-    engine = "transformers" if train_model is None and recompute is None else "megatron"
-    engine = "transformers-graphs" if train_graphs else engine
+    train_engine = "transformers" if train_model is None and recompute is None else "megatron"
+    train_engine = "transformers-graphs" if train_graphs else train_engine
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
-    say(f"[{side}] {rollout_mode} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
-    if rollout_mode == "paged" and not use_rlk:
-        raise ValueError("the paged rollout mode runs on rlk only (the stock side is padded)")
-    if rollout_fn is not None:
-        kw: dict[str, Any] = dict(seeds=seeds, temperature=temperature)
-        if rollout_mode == "paged":
-            kw.update(page_size=page_size, max_batch=max_batch or max(1, len(prompts)),
-                      max_step_tokens=max(2048, max_batch or len(prompts)))  # fmt: skip
-        ro = rollout_fn(rollout_mode, prompts, new_tokens, kw)
-    elif rollout_mode == "paged":
-        ro = paged.generate_paged(
-            model,
-            prompts,
-            new_tokens,
-            seeds=seeds,
-            temperature=temperature,
-            page_size=page_size,
-            max_batch=max_batch or max(1, len(prompts)),
-            max_step_tokens=max(2048, max_batch or len(prompts)),
-            progress=progress if progress is not None else False,
-        )
-    else:
-        ro = rollout.generate(
-            model,
-            prompts,
-            new_tokens,
-            seeds=seeds,
-            temperature=temperature,
-            sampler="rlk" if use_rlk else "torch",
-            progress=progress,
-        )
+    say(f"[{side}] {engine.name} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
+    ro = engine.generate(
+        model, prompts, new_tokens, seeds, temperature=temperature, progress=progress
+    )
     # Training sees the samples in another order and another batch composition.
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     groups = training.micro_batches(len(prompts), micro_batch, order)
     say(
-        f"[{side}] training ({engine}): {len(groups)} packed micro-batches of <= {micro_batch} "
-        "sequences"
+        f"[{side}] training ({train_engine}): {len(groups)} packed micro-batches of <= "
+        f"{micro_batch} sequences"
     )
     if recompute is not None:
         train_lps, train_s = recompute(ro.samples, groups, temperature, ro.logits_dtype)
         train_tokens = sum(len(s.tokens) for s in ro.samples)
-        engine = getattr(recompute, "engine", engine)
+        train_engine = getattr(recompute, "engine", train_engine)
     else:
         graphed = None
         if train_graphs:
@@ -190,12 +159,10 @@ def run_side(
             graphed,
         )  # fmt: skip
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
-    if rollout_fn is not None:
-        rollout_mode += f"-tp{rollout_fn.world}"
     return SideResult(
         side=side,
-        rollout_mode=rollout_mode,
-        train_engine=engine,
+        rollout_mode=engine.name,
+        train_engine=train_engine,
         rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
         train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
         **m,
@@ -261,68 +228,6 @@ def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rl
     train_lps, train_tokens = one_pass()
     _sync(device)
     return train_lps, train_tokens, time.perf_counter() - start
-
-
-class TPRollout:
-    """The rlk rollout at tensor parallelism ``world`` (:mod:`rlk_integrations.tp_workers`): spawned
-    processes (gloo on CPU, NCCL on GPUs) shard ``model``'s weights and sample; rank 0's
-    result comes back. Usable as ``run_side``'s ``rollout_fn``."""
-
-    def __init__(self, model, world: int, leaves: int, backend: str | None, warmup: bool):
-        self.model, self.world, self.leaves = model, world, leaves
-        self.backend, self.warmup = backend, warmup
-
-    def __call__(self, mode, prompts, new_tokens, kw):
-        from rlk_integrations import tp_workers
-
-        p = next(self.model.parameters())
-        with _weights_file(self.model) as weights:
-            ro = tp_workers.spawn(tp_workers.rollout_worker, self.world, p.device.type,
-                                  self.model.config, weights, p.dtype, self.leaves, mode,
-                                  prompts, new_tokens, kw, self.warmup,
-                                  backend=self.backend)  # fmt: skip
-        for smp in ro.samples:
-            smp.logprobs = smp.logprobs.to(p.device)
-        return ro
-
-
-class TransformersTP:
-    """The transformers + rlk training recompute at tensor parallelism ``world``
-    (:mod:`rlk_integrations.tp_workers`, vocabulary-parallel ``linear_logprobs``). Usable as
-    ``run_side``'s ``recompute``."""
-
-    def __init__(self, model, world: int, leaves: int, backend: str | None, warmup: bool):
-        self.model, self.world, self.leaves = model, world, leaves
-        self.backend, self.warmup = backend, warmup
-        self.engine = f"transformers-tp{world}"
-
-    def __call__(self, samples, groups, temperature, logits_dtype):
-        import dataclasses
-
-        from rlk_integrations import tp_workers
-
-        p = next(self.model.parameters())
-        samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
-        with _weights_file(self.model) as weights:
-            lps, seconds = tp_workers.spawn(tp_workers.train_worker, self.world,
-                                            p.device.type, self.model.config, weights, p.dtype,
-                                            self.leaves, samples, groups, temperature,
-                                            logits_dtype, self.warmup,
-                                            backend=self.backend)  # fmt: skip
-        return [lp.to(p.device) for lp in lps], seconds
-
-
-@contextlib.contextmanager
-def _weights_file(model):
-    import os
-    import tempfile
-
-    from rlk_integrations import tp_workers
-
-    with tempfile.TemporaryDirectory(prefix="rlk-weights-") as tmp:
-        path = os.path.join(tmp, "weights.pt")
-        tp_workers.save_weights(model, path)
-        yield path
 
 
 class MegatronTP:
@@ -428,7 +333,7 @@ def check_args(
     micro_batch: int,
     temperature: float,
     device: str | None,
-    rollout_modes: tuple[str, ...],
+    rollout_modes: tuple[str, ...] | None,
     page_size: int,
     max_batch: int | None,
     train_engine: str,
@@ -442,6 +347,7 @@ def check_args(
     import os
 
     from rlk import _plugins
+    from rlk_integrations import engines
     from rlk_integrations.models import CONFIGS
 
     if model_name not in CONFIGS and not os.path.isdir(model_name):
@@ -461,9 +367,10 @@ def check_args(
         temperature < 0
     ):
         raise UsageError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    bad = [m for m in rollout_modes if m not in ROLLOUT_MODES]
-    if bad or not rollout_modes:
-        raise UsageError(f"rollout modes must be among {ROLLOUT_MODES}, got {rollout_modes!r}")
+    if rollout_modes is not None and (
+        not rollout_modes or any(m not in engines.names() for m in rollout_modes)
+    ):
+        raise UsageError(f"rollout modes must be among {engines.names()}, got {rollout_modes!r}")
     if train_engine not in TRAIN_ENGINES:
         raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
     if train_engine == "transformers-graphs" and train_tp > 1:
@@ -492,6 +399,13 @@ def check_args(
     if dev is not None and dev.type not in ("cpu", "cuda"):
         raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
     on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    options = engines.RolloutOptions(page_size=page_size, max_batch=max_batch)
+    if rollout_modes is not None:  # asked for by name: each must run here
+        _, skipped = engines.available(rollout_modes, torch.device("cuda" if on_gpu else "cpu"),
+                                       options)  # fmt: skip
+        if skipped:
+            raise UsageError("; ".join(f"rollout engine {n!r} cannot run here: {why}"
+                                       for n, why in skipped.items()))  # fmt: skip
     tp = max(train_tp, rollout_tp)
     if on_gpu and tp > torch.cuda.device_count():
         raise UsageError(
@@ -517,7 +431,7 @@ def run(
     dtype: torch.dtype = torch.bfloat16,
     warmup: bool | None = None,
     sides: tuple[str, ...] = SIDES,
-    rollout_modes: tuple[str, ...] = ROLLOUT_MODES,
+    rollout_modes: tuple[str, ...] | None = None,
     page_size: int = 16,
     max_batch: int | None = None,
     train_engine: str = "transformers",
@@ -527,12 +441,14 @@ def run(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both sides on one model; returns the report (``rows`` holds a dict per side and
-    rollout mode: the stock side once, padded; the rlk side once per mode of
-    ``rollout_modes``). ``train_engine="megatron"``: the rlk side's training recompute runs in
-    Megatron-core (see the module docstring); ``leaves``: tree-ordered row-parallel linears on
-    the rlk side; ``train_tp``: the training engine's tensor parallelism, ``rollout_tp``: the
-    rollout's (> 1: that many spawned processes, gloo on CPU and NCCL on GPUs; needs
-    ``leaves``, of which each must be a power-of-two divisor)."""
+    rollout mode: the stock side once, padded; the rlk side once per engine of
+    ``rollout_modes``, names of :func:`rlk_integrations.engines.names`, each of which must be
+    able to run here; None: every registered engine that can, the others in
+    ``rollout_skipped`` with the reason). ``train_engine="megatron"``: the rlk side's training
+    recompute runs in Megatron-core (see the module docstring); ``leaves``: tree-ordered
+    row-parallel linears on the rlk side; ``train_tp``: the training engine's tensor
+    parallelism, ``rollout_tp``: the rollout's (> 1: that many spawned processes, gloo on CPU
+    and NCCL on GPUs; needs ``leaves``, of which each must be a power-of-two divisor)."""
     check_args(
         model_name,
         backend=backend,
@@ -597,7 +513,7 @@ def _run(
     dtype: torch.dtype,
     warmup: bool | None,
     sides: tuple[str, ...],
-    rollout_modes: tuple[str, ...],
+    rollout_modes: tuple[str, ...] | None,
     page_size: int,
     max_batch: int | None,
     train_engine: str,
@@ -607,7 +523,8 @@ def _run(
     progress: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     import rlk
-    from rlk_integrations import models
+    from rlk_integrations import engines, models, tp_workers
+    from rlk_integrations.rollout import PaddedRollout
     from rlk_integrations.transformers import patch_model, unpatch_model
 
     say = progress or (lambda msg: None)
@@ -617,13 +534,21 @@ def _run(
     model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
     vocab = model.config.vocab_size
     batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
-    train_model = recompute = rollout_fn = None
+    options = engines.RolloutOptions(page_size=page_size, max_batch=max_batch)
+    rlk_engines, skipped = engines.available(rollout_modes, dev, options)
+    # (the warm-up engine, the timed one) per row: the stock row samples with torch.
+    rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
+    rollouts["rlk"] = [(e, e) for e in rlk_engines]
+    train_model = recompute = None
     if rollout_tp > 1 and "rlk" in sides:
         say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
-        rollout_fn = TPRollout(model, rollout_tp, leaves, backend, warmup)  # type: ignore[arg-type]
+        rollouts["rlk"] = [
+            (e, tp_workers.TPRollout(e.name, options, rollout_tp, leaves, backend, warmup))
+            for e in rlk_engines
+        ]
     if train_tp > 1 and "rlk" in sides and train_engine == "transformers":
         say(f"transformers training at TP={train_tp}: {train_tp} spawned processes")
-        recompute = TransformersTP(model, train_tp, leaves, backend, warmup)  # type: ignore[arg-type]
+        recompute = tp_workers.TransformersTP(model, train_tp, leaves, backend, warmup)
     elif train_tp > 1 and "rlk" in sides:
         comm = "NCCL" if dev.type == "cuda" else "gloo"
         say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned {comm} processes")
@@ -645,18 +570,17 @@ def _run(
                 chosen = rlk.current_backend(dev.type)
             else:
                 unpatch_model(model)
-            for mode in rollout_modes if side == "rlk" else ("padded",):
-                kw = dict(rollout_mode=mode, page_size=page_size, max_batch=max_batch)
-                kw["warm_passes"] = 1 if warmup else 0
+            for warm_engine, engine in rollouts[side]:
+                kw: dict[str, Any] = dict(warm_passes=1 if warmup else 0)
                 if side == "rlk":
-                    kw.update(train_model=train_model, recompute=recompute, rollout_fn=rollout_fn)
+                    kw.update(train_model=train_model, recompute=recompute)
                     kw["train_graphs"] = train_engine == "transformers-graphs"
                 if warmup:
                     # In this process only: spawned TP workers warm up themselves.
                     say(f"[{side}] warm-up")
-                    here = dict(kw, warm_passes=0)
+                    here = dict(kw, warm_passes=0, engine=warm_engine)
                     if side == "rlk":
-                        here.update(recompute=None, rollout_fn=None)
+                        here.update(recompute=None)
                     run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **here)
                 rows.append(
                     run_side(
@@ -664,6 +588,7 @@ def _run(
                         model,
                         batch,
                         new_tokens,
+                        engine=engine,
                         micro_batch=micro_batch,
                         seed=seed,
                         temperature=temperature,
@@ -682,7 +607,8 @@ def _run(
         "new_tokens": new_tokens,
         "prompt_len": list(prompt_len),
         "micro_batch": micro_batch,
-        "rollout_modes": list(rollout_modes),
+        "rollout_modes": [e.name for e in rlk_engines],
+        "rollout_skipped": skipped,
         "page_size": page_size,
         "max_batch": max_batch,
         "train_engine": train_engine,
@@ -721,6 +647,8 @@ def format_table(report: dict[str, Any]) -> str:
         )
     if leaves:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
+    for name, why in report.get("rollout_skipped", {}).items():
+        notes.append(f"rollout engine {name} not run: {why}")
     cols = (
         f"{'side':<6} {'rollout':<10} {'train':<19} {'tokens':>7} {'max|dlogp|':>11} "
         f"{'mean|dlogp|':>12} "

@@ -9,17 +9,19 @@ Rollout (``B`` random prompts of :data:`PROMPT_LEN` tokens, seeded; :data:`NEW_T
 per prompt at temperature 1, no top-k / top-p, nothing stops early, so every engine makes
 ``B * NEW_TOKENS`` tokens; the family ``e2e-long`` (:data:`LONG`, its own ``rlk bench`` family so
 that each fits one run of a time-limited machine) runs the long setting,
-:data:`LONG_PROMPT_LEN` and :data:`LONG_NEW_TOKENS`, for ``e2e.rollout.paged`` alone):
+:data:`LONG_PROMPT_LEN` and :data:`LONG_NEW_TOKENS`, for every engine but those of
+:data:`LONG_SKIP`). One op per rollout engine of :mod:`rlk_integrations.engines` that can run
+here (one that cannot is named on stderr with the reason), run through the engine protocol:
 
-- ``e2e.rollout.padded``: ``hf-generate`` is ``model.generate(do_sample=True)`` on the
-  left-padded batch; ``rlk`` is :func:`rlk_integrations.rollout.generate` (left-padded batch,
-  ``DynamicCache``, ``rlk.sample`` + ``rlk.logprobs``).
-- ``e2e.rollout.paged``: ``rlk`` is :meth:`rlk_integrations.paged.PagedEngine.generate` (paged
-  KV cache, continuous batching, all ``B`` requests admitted at once) on an engine built once per
-  shape, outside the timing, as a serving engine is built at start-up: it keeps its KV cache and
-  decode CUDA graphs across calls. The row's ``first_run_ms`` is the warm-up call, which
-  captures the graphs. transformers has no paged engine, so this op's peer row is the padded
-  ``hf-generate`` run emitted a second time, marked ``same_run_as: e2e.rollout.padded``.
+- ``e2e.rollout.<engine>``, impl ``rlk``: the engine's ``generate`` (``padded``: left-padded
+  batch, ``DynamicCache``, ``rlk.sample`` + ``rlk.logprobs``; ``paged``: paged KV cache,
+  continuous batching, all ``B`` requests admitted at once). One engine object per shape serves
+  the warm-up and the timed run, as a serving engine serves calls after start-up: ``paged``
+  builds its KV cache and captures its decode CUDA graphs in the warm-up (the row's
+  ``first_run_ms``) and keeps them for the timed run.
+- impl ``hf-generate``: ``model.generate(do_sample=True)`` on the left-padded batch, run once
+  per shape, under the first engine's op; transformers has no other engine, so each other
+  op's peer row is that run emitted again, marked ``same_run_as`` the first op.
 
 Each engine first makes the very same run untimed (same prompts, same number of new tokens), so
 that whatever is built per shape stays out of the timed run: Triton compiles rlk's kernels per
@@ -57,8 +59,8 @@ rate 0, so that every step does the same work):
 - ``stock``: ``generate`` (torch sampling; the sampling log-probabilities from the logits it
   returns), log-probabilities from stock transformers, the loss in torch;
 - ``stock+liger``: the same with Liger's fused linear cross-entropy for the log-probabilities;
-- ``rlk``: :meth:`~rlk_integrations.paged.PagedEngine.generate` (one engine, built before the
-  untimed step), then :func:`~rlk_integrations.training.grpo_step`, which on a GPU recomputes
+- ``rlk``: the rollout engine :data:`GRPO_ENGINE` (one engine object for the untimed step and
+  the timed one), then :func:`~rlk_integrations.training.grpo_step`, which on a GPU recomputes
   through one :class:`~rlk_integrations.training.GraphedLogprobs` (its bucket a micro-batch of
   the longest prompts; the untimed step captures).
 
@@ -85,7 +87,7 @@ from typing import Any
 import torch
 
 from rlk.bench import _timing
-from rlk_integrations import paged, rollout, training
+from rlk_integrations import engines, rollout, training
 from rlk_integrations.consistency import _sync, random_prompts
 from rlk_integrations.models import HELDOUT, load_model
 from rlk_integrations.rollout import Sample
@@ -105,7 +107,9 @@ QUICK_NEW_TOKENS = 32
 QUICK_TRAIN_SEQS = 8
 QUICK_TRAIN_LEN = 128
 
-#: GRPO step: prompts, completions per prompt (the group), micro-batch of the update.
+#: GRPO step: its rollout engine, prompts, completions per prompt (the group), micro-batch of
+#: the update.
+GRPO_ENGINE = "paged"
 GRPO_PROMPTS = 8
 GRPO_GROUP = 8
 GRPO_MICRO_BATCH = 16
@@ -113,8 +117,9 @@ QUICK_GRPO_PROMPTS = 2
 
 #: Prompt lengths (min, max), drawn per prompt.
 PROMPT_LEN = (16, 64)
-#: The long rollout setting (the paged engine against hf-generate; the eager padded rollout is
-#: not timed there): prompt lengths and new tokens, and the quick run's.
+#: The long rollout setting (the engines against hf-generate): prompt lengths and new tokens,
+#: and the quick run's; the engines not timed there (the eager padded rollout).
+LONG_SKIP = ("padded",)
 LONG_PROMPT_LEN = (256, 512)
 LONG_NEW_TOKENS = 512
 QUICK_LONG_PROMPT_LEN = (64, 128)
@@ -187,29 +192,6 @@ def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> 
     return len(prompts) * made
 
 
-def _rlk_padded(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
-    ro = rollout.generate(
-        model, prompts, new, temperature=1.0, top_k=0, top_p=1.0, sampler="rlk", pad_token_id=PAD_ID
-    )
-    return ro.new_tokens
-
-
-def _paged_engine(model: torch.nn.Module, prompts: list[list[int]], new: int):
-    """A :class:`~rlk_integrations.paged.PagedEngine` for these prompts, every request
-    admitted at once (as ``rlk consistency`` runs the paged rollout)."""
-    b = len(prompts)
-    return paged.PagedEngine(
-        model,
-        max_len=max(len(p) for p in prompts) + new,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        page_size=PAGE_SIZE,
-        max_batch=b,
-        max_step_tokens=max(2048, b),
-    )
-
-
 def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[str, Any]:
     _say(f"e2e: {shape} {op} {impl} (warm-up, then timed)")
     # The warm-up: the same run, untimed; its wall time is kept (``first_run_ms``).
@@ -230,27 +212,39 @@ def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[s
     )
 
 
-def _rollouts(model, name: str, b: int, new: int, prompt_len, device, emit, padded: bool) -> None:
-    """The rollout rows of one shape; ``padded``: also rlk's eager padded rollout (the
-    ``e2e.rollout.padded`` rows), else hf-generate is emitted as the paged op's peer alone."""
+def _engines(device: torch.device, skip: tuple[str, ...] = ()) -> list[engines.RolloutEngine]:
+    """The rollout engines that can run on ``device`` (every page of ``PAGE_SIZE`` tokens, all
+    requests admitted at once), less ``skip``; those that cannot run are named on stderr."""
+    options = engines.RolloutOptions(page_size=PAGE_SIZE)
+    wanted = tuple(n for n in engines.names() if n not in skip)
+    found, skipped = engines.available(wanted, device, options)
+    for name, why in skipped.items():
+        _say(f"e2e: rollout engine {name} not run: {why}")
+    return found
+
+
+def _rollouts(model, name: str, b: int, new: int, prompt_len, device, emit, long: bool) -> None:
+    """The rollout rows of one shape: hf-generate once, then every engine (``long``: but those
+    of :data:`LONG_SKIP`), each op after the first with a copy of the hf-generate row."""
     prompts = random_prompts(b, model.config.vocab_size, *prompt_len, seed=SEED + b)
+    seeds = list(range(b))
     shape = f"{name} B={b} prompt={prompt_len[0]}-{prompt_len[1]} new={new}"
-    padded_op, paged_op = "e2e.rollout.padded", "e2e.rollout.paged"
+    found = _engines(device, LONG_SKIP if long else ())
+    if not found:
+        raise RuntimeError("no rollout engine can run here")
+    ops = [f"e2e.rollout.{e.name}" for e in found]
     unpatch_model(model)
-    op = padded_op if padded else paged_op
-    hf = _rollout_row(op, "hf-generate", _hf_generate, model, prompts, new, shape, device)
+    hf = _rollout_row(ops[0], "hf-generate", _hf_generate, model, prompts, new, shape, device)
     emit(hf)
     patch_model(model)
-    if padded:
-        emit(_rollout_row(padded_op, "rlk", _rlk_padded, model, prompts, new, shape, device))
-        # transformers has no paged engine: the paged op's peer is the same hf-generate run.
-        emit(dict(hf, op=paged_op, same_run_as=padded_op))
-    engine = _paged_engine(model, prompts, new)  # built once, like a serving engine
+    for op, engine in zip(ops, found):
+        if op != ops[0]:  # transformers has one engine: this op's peer is the same run
+            emit(dict(hf, op=op, same_run_as=ops[0]))
 
-    def run(model, prompts, new) -> int:
-        return engine.generate(prompts, new, progress=False).new_tokens
+        def run(model, prompts, new, engine=engine) -> int:
+            return engine.generate(model, prompts, new, seeds).new_tokens
 
-    emit(_rollout_row(paged_op, "rlk", run, model, prompts, new, shape, device))
+        emit(_rollout_row(op, "rlk", run, model, prompts, new, shape, device))
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,8 +409,7 @@ def _grpo_step(
     """One GRPO step of ``impl`` (rlk samples with ``engine`` and recomputes with ``graphed``
     when given); returns the tokens sampled."""
     if impl == "rlk":
-        seeds = list(range(len(prompts)))
-        ro = engine.generate(prompts, new, seeds=seeds, progress=False)
+        ro = engine.generate(model, prompts, new, list(range(len(prompts))))
         samples = ro.samples
         training.grpo_step(
             model, optimizer, samples, _reward(samples), GRPO_GROUP, GRPO_MICRO_BATCH,
@@ -457,9 +450,10 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
     for impl in impls:
         (patch_model if impl == "rlk" else unpatch_model)(model)
         _say(f"e2e: {shape} e2e.grpo_step {impl} (1 warm-up, 1 timed)")
-        # rlk's rollout engine and its graphed recompute are built once, before the warm-up
-        # step (which captures), like a trainer's.
-        engine = _paged_engine(model, prompts, new) if impl == "rlk" else None
+        # rlk's rollout engine and its graphed recompute serve the warm-up step (which builds
+        # and captures) and the timed one, like a trainer's.
+        options = engines.RolloutOptions(page_size=PAGE_SIZE)
+        engine = engines.create(GRPO_ENGINE, options) if impl == "rlk" else None
         graphed = _grpo_graphed(model, new) if impl == "rlk" else None
         try:
             _grpo_step(impl, model, optimizer, prompts, new, flce, engine, graphed)
@@ -500,10 +494,10 @@ def _bench_model(
         if long is not None:
             long_prompt_len, long_new = long
             for b in sorted(batches, reverse=True):
-                _rollouts(model, name, b, long_new, long_prompt_len, device, emit, padded=False)
+                _rollouts(model, name, b, long_new, long_prompt_len, device, emit, long=True)
             return
         for b in batches:
-            _rollouts(model, name, b, new, PROMPT_LEN, device, emit, padded=True)
+            _rollouts(model, name, b, new, PROMPT_LEN, device, emit, long=False)
         _trainings(model, name, n, length, device, emit, flce)
         _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:

@@ -18,6 +18,8 @@ Pieces:
 - :class:`PagedEngine`: the cache and the decode graphs (:mod:`rlk_integrations.paged_step`: the
   packed forward, the eager step and the CUDA-graph decode step), kept across its :meth:`generate
   <PagedEngine.generate>` calls; :func:`generate_paged` builds one for a single call.
+- :class:`PagedRollout`: the rollout engine ``paged`` of :mod:`rlk_integrations.engines`, which
+  keeps one :class:`PagedEngine` for the calls it fits.
 - :func:`generate_paged` (and :meth:`PagedEngine.generate`): the scheduler. Requests wait in
   FIFO order and join the running set when a batch slot and all the pages the request can need
   are free (so no request is ever preempted); each step packs, for every running request,
@@ -45,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,6 +57,9 @@ from rlk_integrations.paged_step import _DecodeGraphs, _eager_step, _Launched
 from rlk_integrations.rollout import RolloutResult, Sample
 from rlk_integrations.tp import local_kv_heads
 from rlk_integrations.transformers import graph_reads
+
+if TYPE_CHECKING:
+    from rlk_integrations.engines import RolloutOptions
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -591,3 +597,52 @@ def generate_paged(
     return engine.generate(
         prompts, max_new_tokens, seeds=seeds, eos_token_id=eos_token_id, progress=progress
     )
+
+
+class PagedRollout:
+    """The rollout engine ``paged`` (:class:`rlk_integrations.engines.RolloutEngine`):
+    :meth:`PagedEngine.generate` with ``options.page_size`` tokens per page and
+    ``options.max_batch`` requests at once (None: every prompt of the call), at most
+    ``max(2048, max_batch)`` tokens per step.
+
+    It keeps the last :class:`PagedEngine` it built (its KV cache and decode graphs) and reuses
+    it for a call on the same model with the same sampling and batch whose requests fit its
+    ``max_len``; otherwise it builds one sized for the call, as :func:`generate_paged` does.
+
+    Example::
+
+        engine = PagedRollout(RolloutOptions(page_size=16))
+        for step in range(steps):
+            ro = engine.generate(model, prompts, 512, seeds)  # the cache and graphs built once
+    """
+
+    name = "paged"
+
+    def __init__(self, options: RolloutOptions | None = None) -> None:
+        from rlk_integrations.engines import RolloutOptions
+
+        self.options = options or RolloutOptions()
+        self._kept: PagedEngine | None = None
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return None  # any torch device: CUDA graphs on a GPU, eager steps elsewhere
+
+    def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        max_len = max((len(p) for p in prompts), default=1) + max(new_tokens, 0)
+        max_batch = self.options.max_batch or max(1, len(prompts))
+        sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        kept = self._kept
+        if not (kept is not None and kept.model is model and kept.sample_kw == sample_kw
+                and kept.max_batch == max_batch and kept.max_len >= max_len):  # fmt: skip
+            kept = self._kept = None  # the old cache is freed before the next one is allocated
+            kept = self._kept = PagedEngine(
+                model, max_len=max_len, page_size=self.options.page_size, max_batch=max_batch,
+                max_step_tokens=max(2048, max_batch), **sample_kw,
+            )  # fmt: skip
+        return kept.generate(
+            prompts, new_tokens, seeds=seeds, eos_token_id=eos_token_id,
+            progress=progress if progress is not None else False,
+        )  # fmt: skip

@@ -10,6 +10,8 @@ stock path: softmax + ``torch.multinomial`` and ``log_softmax`` in fp32.
 
 The other rollout mode, continuous batching on a paged KV cache, is
 :func:`rlk_integrations.paged.generate_paged` (rlk only; same samples, same bits).
+:class:`PaddedRollout` is :func:`generate` as the rollout engine ``padded`` of
+:mod:`rlk_integrations.engines`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 import rlk
 from rlk_integrations.transformers import cache_kwarg
+
+if TYPE_CHECKING:
+    from rlk_integrations.engines import RolloutOptions
 
 
 @dataclass
@@ -147,3 +153,31 @@ def generate(
     return RolloutResult(
         samples, seconds, sum(len(s.response) for s in samples), logits_dtype=logits_dtype
     )
+
+
+class PaddedRollout:
+    """The rollout engine ``padded`` (:class:`rlk_integrations.engines.RolloutEngine`):
+    :func:`generate`, one left-padded batch per call; it keeps nothing between calls and reads
+    no option. ``sampler="torch"`` is the stock rollout (``rlk consistency``'s stock row).
+
+    Example::
+
+        ro = PaddedRollout().generate(patch_model(model), prompts, 64, seeds=[11, 12])
+    """
+
+    name = "padded"
+
+    def __init__(self, options: RolloutOptions | None = None, *, sampler: str = "rlk") -> None:
+        if sampler not in ("rlk", "torch"):
+            raise ValueError(f"sampler must be 'rlk' or 'torch', got {sampler!r}")
+        self.sampler = sampler
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return None  # transformers is a dependency; any torch device
+
+    def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
+        return generate(
+            model, prompts, new_tokens, seeds=seeds, temperature=temperature, top_k=top_k,
+            top_p=top_p, sampler=self.sampler, eos_token_id=eos_token_id, progress=progress,
+        )  # fmt: skip

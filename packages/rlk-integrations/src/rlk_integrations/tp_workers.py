@@ -3,7 +3,9 @@
 :func:`spawn` runs a function in ``t`` processes (gloo on CPU, NCCL on GPUs, rank ``r`` on
 ``cuda:r``) and returns rank 0's result; ``rlk consistency --rollout-tp/--train-tp`` use it
 through :func:`rollout_worker` and :func:`train_worker`, whose ranks build their shard of the
-model with :func:`build_sharded` (:func:`rlk_integrations.tp.shard_tp`).
+model with :func:`build_sharded` (:func:`rlk_integrations.tp.shard_tp`): :class:`TPRollout`
+is a rollout engine of :mod:`rlk_integrations.engines` run that way, and
+:class:`TransformersTP` the training recompute.
 
 Example::
 
@@ -24,7 +26,8 @@ import torch
 from torch import nn
 
 import rlk
-from rlk_integrations import paged, rollout, training
+from rlk_integrations import engines, training
+from rlk_integrations.engines import RolloutOptions
 from rlk_integrations.rollout import RolloutResult, Sample
 from rlk_integrations.tp import shard_tp
 from rlk_integrations.transformers import patch_model
@@ -91,20 +94,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rollout_worker(rank, world, device, config, weights, dtype, leaves, mode, prompts,
-                   new_tokens, kw, warmup):  # fmt: skip
-    """A rank of a TP rollout: returns the :class:`~rlk_integrations.rollout.RolloutResult`
-    (samples on the CPU). ``mode``: ``padded`` or ``paged``; ``kw``: the rollout's keywords."""
+def rollout_worker(rank, world, device, config, weights, dtype, leaves, name, options,
+                   prompts, new_tokens, seeds, sample_kw, warmup):  # fmt: skip
+    """A rank of a TP rollout: the engine ``name`` of :mod:`rlk_integrations.engines`, built
+    from ``options``, samples with this rank's shard; returns the
+    :class:`~rlk_integrations.rollout.RolloutResult` (samples on the CPU). ``sample_kw``: the
+    sampling keywords of :meth:`~rlk_integrations.engines.RolloutEngine.generate`."""
     model = build_sharded(config, weights, dtype, device, leaves)
-
-    def go(n):
-        if mode == "paged":
-            return paged.generate_paged(model, prompts, n, progress=False, **kw)
-        return rollout.generate(model, prompts, n, sampler="rlk", **kw)
-
+    engine = engines.create(name, options)
     if warmup:
-        go(2)
-    ro = go(new_tokens)
+        engine.generate(model, prompts, 2, seeds, **sample_kw)
+    ro = engine.generate(model, prompts, new_tokens, seeds, **sample_kw)
     for s in ro.samples:
         s.logprobs = s.logprobs.cpu()
     return ro
@@ -144,4 +144,75 @@ def save_weights(model: nn.Module, path: str) -> None:
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)
 
 
-__all__ = ["build_sharded", "rollout_worker", "save_weights", "spawn", "train_worker"]
+@contextlib.contextmanager
+def _weights_file(model):
+    with tempfile.TemporaryDirectory(prefix="rlk-weights-") as tmp:
+        path = os.path.join(tmp, "weights.pt")
+        save_weights(model, path)
+        yield path
+
+
+class TPRollout:
+    """The rollout engine ``name`` at tensor parallelism ``world``, itself a rollout engine
+    (:class:`~rlk_integrations.engines.RolloutEngine`, named ``<name>-tp<world>``): each call
+    spawns ``world`` processes (gloo on CPU, NCCL on GPUs) that shard the model's weights
+    (``leaves`` tree-ordered row-parallel linears) and build the engine from ``options``;
+    rank 0's result comes back. The ranks print no progress; with ``warmup`` each first samples
+    2 tokens untimed (its kernels compile there)."""
+
+    def __init__(self, name: str, options: RolloutOptions, world: int, leaves: int | None,
+                 backend: str | None, warmup: bool) -> None:  # fmt: skip
+        self.inner, self.options, self.world, self.leaves = name, options, world, leaves
+        self.backend, self.warmup = backend, warmup
+        self.name = f"{name}-tp{world}"
+
+    def unavailable(self, device: torch.device) -> str | None:
+        why = engines.create(self.inner, self.options).unavailable(device)
+        if why is None and device.type == "cuda" and torch.cuda.device_count() < self.world:
+            why = f"TP={self.world} needs {self.world} GPUs, found {torch.cuda.device_count()}"
+        return why
+
+    def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
+        p = next(model.parameters())
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id)
+        with _weights_file(model) as weights:
+            ro = spawn(rollout_worker, self.world, p.device.type, model.config, weights, p.dtype,
+                       self.leaves, self.inner, self.options, prompts, new_tokens, seeds, kw,
+                       self.warmup, backend=self.backend)  # fmt: skip
+        for smp in ro.samples:
+            smp.logprobs = smp.logprobs.to(p.device)
+        return ro
+
+
+class TransformersTP:
+    """The transformers + rlk training recompute at tensor parallelism ``world``
+    (vocabulary-parallel ``linear_logprobs``). Usable as
+    :func:`rlk_integrations.consistency.run_side`'s ``recompute``."""
+
+    def __init__(self, model, world: int, leaves: int | None, backend: str | None, warmup: bool):
+        self.model, self.world, self.leaves = model, world, leaves
+        self.backend, self.warmup = backend, warmup
+        self.engine = f"transformers-tp{world}"
+
+    def __call__(self, samples, groups, temperature, logits_dtype):
+        import dataclasses
+
+        p = next(self.model.parameters())
+        samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
+        with _weights_file(self.model) as weights:
+            lps, seconds = spawn(train_worker, self.world, p.device.type, self.model.config,
+                                 weights, p.dtype, self.leaves, samples, groups, temperature,
+                                 logits_dtype, self.warmup, backend=self.backend)  # fmt: skip
+        return [lp.to(p.device) for lp in lps], seconds
+
+
+__all__ = [
+    "TPRollout",
+    "TransformersTP",
+    "build_sharded",
+    "rollout_worker",
+    "save_weights",
+    "spawn",
+    "train_worker",
+]
