@@ -6,6 +6,8 @@
   log-probabilities.
 - :mod:`rlk_integrations.paged`: the same rollout with continuous batching on a paged KV cache
   (``generate_paged``, attention by ``rlk.paged_attention``); the same bits as the padded batch.
+- :mod:`rlk_integrations.engines`: the rollout-engine protocol (``RolloutEngine``) and the
+  lookups of its registry, through which ``rlk consistency`` and the e2e bench run every engine.
 - :mod:`rlk_integrations.training`: recompute the same log-probabilities in packed micro-batches
   with ``rlk.linear_logprobs``, and a GRPO step.
 - :mod:`rlk_integrations.trl`: TRL's ``GRPOTrainer`` on rlk (``RLKGRPOTrainer``: the paged
