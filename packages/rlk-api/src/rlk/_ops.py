@@ -405,16 +405,23 @@ def paged_attention(
     ``cu_seqlens_q`` int32 ``[B + 1]``: the new queries, the last tokens of each sequence.
     Returns ``[Tq, Hq, D]``.
 
+    The caches may be strided views (any page, token and head strides; ``D`` contiguous), such
+    as the key and value halves of a serving engine's blocks.
+
     Contract: bitwise equal to :func:`attention` on the same logical sequence, whatever the page
-    size, the page order in memory, or the batch.
+    size, the page order in memory, the caches' strides, or the batch.
 
     Example::
 
         o = rlk.paged_attention(q, kc, vc, block_table, seq_lens, cu_q)   # decode: 1 query/seq
     """
     chk.tensor("q", q, dtypes=chk.FLOAT_DTYPES, ndim=3)
-    chk.tensor("k_cache", k_cache, dtypes=chk.FLOAT_DTYPES, ndim=4)
-    chk.tensor("v_cache", v_cache, dtypes=chk.FLOAT_DTYPES, ndim=4)
+    # A cache may be a strided view (a serving engine's blocks holding keys and values side by
+    # side): the kernels read its page, token and head strides; head_dim must be contiguous.
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        chk.tensor(name, cache, dtypes=chk.FLOAT_DTYPES, ndim=4, contiguous=False)
+        if cache.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head_dim) dimension")
     chk.tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
     chk.tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1)
     chk.tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)

@@ -469,6 +469,17 @@ def paged_paths(fn: Callable, attention_fn: Callable, paths: list[AttnPath], gen
                     out[a:b],
                     train[i][n - nq :],
                 )
+            if ps == p.page_sizes[0]:
+                # The caches as strided views: keys and values side by side in each token's
+                # row, as a serving engine's blocks hold them (vLLM's [.., 2 * D]).
+                d = args["k_cache"].shape[-1]
+                kv = torch.cat([args["k_cache"], args["v_cache"]], dim=-1)
+                views = {**args, "k_cache": kv[..., :d], "v_cache": kv[..., d:]}
+                diffs.compare(
+                    f"{p.label}: page size {ps}, strided caches",
+                    call(fn, "paged_attention", views),
+                    out,
+                )
     return diffs.outcome(f"{diffs.compared} paged outputs bitwise equal to attention")
 
 

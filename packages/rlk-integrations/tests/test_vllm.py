@@ -1,0 +1,211 @@
+"""rlk inside vLLM (the real engine, CPU build): the log-probability vLLM reports for each sampled
+token equals the training recompute on the same tokens bit for bit, through prefix-cache hits,
+chunked prefill, staggered arrivals and n > 1; stock vLLM on the same checkpoint does not.
+
+Skips, saying why, when vLLM (rlk_integrations.vllm.TESTED_VLLM) is not installed, and when its
+engine cannot start on this machine unless RLK_REQUIRE_VLLM=1 (``nox -s tests`` sets it: there a
+start failure fails). One engine per module: starting one takes about 20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import rlk_integrations.vllm as rv  # noqa: E402
+
+try:
+    rv.check_vllm()
+except RuntimeError as e:
+    pytest.skip(f"vLLM tests need vLLM {rv.TESTED_VLLM}: {e}", allow_module_level=True)
+
+from rlk_integrations import models, training  # noqa: E402
+from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.rollout import Sample  # noqa: E402
+
+VOCAB = 512
+NEW = 4
+#: vLLM's engine arguments of every engine here: small blocks and steps, so that a prompt of 100
+#: tokens fills blocks (prefix caching) and is prefilled in chunks. vLLM 0.32's CPU runner fails
+#: a seeded request whose prefill is chunked (it rewinds the request's generator by an offset,
+#: which a CPU generator does not have: "CPU Generator does not use offset"), so the seeded
+#: requests here are short and the long prompt is sampled greedily.
+ENGINE = dict(
+    enforce_eager=True,
+    skip_tokenizer_init=True,
+    gpu_memory_utilization=0.1,  # on CPU: the share of host memory reserved for the KV cache
+    max_model_len=128,
+    block_size=16,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    seed=0,
+)
+
+
+def write_checkpoint(path: str, name: str = "tiny") -> None:
+    """A built-in tiny config widened to head_dim 32 (vLLM's CPU attention takes no smaller; and
+    hidden = heads * head_dim, which vLLM's stock Qwen2 assumes), seeded random bf16 weights,
+    saved as safetensors."""
+    cfg = models.make_config(name)
+    cfg.head_dim = 32
+    cfg.hidden_size = cfg.num_attention_heads * cfg.head_dim
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+
+
+def start(path: str, **kw):
+    """A vLLM engine, or a skip naming why it cannot start (a failure under RLK_REQUIRE_VLLM=1)."""
+    from vllm import LLM
+
+    try:
+        return LLM(model=path, **{**ENGINE, **kw})
+    except Exception as e:  # noqa: BLE001 - any start failure is reported, never swallowed
+        if os.environ.get("RLK_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"vLLM's engine cannot start here: {type(e).__name__}: {e}")
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(llm, prompt_list, seeds, n=1, max_tokens=NEW):
+    """Generate (a seed of None: greedy); returns per prompt the list of ``n`` :class:`Sample`
+    (vLLM's logprobs) and the request outputs."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=s, n=n)
+        if s is not None
+        else SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+        for s in seeds
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], params, use_tqdm=False)
+    return [[_sample(o.prompt_token_ids, c) for c in o.outputs] for o in outs], outs
+
+
+def _sample(prompt, completion) -> Sample:
+    ids = list(completion.token_ids)
+    lps = [d[t].logprob for d, t in zip(completion.logprobs, ids)]
+    return Sample(list(prompt), ids, torch.tensor(lps, dtype=torch.float32))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny-vllm"))
+    write_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoint):
+    return rt.patch_model(models.load_model(checkpoint, dtype=torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = start(checkpoint, **rv.engine_args())
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def assert_trainer_equal(trainer, samples: list[Sample]) -> None:
+    """vLLM's log-probabilities == the packed training recompute (temperature 1: vLLM's raw
+    log-probabilities), bit for bit, in micro-batches of another composition."""
+    order = list(reversed(range(len(samples))))
+    train = training.recompute_logprobs(trainer, samples, 2, order=order, temperature=1.0)
+    for s, lp in zip(samples, train):
+        assert len(s.response) == len(s.logprobs) > 0
+        assert torch.equal(s.logprobs, lp), (s.logprobs, lp)
+
+
+@pytest.fixture(scope="module")
+def base(llm):
+    """Three seeded requests of 5, 9 and 11 tokens, sampled together."""
+    ps = prompts([5, 9, 11])
+    got, _ = run(llm, ps, seeds=[1, 2, 3])
+    return ps, [g[0] for g in got]
+
+
+@pytest.fixture(scope="module")
+def long(llm):
+    """A 100-token prompt, prefilled in chunks (64 + 36 tokens), greedy; then the same prompt
+    again, its first 6 blocks of 16 now a prefix-cache hit."""
+    p = prompts([100], seed=2)
+    miss, miss_out = run(llm, p, seeds=[None])
+    hit, hit_out = run(llm, p, seeds=[None])
+    return miss[0][0], miss_out[0], hit[0][0], hit_out[0]
+
+
+def test_logprobs_equal_training_recompute(trainer, base):
+    _, samples = base
+    assert_trainer_equal(trainer, samples)
+
+
+def test_chunked_prefill_of_a_long_prompt(trainer, long):
+    miss, miss_out, _, _ = long
+    assert miss_out.num_cached_tokens == 0
+    assert_trainer_equal(trainer, [miss])
+
+
+def test_prefix_cache_hit_gives_the_bits_of_the_miss(long):
+    miss, _, hit, hit_out = long
+    assert hit_out.num_cached_tokens >= 96, hit_out.num_cached_tokens
+    assert hit.response == miss.response
+    assert torch.equal(hit.logprobs, miss.logprobs)
+
+
+def test_staggered_arrivals(llm, trainer, base):
+    """Requests join a running batch at different steps; each gets the bits it got in the batch
+    of :func:`base`, and the newcomer the trainer's."""
+    from vllm import SamplingParams
+
+    ps, samples = base
+    engine = llm.llm_engine
+    extra = prompts([7], seed=1)[0]
+    arrivals = {0: ("a", ps[0], 1), 2: ("b", ps[2], 3), 3: ("c", extra, 9)}
+    done, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        if step in arrivals:
+            rid, p, seed = arrivals[step]
+            sp = SamplingParams(temperature=1.0, max_tokens=NEW, logprobs=0, seed=seed)
+            engine.add_request(rid, {"prompt_token_ids": p}, sp)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    for rid, ref in (("a", samples[0]), ("b", samples[2])):
+        got = _sample(done[rid].prompt_token_ids, done[rid].outputs[0])
+        assert got.response == ref.response and torch.equal(got.logprobs, ref.logprobs)
+    assert_trainer_equal(trainer, [_sample(done["c"].prompt_token_ids, done["c"].outputs[0])])
+
+
+def test_n_samples_per_prompt(llm, trainer):
+    got, _ = run(llm, prompts([7], seed=3), seeds=[5], n=3)
+    assert len(got[0]) == 3
+    assert len({tuple(s.response) for s in got[0]}) > 1  # n different samples
+    assert_trainer_equal(trainer, got[0])
+
+
+def test_stock_vllm_differs(checkpoint, trainer):
+    """The negative control: stock vLLM (its CPU attention, torch's log_softmax) on the same
+    checkpoint gives log-probabilities that are not the trainer's bits."""
+    stock = start(checkpoint, block_size=32)  # vLLM's CPU attention: multiples of 32
+    try:
+        got, _ = run(stock, prompts([5, 9, 11]), seeds=[1, 2, 3])
+    finally:
+        stock.llm_engine.engine_core.shutdown()
+    samples = [g[0] for g in got]
+    train = training.recompute_logprobs(trainer, samples, 2, temperature=1.0)
+    same = [torch.equal(s.logprobs, lp) for s, lp in zip(samples, train)]
+    assert not all(same), "stock vLLM matched the trainer bit for bit"
+    close = [torch.allclose(s.logprobs, lp, atol=0.1) for s, lp in zip(samples, train)]
+    assert all(close)  # the same model: only rounding differs
