@@ -209,3 +209,14 @@ def test_stock_vllm_differs(checkpoint, trainer):
     assert not all(same), "stock vLLM matched the trainer bit for bit"
     close = [torch.allclose(s.logprobs, lp, atol=0.1) for s, lp in zip(samples, train)]
     assert all(close)  # the same model: only rounding differs
+
+
+def test_an_architecture_rlk_does_not_cover_is_refused_at_start(tmp_path):
+    from transformers import MistralConfig
+    from vllm import LLM
+
+    cfg = MistralConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=1)
+    cfg.architectures = ["MistralForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="not the checkpoint's 'MistralForCausalLM'"):
+        LLM(model=str(tmp_path), **{**ENGINE, **rv.engine_args()})

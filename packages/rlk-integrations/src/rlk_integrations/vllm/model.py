@@ -5,10 +5,10 @@ A model class builds the transformers model of the checkpoint's config and patch
 rlk ops; the same module code the training recompute of :mod:`rlk_integrations.training` runs),
 and one vLLM ``Attention`` layer per decoder layer with the ``RLK`` backend
 (:mod:`rlk_integrations.vllm.attention`), so that vLLM allocates and schedules the paged KV
-cache. A vLLM step runs the packed row of its tokens through
-:func:`rlk_integrations.paged_step._forward_packed` (the paged rollout's forward), whose attention goes
-to those layers; ``compute_logits`` is the patched ``lm_head`` (:func:`rlk.linear`), and vLLM's
-sampler reports :func:`rlk.logprobs` of these logits (:mod:`rlk_integrations.vllm.sampler`).
+cache. A vLLM step runs the packed row of its tokens through the paged rollout's forward
+(:func:`rlk_integrations.paged_step._forward_packed`), whose attention goes to those layers;
+``compute_logits`` is the patched ``lm_head`` (:func:`rlk.linear`), and vLLM's sampler reports
+:func:`rlk.logprobs` of these logits (:mod:`rlk_integrations.vllm.sampler`).
 
 Weights are the checkpoint's own tensors, copied by name (``load_weights``); so
 ``training.recompute_logprobs`` on the same checkpoint gives the same bits.
