@@ -55,6 +55,27 @@ _Spec.rlk_backends = hookspec(_Spec.rlk_backends)
 
 
 @dataclass(frozen=True)
+class OpAutograd:
+    """An op's forward and backward as two calls, for the ``torch.compile`` path (``rlk._library``:
+    its custom operator's autograd runs them, so the compiled backward runs the backend's own
+    backward kernels on what its forward saved, as its eager ``autograd.Function`` does).
+
+    ``forward(*args, **kwargs)`` takes the op's arguments as ``ops[op]`` does and returns
+    ``(outputs, extras)``: the outputs as a tuple (those of ``ops[op]``, contiguous), and the
+    tensors the backward needs besides the op's inputs and outputs, exactly as
+    ``rlk._library.EXTRAS`` lists them for the op (shapes, dtypes). ``backward(grads, outputs,
+    extras, needs, *args, **kwargs)`` gets the outputs' gradients (None for an output without
+    one), the outputs that ``rlk._library.SAVED_OUTPUTS`` names (None for the others), the
+    extras, and one bool per differentiable argument (``rlk._library.GRADS``: the catalog's
+    ``OpSpec.grad_args``, and apply_rotary's cos and sin);
+    it returns one gradient per differentiable argument, None where not needed.
+    """
+
+    forward: Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]
+    backward: Callable[..., tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
 class BackendImpl:
     """What a backend's loader returns: a callable for every op, and what it claims.
 
@@ -64,12 +85,16 @@ class BackendImpl:
     ``delegated`` names ops the backend deliberately serves with another implementation, and
     says which (shown by ``rlk info``). ``tuning_configs(op)`` lists every config the backend
     may pick for ``op``; ``use_config(op, config)`` is a context manager forcing one, so the
-    conformance kit can prove that tuning never changes bits.
+    conformance kit can prove that tuning never changes bits. ``autograd`` gives, per
+    differentiable op, its forward and backward as two calls (:class:`OpAutograd`), which the
+    ``torch.compile`` path runs; an op without one is differentiated there by running it again
+    under autograd in the backward (``rlk._library``).
     """
 
     ops: Mapping[str, Callable[..., Any]]
     claims: frozenset[str]
     delegated: Mapping[str, str] = field(default_factory=dict)
+    autograd: Mapping[str, OpAutograd] = field(default_factory=dict)
     tuning_configs: Callable[[str], Sequence[Mapping[str, Any]]] | None = None
     use_config: Callable[[str, Mapping[str, Any]], contextlib.AbstractContextManager] | None = None
 

@@ -2,7 +2,8 @@
 
 Checks that read tensor values (index ranges, monotone offsets) force a device sync; they run
 always on CPU tensors and, on accelerators, when ``RLK_VALIDATE`` is on (the test suites set
-it). Python numbers are checked always: that costs no device work.
+it). Python numbers are checked always: that costs no device work. Under ``torch.compile``
+the value checks are not traced (``value_checks_enabled``); the others run at trace time.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def validate_requested() -> bool:
 
 
 def value_checks_enabled(t: torch.Tensor) -> bool:
-    """Whether checks that read values (and so sync the device) run for ``t``."""
+    """Whether checks that read values (and so sync the device) run for ``t``: never while
+    ``torch.compile`` traces (a host read there would break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     if t.device.type == "cpu":
         return True
     return validate_requested()

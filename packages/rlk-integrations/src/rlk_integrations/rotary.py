@@ -57,10 +57,15 @@ class RotaryTable:
         """The rows of ``position_ids``, extending the table first if needed (reads the
         largest position: a device sync). While a CUDA graph is being captured nothing can be
         read: the table must already hold the positions (:meth:`reserve`), and one it does not
-        hold fails the indexing's device-side bounds check."""
-        if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        hold fails the indexing's device-side bounds check. The same while ``torch.compile``
+        traces (a host read would break the graph): the positions reserved before count."""
+        if torch.compiler.is_compiling() or (
+            position_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
             if self.cpu is None:
-                raise RuntimeError("the rotary table is empty: reserve() it before a capture")
+                raise RuntimeError(
+                    "the rotary table is empty: reserve() it before a capture or torch.compile"
+                )
             return self.lookup(position_ids)
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
         self.reserve(need)

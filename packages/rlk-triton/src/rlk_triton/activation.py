@@ -123,6 +123,16 @@ def _forward(x: torch.Tensor, up: torch.Tensor | None, table) -> torch.Tensor:
     return y
 
 
+def _grads(dy, x, up, table):
+    """``(dx, dup or None)`` of ``silu_and_mul`` of contiguous ``x`` (and ``up``)."""
+    dx = torch.empty_like(x)
+    dup = torch.empty_like(up) if up is not None else None
+    g, u = (x, up) if up is not None else _halves(x)
+    dg, du = (dx, dup) if up is not None else _halves(dx)
+    _launch(_silu_and_mul_bwd_kernel, "silu_and_mul.bwd", table, g, u, dy.contiguous(), dg, du)
+    return dx, dup
+
+
 class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, up, table):  # contiguous inputs (silu_and_mul)
@@ -134,13 +144,20 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, up = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        dup = torch.empty_like(up) if up is not None else None
-        g, u = (x, up) if up is not None else _halves(x)
-        dg, du = (dx, dup) if up is not None else _halves(dx)
-        key = "silu_and_mul.bwd"
-        _launch(_silu_and_mul_bwd_kernel, key, ctx.table, g, u, dy.contiguous(), dg, du)
-        return dx, dup, None
+        return (*_grads(dy, x, up, ctx.table), None)
+
+
+def _split_forward(x, up=None, *, table):
+    return (_forward(x.contiguous(), up.contiguous() if up is not None else None, table),), ()
+
+
+def _split_backward(grads, outs, extras, needs, x, up=None, *, table):
+    return _grads(grads[0], x.contiguous(), up.contiguous() if up is not None else None, table)
+
+
+#: ``silu_and_mul``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`SiluAndMulFunction`.
+AUTOGRAD = {"silu_and_mul": (_split_forward, _split_backward)}
 
 
 def silu_and_mul(

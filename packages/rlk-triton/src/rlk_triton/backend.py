@@ -12,8 +12,11 @@ import functools
 import importlib
 import importlib.metadata
 
+import torch
+
 from rlk import BackendImpl
 from rlk._catalog import CATALOG
+from rlk._plugins import OpAutograd
 from rlk_triton import tuning
 from rlk_triton._triton import INTERPRET
 
@@ -104,6 +107,38 @@ def all_op_configs(op: str) -> list[dict]:
     return out
 
 
+def _attention_forward(q, k, v, cu_q, cu_k, causal, scale, *, max_seqlen_q=None,
+                       max_seqlen_k=None, table):  # fmt: skip
+    from rlk_triton import attention as a
+
+    bounds = None if max_seqlen_q is None else (int(max_seqlen_q), int(max_seqlen_k))
+    q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))
+    o, lse = a._forward(
+        q, k, v, cu_q, cu_k, None, None, causal, float(scale), "attention.fwd", table, True, bounds
+    )
+    return (o,), (lse,)
+
+
+def _attention_backward(grads, outs, extras, needs, q, k, v, cu_q, cu_k, causal, scale, *,
+                        max_seqlen_q=None, max_seqlen_k=None, table):  # fmt: skip
+    from rlk_triton import attention as a
+
+    q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))
+    if max_seqlen_q is None:  # the lengths from the offsets (a host read), as the forward did
+        b = cu_q.numel() - 1
+        bounds = (a._max_len(cu_q), a._lengths_fit(cu_k, b, k.shape[0], "cu_seqlens_k", "k"))
+    else:
+        bounds = (int(max_seqlen_q), int(max_seqlen_k))
+    do = torch.zeros_like(q) if grads[0] is None else grads[0]
+    return a._backward(
+        do, q, k, v, outs[0], extras[0], cu_q, cu_k, causal, float(scale), table, bounds
+    )
+
+
+#: Forward and backward as two calls of the ops whose modules do not declare them.
+_AUTOGRAD = {"attention": (_attention_forward, _attention_backward)}
+
+
 def make_impl(table: tuning.TuningTable) -> BackendImpl:
     """Every op found in rlk_triton, bound to ``table``; ops not written yet are left out."""
     mods = _modules()
@@ -112,9 +147,20 @@ def make_impl(table: tuning.TuningTable) -> BackendImpl:
         fn = getattr(mods.get(modname), op, None)
         if fn is not None:
             ops[op] = functools.partial(fn, table=table)
+    # The differentiable ops' forward and backward as two calls (a module's AUTOGRAD), for the
+    # torch.compile path (rlk._library), bound to the same table.
+    autograd = {
+        op: OpAutograd(
+            functools.partial(forward, table=table), functools.partial(backward, table=table)
+        )
+        for source in (*(getattr(mod, "AUTOGRAD", {}) for mod in mods.values()), _AUTOGRAD)
+        for op, (forward, backward) in source.items()
+        if op in ops
+    }
     return BackendImpl(
         ops=ops,
         claims=CLAIMS,
+        autograd=autograd,
         tuning_configs=all_op_configs,
         use_config=tuning.force,
     )

@@ -291,6 +291,22 @@ def backward(
     return dh, dw, db
 
 
+def _grads(hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
+           needs, table):  # fmt: skip
+    """``(dhidden, dweight, dbias)``, each None unless ``needs`` asks; a missing gradient of
+    the log-probabilities or the entropy (None) is zero."""
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+    if ent is not None:
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
+    else:
+        g_ent = None
+    need_h, need_w, need_b = needs[0], needs[1], bias is not None and needs[2]
+    return backward(
+        hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
+        table, need_h, need_w, need_b, hidden.dtype,
+    )  # fmt: skip
+
+
 class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, temperature, entropy, logits_dtype, table):
@@ -305,22 +321,38 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
         hidden, weight, targets, bias, lse, ent = ctx.saved_tensors
-        table = ctx.table
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
-        if ctx.entropy:
-            g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
-        else:
-            ent = g_ent = None
-        need_h, need_w, need_b = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            (bias is not None and ctx.needs_input_grad[3]),
-        )
-        dh, dw, db = backward(
-            hidden, weight, targets, bias, lse, ent, g_lp, g_ent, ctx.temperature,
-            ctx.logits_dtype, table, need_h, need_w, need_b, hidden.dtype,
+        needs = ctx.needs_input_grad
+        dh, dw, db = _grads(
+            hidden, weight, targets, bias, lse, ent if ctx.entropy else None, g_lp, g_ent,
+            ctx.temperature, ctx.logits_dtype, (needs[0], needs[1], needs[3]), ctx.table,
         )  # fmt: skip
         return dh, dw, None, db, None, None, None, None
+
+
+def _split_forward(hidden, weight, targets, bias=None, temperature=1.0, return_entropy=False,
+                   logits_dtype=None, *, table):  # fmt: skip
+    logits_dtype = hidden.dtype if logits_dtype is None else logits_dtype
+    lp, lse, ent = linear_logprobs_forward(
+        hidden.contiguous(), weight, targets.contiguous(), bias, float(temperature),
+        bool(return_entropy), logits_dtype, table,
+    )  # fmt: skip
+    return ((lp, ent) if return_entropy else (lp,)), (lse,)
+
+
+def _split_backward(grads, outs, extras, needs, hidden, weight, targets, bias=None,
+                    temperature=1.0, return_entropy=False, logits_dtype=None, *, table):  # fmt: skip
+    logits_dtype = hidden.dtype if logits_dtype is None else logits_dtype
+    ent, g_ent = (outs[1], grads[1]) if return_entropy else (None, None)
+    return _grads(
+        hidden.contiguous(), weight, targets.contiguous(), bias, extras[0], ent, grads[0], g_ent,
+        float(temperature), logits_dtype, needs, table,
+    )  # fmt: skip
+
+
+#: ``linear_logprobs``' forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`LinearLogprobsFunction`; the extra is the
+#: log-sum-exp.
+AUTOGRAD = {"linear_logprobs": (_split_forward, _split_backward)}
 
 
 def linear_logprobs(

@@ -582,6 +582,26 @@ def linear_forward(x, weight, bias, table):
     return _matmul(x, weight.t(), bias, x.dtype, table, "linear.fwd")
 
 
+def linear_grads(dy, x, weight, has_bias, needs, table):
+    """``(dx, dw, dbias)`` of ``linear``, each None unless ``needs`` (three bools) asks."""
+    dy = dy.contiguous()
+    dx = dw = db = None
+    if needs[0]:
+        # dX [M, K] = dY [M, N] @ W [N, K]: N reduced in ascending BLOCK_K tiles, like the
+        # forward, so row i of dX depends only on row i of dY.
+        dx = _matmul(dy, weight, None, x.dtype, table, "linear.bwd_dx")
+    need_b = has_bias and needs[2]
+    if needs[1]:
+        # dW [N, K] = dY.T [N, M] @ X [M, K]: the M rows reduced in ascending BLOCK_K
+        # chunks inside one program per [N, K] tile (no split over M, no atomics); dbias,
+        # the row sums of dY.T, from the same launch.
+        db = torch.empty(dy.shape[1], dtype=weight.dtype, device=dy.device) if need_b else None
+        dw = _matmul(dy.t(), x, None, weight.dtype, table, "linear.bwd_dw", rows=db)
+    elif need_b:
+        db = _bias_grad(dy, weight.dtype)
+    return dx, dw, db
+
+
 class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, table):
@@ -593,22 +613,21 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # dX [M, K] = dY [M, N] @ W [N, K]: N reduced in ascending BLOCK_K tiles, like the
-            # forward, so row i of dX depends only on row i of dY.
-            dx = _matmul(dy, weight, None, x.dtype, ctx.table, "linear.bwd_dx")
-        need_b = ctx.has_bias and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[1]:
-            # dW [N, K] = dY.T [N, M] @ X [M, K]: the M rows reduced in ascending BLOCK_K
-            # chunks inside one program per [N, K] tile (no split over M, no atomics); dbias,
-            # the row sums of dY.T, from the same launch.
-            db = torch.empty(dy.shape[1], dtype=weight.dtype, device=dy.device) if need_b else None
-            dw = _matmul(dy.t(), x, None, weight.dtype, ctx.table, "linear.bwd_dw", rows=db)
-        elif need_b:
-            db = _bias_grad(dy, weight.dtype)
-        return dx, dw, db, None
+        needs = ctx.needs_input_grad
+        return (*linear_grads(dy, x, weight, ctx.has_bias, needs, ctx.table), None)
+
+
+def _split_forward(x, weight, bias=None, *, table):
+    return (linear_forward(x, weight, bias, table),), ()
+
+
+def _split_backward(grads, outs, extras, needs, x, weight, bias=None, *, table):
+    return linear_grads(grads[0], x, weight, bias is not None, needs, table)
+
+
+#: ``linear``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`LinearFunction`.
+AUTOGRAD = {"linear": (_split_forward, _split_backward)}
 
 
 def linear(

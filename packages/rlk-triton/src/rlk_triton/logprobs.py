@@ -517,6 +517,17 @@ def logprobs_backward(
     return dlogits
 
 
+def _grads(logits, targets, lse, ent, g_lp, g_ent, temperature, table):
+    """dlogits from the gradients of the log-probabilities and (with ``ent``) the entropy;
+    a missing gradient (None) is zero."""
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+    if ent is not None:
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
+    else:
+        g_ent = None
+    return logprobs_backward(logits, targets, lse, ent, g_lp, g_ent, temperature, table)
+
+
 class LogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, return_entropy, table):
@@ -528,15 +539,37 @@ class LogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
         logits, targets, lse, ent = ctx.saved_tensors
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
-        if ctx.entropy:
-            g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
-        else:
-            ent = g_ent = None
-        dlogits = logprobs_backward(
-            logits, targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.table
-        )
+        ent = ent if ctx.entropy else None
+        dlogits = _grads(logits, targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.table)
         return dlogits, None, None, None, None
+
+
+def _split_forward(logits, targets, temperature=1.0, return_entropy=False, *, table):
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    lp, lse, ent = logprobs_forward(
+        logits, targets.contiguous(), float(temperature), bool(return_entropy), table
+    )
+    return ((lp, ent) if return_entropy else (lp,)), (lse,)
+
+
+def _split_backward(
+    grads, outs, extras, needs, logits, targets, temperature=1.0, return_entropy=False, *, table
+):
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ent = outs[1] if return_entropy else None
+    g_ent = grads[1] if return_entropy else None
+    dlogits = _grads(
+        logits, targets.contiguous(), extras[0], ent, grads[0], g_ent, float(temperature), table
+    )
+    return (dlogits,)
+
+
+#: ``logprobs``' forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`LogprobsFunction`; the extra is the
+#: log-sum-exp.
+AUTOGRAD = {"logprobs": (_split_forward, _split_backward)}
 
 
 def logprobs(

@@ -500,6 +500,16 @@ def _backward(dy, ds, x, weight, rstd, need_dw, table):
     return dx, dw
 
 
+def _grads(dy, ds, xs, weight, rstd, has_residual, needs, table):
+    """``(dx, dweight, dresidual)`` from the gradients of ``y`` and ``s`` (None: none), the
+    normalised input ``xs`` (``s`` with a residual, else ``x``) and ``rstd``."""
+    dy = torch.zeros_like(xs) if dy is None else dy.contiguous()
+    if ds is not None:
+        ds = ds.contiguous()
+    dx, dw = _backward(dy, ds, xs, weight, rstd, needs[1], table)
+    return dx, dw, (dx if has_residual and needs[2] else None)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, residual, table):  # contiguous inputs (rms_norm)
@@ -513,12 +523,28 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         x, weight, rstd = ctx.saved_tensors
-        dy = torch.zeros_like(x) if dy is None else dy.contiguous()
-        if ds is not None:
-            ds = ds.contiguous()
-        dx, dw = _backward(dy, ds, x, weight, rstd, ctx.needs_input_grad[1], ctx.table)
-        dres = dx if ctx.has_residual and ctx.needs_input_grad[3] else None
+        needs = (None, ctx.needs_input_grad[1], ctx.needs_input_grad[3])
+        dx, dw, dres = _grads(dy, ds, x, weight, rstd, ctx.has_residual, needs, ctx.table)
         return dx, dw, None, dres, None
+
+
+def _split_forward(x, weight, eps, residual, *, table):
+    x, weight = x.contiguous(), weight.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    y, s, rstd = _forward(x, weight, eps, residual, table)
+    return ((y,) if s is None else (y, s)), (rstd,)
+
+
+def _split_backward(grads, outs, extras, needs, x, weight, eps, residual, *, table):
+    has_residual = residual is not None
+    xs = outs[1] if has_residual else x.contiguous()
+    ds = grads[1] if has_residual else None
+    return _grads(grads[0], ds, xs, weight.contiguous(), extras[0], has_residual, needs, table)
+
+
+#: ``rms_norm``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`RMSNormFunction`; the extra is ``rstd``.
+AUTOGRAD = {"rms_norm": (_split_forward, _split_backward)}
 
 
 def rms_norm(

@@ -191,6 +191,25 @@ def _dcos_dsin(x, dy, cos, sin, table):
     return dcos, dsin
 
 
+def _grads(dy, dky, x, cos, sin, k, needs, table):
+    """``(dx, dcos, dsin, dk)``, each None unless ``needs`` (x, cos, sin, k) asks."""
+    need_x, need_cs, need_k = needs[0], needs[1] or needs[2], k is not None and needs[3]
+    dy = dy.contiguous()
+    dky = dky.contiguous() if need_k or (need_cs and k is not None) else None
+    dx = dk = None
+    if need_x or need_k:
+        dx, dk = _rotate(dy, dky if need_k else None, cos, sin, True, table)
+    dcos = dsin = None
+    if need_cs:
+        # As two separate calls: each tensor's sum over its heads, then their sum (autograd
+        # would add the two uses' gradients; two fp32 terms add alike in either order).
+        dcos, dsin = _dcos_dsin(x, dy, cos, sin, table)
+        if k is not None:
+            dcos_k, dsin_k = _dcos_dsin(k, dky, cos, sin, table)
+            dcos, dsin = dcos + dcos_k, dsin + dsin_k
+    return (dx if need_x else None), dcos, dsin, dk
+
+
 class ApplyRotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, k, table):  # contiguous inputs (apply_rotary)
@@ -202,25 +221,32 @@ class ApplyRotaryFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dky=None):
         x, cos, sin, k = ctx.saved_tensors
-        need_x, need_cs, need_k = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1] or ctx.needs_input_grad[2],
-            k is not None and ctx.needs_input_grad[3],
-        )
-        dy = dy.contiguous()
-        dky = dky.contiguous() if need_k or (need_cs and k is not None) else None
-        dx = dk = None
-        if need_x or need_k:
-            dx, dk = _rotate(dy, dky if need_k else None, cos, sin, True, ctx.table)
-        dcos = dsin = None
-        if need_cs:
-            # As two separate calls: each tensor's sum over its heads, then their sum (autograd
-            # would add the two uses' gradients; two fp32 terms add alike in either order).
-            dcos, dsin = _dcos_dsin(x, dy, cos, sin, ctx.table)
-            if k is not None:
-                dcos_k, dsin_k = _dcos_dsin(k, dky, cos, sin, ctx.table)
-                dcos, dsin = dcos + dcos_k, dsin + dsin_k
-        return (dx if need_x else None), dcos, dsin, dk, None
+        needs = ctx.needs_input_grad
+        return (*_grads(dy, dky, x, cos, sin, k, (needs[0], *needs[1:4]), ctx.table), None)
+
+
+def _contiguous(x, cos, sin, k):
+    return x.contiguous(), cos.contiguous(), sin.contiguous(), (k if k is None else k.contiguous())
+
+
+def _split_forward(x, cos, sin, k=None, *, table):
+    x, cos, sin, k = _contiguous(x, cos, sin, k)
+    y, ky = _rotate(x, k, cos, sin, False, table)
+    return ((y,) if k is None else (y, ky)), ()
+
+
+def _split_backward(grads, outs, extras, needs, x, cos, sin, k=None, *, table):
+    x, cos, sin, k = _contiguous(x, cos, sin, k)
+    dy = torch.zeros_like(x) if grads[0] is None else grads[0]
+    dky = None
+    if k is not None:
+        dky = torch.zeros_like(k) if grads[1] is None else grads[1]
+    return _grads(dy, dky, x, cos, sin, k, needs, table)
+
+
+#: ``apply_rotary``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`ApplyRotaryFunction`.
+AUTOGRAD = {"apply_rotary": (_split_forward, _split_backward)}
 
 
 def apply_rotary(

@@ -1,0 +1,604 @@
+"""rlk's ops as ``torch.library`` custom operators, namespace ``rlk``: what ``torch.compile``
+sees.
+
+Each public op is one operator, ``torch.ops.rlk.<op>``, with a fake implementation (the
+shapes and dtypes of its outputs, so that FakeTensor, ``torch.compile`` and ``torch.export``
+need no kernel) and, where it has a gradient, autograd through
+``torch.library.register_autograd`` whose backward is a second operator,
+``torch.ops.rlk.<op>_backward``. Dynamo treats both as opaque: no graph break, nothing of
+rlk's dispatch traced.
+
+While ``torch.compile`` traces (``torch.compiler.is_compiling()``) a public function runs its
+argument checks (at trace time) and calls the operator; eagerly it calls the backend directly,
+as it always did, so eager bits and host cost are unchanged. The operators' implementations
+pick the backend when they run (``RLK_BACKEND``, ``rlk.use_backend``), exactly as an eager call
+does: nothing of the backend is in the graph. (CUDA graphs, ``mode="reduce-overhead"``, replay
+the kernels recorded, so there the backend of the recording stands until the graph is
+recorded again.)
+
+**Forward and backward.** A backend's :class:`rlk.BackendImpl` may give, per op, an
+:class:`rlk._plugins.OpAutograd`: a forward that returns the outputs and the tensors its
+backward needs besides the op's inputs and outputs (:data:`EXTRAS`), and that backward. The
+Triton backends do, with the kernels of their ``autograd.Function`` (the same launches, so the
+same bits, and nothing recomputed). A backend without one (the float64 reference, Ascend's
+portable code) runs its own op in the forward, returns the extras filled with NaN (or the
+lowest integer), and in the backward runs its own op again under autograd and differentiates
+it: its own bits, at the cost of a second forward. A backward runs the backend selected when
+it runs; keep a forward and its backward under one selection.
+
+**Value checks.** Under ``torch.compile`` the checks that read tensor values (index ranges,
+offsets; always on for CPU tensors eagerly) are not run: a host read would break the graph.
+The type, dtype, shape and device checks run when the graph is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rlk._catalog import GRAD_ARGS
+from rlk._plugins import backend_impl
+
+LIB = "rlk"
+
+#: Per differentiable op, the arguments that get a gradient: the catalog's, and apply_rotary's
+#: cos and sin (its eager backward differentiates them too).
+GRADS = {**GRAD_ARGS, "apply_rotary": ("x", "cos", "sin", "k")}
+
+#: policy_loss's operator arguments after its four tensors: its keywords, with the ones that
+#: take several kinds of value given as several arguments (see :func:`_encode_policy`).
+POLICY_KWONLY = (
+    "clip_low",
+    "clip_high",
+    "clip_c",
+    "agg",
+    "ratio_level",
+    "rollout_logprobs",
+    "is_level",
+    "is_mode",
+    "is_min",
+    "is_max",
+    "is_normalize",
+    "is_normalize_value",
+    "is_normalize_tensor",
+    "reject",
+    "num_tokens",
+    "num_tokens_tensor",
+    "num_seqs",
+    "num_seqs_tensor",
+    "norm_length",
+)
+
+#: Per op: the backend's arguments in order, each ``(name, kind)``: ``"pos"`` positional,
+#: ``"opt"`` positional and left out of the backend call when None (a one-tensor
+#: silu_and_mul / apply_rotary), ``"kw"`` by keyword, ``"kw?"`` by keyword only when not None.
+ARGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "linear": (("x", "pos"), ("weight", "pos"), ("bias", "pos")),
+    "rms_norm": (("x", "pos"), ("weight", "pos"), ("eps", "pos"), ("residual", "pos")),
+    "silu_and_mul": (("x", "pos"), ("up", "opt")),
+    "apply_rotary": (("x", "pos"), ("cos", "pos"), ("sin", "pos"), ("k", "opt")),
+    "attention": (
+        ("q", "pos"),
+        ("k", "pos"),
+        ("v", "pos"),
+        ("cu_seqlens_q", "pos"),
+        ("cu_seqlens_k", "pos"),
+        ("causal", "pos"),
+        ("scale", "pos"),
+        ("max_seqlen_q", "kw?"),
+        ("max_seqlen_k", "kw?"),
+    ),
+    "paged_attention": tuple(
+        (n, "pos")
+        for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q", "scale")
+    ),
+    "logprobs": tuple((n, "pos") for n in ("logits", "targets", "temperature", "return_entropy")),
+    "linear_logprobs": tuple(
+        (n, "pos")
+        for n in (
+            "hidden",
+            "weight",
+            "targets",
+            "bias",
+            "temperature",
+            "return_entropy",
+            "logits_dtype",
+        )
+    ),
+    "kl_penalty": (
+        ("logprobs", "pos"),
+        ("ref_logprobs", "pos"),
+        ("kind", "pos"),
+        ("clamp", "kw"),
+        ("old_logprobs", "kw"),
+    ),
+    "grpo_advantages": (
+        ("rewards", "pos"),
+        ("group_size", "pos"),
+        ("norm_std", "kw"),
+        ("eps", "kw"),
+        ("group_ids", "kw"),
+        ("estimator", "kw"),
+        ("mask", "kw"),
+    ),
+    "policy_loss": (
+        *((n, "pos") for n in ("logprobs", "old_logprobs", "advantages", "mask")),
+        *((n, "kw") for n in POLICY_KWONLY),
+    ),
+    "sample": (
+        ("logits", "pos"),
+        ("seeds", "pos"),
+        ("offsets", "pos"),
+        ("temperature", "kw"),
+        ("top_k", "kw"),
+        ("top_p", "kw"),
+    ),
+}
+
+#: The operators' schemas (their arguments; every forward returns ``Tensor[]``: the outputs,
+#: then the :data:`EXTRAS`).
+SCHEMAS: dict[str, str] = {
+    "linear": "Tensor x, Tensor weight, Tensor? bias",
+    "rms_norm": "Tensor x, Tensor weight, float eps, Tensor? residual",
+    "silu_and_mul": "Tensor x, Tensor? up",
+    "apply_rotary": "Tensor x, Tensor cos, Tensor sin, Tensor? k",
+    "attention": "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "bool causal, float scale, SymInt? max_seqlen_q, SymInt? max_seqlen_k",
+    "paged_attention": "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+    "Tensor seq_lens, Tensor cu_seqlens_q, float scale",
+    "logprobs": "Tensor logits, Tensor targets, float temperature, bool return_entropy",
+    "linear_logprobs": "Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
+    "float temperature, bool return_entropy, ScalarType logits_dtype",
+    "kl_penalty": "Tensor logprobs, Tensor ref_logprobs, str kind, float? clamp, "
+    "Tensor? old_logprobs",
+    "grpo_advantages": "Tensor rewards, SymInt? group_size, str norm_std, float eps, "
+    "Tensor? group_ids, str estimator, Tensor? mask",
+    "policy_loss": "Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
+    "float clip_low, float clip_high, float? clip_c, str agg, str ratio_level, "
+    "Tensor? rollout_logprobs, str? is_level, str is_mode, float? is_min, float? is_max, "
+    "str is_normalize, float is_normalize_value, Tensor? is_normalize_tensor, float[] reject, "
+    "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
+    "float? norm_length",
+    "sample": "Tensor logits, Tensor seeds, Tensor offsets, Tensor temperature, Tensor? top_k, "
+    "Tensor? top_p",
+}
+
+
+def _f32(*shape: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
+def _rows_out(a: dict[str, Any], n: str, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    t = a[n]
+    return torch.empty((t.shape[0], cols), dtype=dtype, device=t.device)
+
+
+def _logprob_outs(a: dict[str, Any], src: str) -> list[torch.Tensor]:
+    t = a[src].shape[0]
+    return [_f32(t, like=a[src]) for _ in range(2 if a["return_entropy"] else 1)]
+
+
+#: Per op, the outputs' shapes and dtypes as empty tensors, from the arguments by name (the
+#: fake implementation; a backend's outputs must match them, strides included: contiguous).
+OUTPUTS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
+    "linear": lambda a: [_rows_out(a, "x", a["weight"].shape[0], a["x"].dtype)],
+    "rms_norm": lambda a: [
+        torch.empty_like(a["x"]) for _ in range(1 if a["residual"] is None else 2)
+    ],
+    "silu_and_mul": lambda a: [
+        _rows_out(a, "x", a["x"].shape[1] // (1 if a["up"] is not None else 2), a["x"].dtype)
+    ],
+    "apply_rotary": lambda a: [torch.empty_like(a["x"])]
+    + ([torch.empty_like(a["k"])] if a["k"] is not None else []),
+    "attention": lambda a: [torch.empty_like(a["q"])],
+    "paged_attention": lambda a: [torch.empty_like(a["q"])],
+    "logprobs": lambda a: _logprob_outs(a, "logits"),
+    "linear_logprobs": lambda a: _logprob_outs(a, "hidden"),
+    "kl_penalty": lambda a: [
+        torch.empty(a["logprobs"].shape, dtype=torch.float32, device=a["logprobs"].device)
+    ],
+    "grpo_advantages": lambda a: [_f32(a["rewards"].shape[0], like=a["rewards"])],
+    "policy_loss": lambda a: [
+        _f32(like=a["logprobs"]),
+        _f32(len(policy_metrics(a)), like=a["logprobs"]),
+    ],
+    "sample": lambda a: [
+        torch.empty(a["logits"].shape[0], dtype=torch.int64, device=a["logits"].device)
+    ],
+}
+
+#: Per differentiable op, the tensors its backward needs besides the op's inputs and outputs,
+#: as a backend's :class:`OpAutograd` forward must return them: ``rms_norm``: each row's
+#: ``1 / rms`` (fp32 ``[T]``); ``attention``: each query row's log-sum-exp (fp32 ``[Tq, Hq]``,
+#: natural log, of the scaled scores); ``logprobs``, ``linear_logprobs``: each row's log-sum-exp
+#: of the logits over the temperature (fp32 ``[T]``).
+EXTRAS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
+    "linear": lambda a: [],
+    "rms_norm": lambda a: [_f32(a["x"].shape[0], like=a["x"])],
+    "silu_and_mul": lambda a: [],
+    "apply_rotary": lambda a: [],
+    "attention": lambda a: [_f32(a["q"].shape[0], a["q"].shape[1], like=a["q"])],
+    "logprobs": lambda a: [_f32(a["logits"].shape[0], like=a["logits"])],
+    "linear_logprobs": lambda a: [_f32(a["hidden"].shape[0], like=a["hidden"])],
+    "kl_penalty": lambda a: [],
+}
+
+#: The outputs a differentiable op's backward reads (indices into its outputs): the others
+#: are not kept for it.
+SAVED_OUTPUTS: dict[str, Callable[[dict[str, Any]], tuple[int, ...]]] = {
+    "rms_norm": lambda a: () if a["residual"] is None else (1,),  # s = x + residual
+    "attention": lambda a: (0,),
+    "logprobs": lambda a: (1,) if a["return_entropy"] else (),  # the entropy
+    "linear_logprobs": lambda a: (1,) if a["return_entropy"] else (),
+}
+
+#: Ops whose backward operator returns its gradients as one flat tensor, back to back (the
+#: autograd formula takes views of it): attention's backward fills one buffer for dq, dk and
+#: dv, and an operator's outputs may not alias one another.
+PACKED_GRADS = frozenset({"attention"})
+
+#: Gradients that are another argument's: rms_norm's ``x`` and ``residual`` enter only through
+#: their sum, so the backward returns one tensor for both.
+SAME_GRAD = {"rms_norm": {"residual": "x"}}
+
+
+def _names(op: str) -> tuple[str, ...]:
+    return tuple(n for n, _ in ARGS[op])
+
+
+def _reject_options() -> tuple[str, ...]:
+    from rlk._ops import REJECT_OPTIONS
+
+    return REJECT_OPTIONS
+
+
+def policy_metrics(a: Mapping[str, Any]) -> list[str]:
+    """The metrics policy_loss returns for its operator arguments ``a``, in their order."""
+    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if a["clip_c"] is not None:
+        names.append("dual_clip_fraction")
+    if a["rollout_logprobs"] is not None and a["is_level"] is not None:
+        names.append("is_weight_mean")
+    if a["rollout_logprobs"] is not None and a["reject"]:
+        names.append("reject_fraction")
+    return names
+
+
+def _encode_policy(a: dict[str, Any]) -> None:
+    """policy_loss's keywords (as a backend gets them) as operator arguments, in place: a
+    number-or-tensor as two arguments, ``is_normalize`` as a kind and a value, ``reject`` as
+    ``[lower, upper]`` per option of ``REJECT_OPTIONS`` (NaN: no bound; empty: no rejection)."""
+    norm = a["is_normalize"]
+    a["is_normalize_value"], a["is_normalize_tensor"] = 0.0, None
+    if isinstance(norm, bool):
+        a["is_normalize"] = "mean" if norm else "off"
+    elif isinstance(norm, torch.Tensor):
+        a["is_normalize"], a["is_normalize_tensor"] = "tensor", norm
+    else:
+        a["is_normalize"], a["is_normalize_value"] = "value", float(norm)
+    reject = a["reject"]
+    flat: list[float] = []
+    if reject:
+        for option in _reject_options():
+            lo, hi = reject.get(option, (math.nan, math.nan))
+            flat += [math.nan if lo is None else lo, hi]
+    a["reject"] = flat
+    for n in ("num_tokens", "num_seqs"):
+        v = a[n]
+        a[n], a[f"{n}_tensor"] = (None, v) if isinstance(v, torch.Tensor) else (v, None)
+
+
+def _decode_policy(a: dict[str, Any]) -> None:
+    """The inverse of :func:`_encode_policy`, in place."""
+    kind = a.pop("is_normalize")
+    value, tensor = a.pop("is_normalize_value"), a.pop("is_normalize_tensor")
+    a["is_normalize"] = {"off": False, "mean": True, "value": value, "tensor": tensor}[kind]
+    flat, reject = a["reject"], {}
+    for i, option in enumerate(_reject_options() if flat else ()):
+        lo, hi = flat[2 * i], flat[2 * i + 1]
+        if not math.isnan(hi):
+            reject[option] = (None if math.isnan(lo) else lo, hi)
+    a["reject"] = reject or None
+    for n in ("num_tokens", "num_seqs"):
+        t = a.pop(f"{n}_tensor")
+        if t is not None:
+            a[n] = t
+
+
+def n_outputs(op: str, a: Mapping[str, Any]) -> int:
+    """How many outputs the operator returns before its extras (no tensor made)."""
+    if op == "rms_norm":
+        return 1 + (a["residual"] is not None)
+    if op == "apply_rotary":
+        return 1 + (a["k"] is not None)
+    if op in ("logprobs", "linear_logprobs"):
+        return 1 + bool(a["return_entropy"])
+    return 2 if op == "policy_loss" else 1
+
+
+def backend_call(op: str, values: tuple) -> tuple[tuple, dict[str, Any]]:
+    """The backend's ``(args, kwargs)`` from the operator's arguments, in the catalog's way."""
+    args, kwargs = [], {}
+    if op == "policy_loss":
+        a = dict(zip(_names(op), values))
+        _decode_policy(a)
+        return tuple(a.pop(n) for n in _names(op)[:4]), a
+    for (name, kind), v in zip(ARGS[op], values):
+        if kind == "pos" or (kind == "opt" and v is not None):
+            args.append(v)
+        elif kind == "kw" or (kind == "kw?" and v is not None):
+            kwargs[name] = v
+    return tuple(args), kwargs
+
+
+def _as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    """An extra a backend without :class:`OpAutograd` does not compute: NaN (or the lowest
+    integer), so that a backward of another backend reading it cannot pass for right."""
+    fill = math.nan if t.dtype.is_floating_point else torch.iinfo(t.dtype).min
+    return torch.full(t.shape, fill, dtype=t.dtype, device=t.device)
+
+
+def _forward_impl(op: str) -> Callable[..., list[torch.Tensor]]:
+    names = _names(op)
+    extras_of = EXTRAS.get(op)
+
+    def impl(*values: Any) -> list[torch.Tensor]:
+        args, kwargs = backend_call(op, values)
+        impl_ = backend_impl(values[0].device)
+        split = impl_.autograd.get(op) if extras_of is not None else None
+        if split is not None:
+            outs, extras = split.forward(*args, **kwargs)
+            return [*outs, *extras]
+        outs = _as_tuple(op_outputs(op, impl_.ops[op](*args, **kwargs)))
+        if extras_of is None:
+            return list(outs)
+        extras = [_poison(t) for t in extras_of(dict(zip(names, values)))]
+        return [*outs, *extras]
+
+    return impl
+
+
+def _fake_impl(op: str) -> Callable[..., list[torch.Tensor]]:
+    names = _names(op)
+    extras_of = EXTRAS.get(op, lambda a: [])
+
+    def fake(*values: Any) -> list[torch.Tensor]:
+        a = dict(zip(names, values))
+        return [*OUTPUTS[op](a), *extras_of(a)]
+
+    return fake
+
+
+_AUTOCAST = [k for n, k in torch._C.DispatchKey.__members__.items() if n.startswith("Autocast")]
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Autograd inside an operator's implementation, which runs below autograd (its dispatch
+    keys excluded): the recomputing backward of a backend without :class:`OpAutograd` needs
+    them back. Autocast stays off, as it is for the operator."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    keep = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    for key in _AUTOCAST:
+        if excluded.has(key):
+            keep = keep.add(key)
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, keep), torch.enable_grad():
+        yield
+
+
+def _recompute_grads(impl_, op: str, grads, needs, args, kwargs) -> tuple:
+    """The backend's own op run again under autograd, differentiated: ``needs``' gradients."""
+    names = [n for n, k in ARGS[op] if k in ("pos", "opt")]
+    args = list(args)
+    leaves = {}
+    for want, name in zip(needs, GRADS[op]):
+        holder, key = (args, names.index(name)) if name in names else (kwargs, name)
+        if want:
+            holder[key] = leaves[name] = holder[key].detach().requires_grad_()
+    with _autograd_inside_op():
+        outs = _as_tuple(op_outputs(op, impl_.ops[op](*args, **kwargs)))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        got = torch.autograd.grad(
+            [o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs], allow_unused=True
+        )
+    got = dict(zip(leaves, got))
+    return tuple(
+        (torch.zeros_like(leaves[n]) if got[n] is None else got[n]) if n in leaves else None
+        for n in GRADS[op]
+    )
+
+
+def op_outputs(op: str, out: Any) -> Any:
+    """A backend's outputs as the operator returns them: policy_loss's metrics as one tensor
+    (the operator's outputs may not alias one another, and a backend's metrics may be views of
+    one buffer)."""
+    if op != "policy_loss":
+        return out
+    loss, metrics = out
+    return loss, torch.stack([m.reshape(()).float() for m in metrics.values()])
+
+
+def _distinct_grads(op: str) -> tuple[str, ...]:
+    same = SAME_GRAD.get(op, {})
+    return tuple(n for n in GRADS[op] if n not in same)
+
+
+def _backward_impl(op: str) -> Callable[..., list[torch.Tensor]]:
+    distinct = _distinct_grads(op)
+
+    def impl(grads, outs, extras, *rest) -> list[torch.Tensor]:
+        *values, needs = rest
+        args, kwargs = backend_call(op, tuple(values))
+        impl_ = backend_impl(values[0].device)
+        split = impl_.autograd.get(op)
+        if split is not None:
+            got = split.backward(tuple(grads), tuple(outs), tuple(extras), tuple(needs), *args,
+                                 **kwargs)  # fmt: skip
+        else:
+            got = _recompute_grads(impl_, op, tuple(grads), tuple(needs), args, kwargs)
+        by_name = dict(zip(GRADS[op], got))
+        out = [by_name[n] for n, want in zip(GRADS[op], needs) if want and n in distinct]
+        return [_flat(out)] if op in PACKED_GRADS else _unaliased(out, values)
+
+    return impl
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``grads`` back to back in one 1-D tensor: their own buffer where they are consecutive
+    contiguous views of one (no copy), else a concatenation."""
+    base = grads[0]._base if grads else None
+    offset = 0
+    for g in grads:
+        if g._base is not base or not g.is_contiguous() or g.storage_offset() != offset:
+            base = None
+            break
+        offset += g.numel()
+    if base is not None and base.dim() == 1 and base.numel() == offset:
+        return base
+    return torch.cat([g.reshape(-1) for g in grads]) if grads else torch.empty(0)
+
+
+def _unaliased(grads: list[torch.Tensor], values) -> list[torch.Tensor]:
+    """``grads``, with a copy of any that shares memory with an argument or an earlier one (an
+    operator's outputs may alias neither)."""
+    seen = {v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)}
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen and g.numel():
+            g = g.clone()
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(g)
+    return out
+
+
+def _backward_fake(op: str) -> Callable[..., list[torch.Tensor]]:
+    names = _names(op)
+    distinct = _distinct_grads(op)
+
+    def fake(grads, outs, extras, *rest) -> list[torch.Tensor]:
+        *values, needs = rest
+        a = dict(zip(names, values))
+        want = [a[n] for n, w in zip(GRADS[op], needs) if w and n in distinct]
+        if op in PACKED_GRADS:
+            numel = sum(t.numel() for t in want)
+            return [torch.empty(numel, dtype=want[0].dtype, device=want[0].device)]
+        return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in want]
+
+    return fake
+
+
+def _setup_context(op: str) -> Callable[..., None]:
+    names = _names(op)
+
+    def setup_context(ctx, inputs, output) -> None:
+        a = dict(zip(names, inputs))
+        n = n_outputs(op, a)
+        keep = SAVED_OUTPUTS.get(op, lambda a: ())(a)
+        tensors = [v if isinstance(v, torch.Tensor) else None for v in inputs]
+        ctx.slots = [i for i, t in enumerate(tensors) if t is not None]
+        ctx.plain = [None if isinstance(v, torch.Tensor) else v for v in inputs]
+        ctx.n_outs, ctx.keep = n, keep
+        ctx.save_for_backward(
+            *(tensors[i] for i in ctx.slots), *(output[i] for i in keep), *output[n:]
+        )
+
+    return setup_context
+
+
+def _backward(op: str) -> Callable[..., tuple]:
+    names = _names(op)
+    position = {n: i for i, n in enumerate(names)}
+    distinct = _distinct_grads(op)
+    backward_op = getattr(getattr(torch.ops, LIB), f"{op}_backward")
+
+    def backward(ctx, grads):
+        saved = ctx.saved_tensors
+        values = list(ctx.plain)
+        for j, i in enumerate(ctx.slots):
+            values[i] = saved[j]
+        rest = saved[len(ctx.slots) :]
+        outs: list[torch.Tensor | None] = [None] * ctx.n_outs
+        for j, i in enumerate(ctx.keep):
+            outs[i] = rest[j]
+        extras = list(rest[len(ctx.keep) :])
+        needs = [bool(ctx.needs_input_grad[position[n]]) for n in GRADS[op]]
+        for n, src in SAME_GRAD.get(op, {}).items():
+            if needs[GRADS[op].index(n)] and values[position[n]] is not None:
+                needs[GRADS[op].index(src)] = True
+        got = backward_op(list(grads[: ctx.n_outs]), outs, extras, *values, needs)
+        if op in PACKED_GRADS:
+            got = _unflat(got[0], [values[position[n]] for n, w in zip(GRADS[op], needs) if w])
+        got = iter(got)
+        by_name = {n: next(got) for n, want in zip(GRADS[op], needs) if want and n in distinct}
+        for n, src in SAME_GRAD.get(op, {}).items():
+            by_name[n] = by_name.get(src) if values[position[n]] is not None else None
+        result = [None] * len(names)
+        for n, g in by_name.items():
+            if ctx.needs_input_grad[position[n]]:
+                result[position[n]] = g
+        return tuple(result)
+
+    return backward
+
+
+def _unflat(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _define() -> None:
+    for op, args in SCHEMAS.items():
+        qualname = f"{LIB}::{op}"
+        torch.library.custom_op(
+            qualname, _forward_impl(op), mutates_args=(), schema=f"({args}) -> Tensor[]"
+        )
+        torch.library.register_fake(qualname, _fake_impl(op))
+        if op not in GRADS:
+            continue
+        back = f"{LIB}::{op}_backward"
+        torch.library.custom_op(
+            back,
+            _backward_impl(op),
+            mutates_args=(),
+            schema=f"(Tensor?[] grads, Tensor?[] outs, Tensor[] extras, {args}, bool[] needs) "
+            "-> Tensor[]",
+        )
+        torch.library.register_fake(back, _backward_fake(op))
+        torch.library.register_autograd(
+            qualname, _backward(op), setup_context=_setup_context(op)
+        )
+
+
+_define()
+
+
+def call(op: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """``torch.ops.rlk.<op>`` on a backend call's ``(args, kwargs)`` (what ``rlk._ops`` passes
+    a backend), returning what the backend returns."""
+    names = _names(op)
+    positional = [n for n, k in ARGS[op] if k in ("pos", "opt")]
+    a = dict(zip(positional, args))
+    a.update(kwargs)
+    if op == "policy_loss":
+        _encode_policy(a)
+    values = [a.get(n) for n in names]
+    outs = getattr(getattr(torch.ops, LIB), op)(*values)
+    a = dict(zip(names, values))
+    if op == "policy_loss":
+        return outs[0], {n: outs[1][i] for i, n in enumerate(policy_metrics(a))}
+    n = n_outputs(op, a)
+    return outs[0] if n == 1 else tuple(outs[:n])
