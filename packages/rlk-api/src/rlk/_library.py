@@ -192,8 +192,9 @@ OUTPUTS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
     "silu_and_mul": lambda a: [
         _rows_out(a, "x", a["x"].shape[1] // (1 if a["up"] is not None else 2), a["x"].dtype)
     ],
-    "apply_rotary": lambda a: [torch.empty_like(a["x"])]
-    + ([torch.empty_like(a["k"])] if a["k"] is not None else []),
+    "apply_rotary": lambda a: (
+        [torch.empty_like(a["x"])] + ([torch.empty_like(a["k"])] if a["k"] is not None else [])
+    ),
     "attention": lambda a: [torch.empty_like(a["q"])],
     "paged_attention": lambda a: [torch.empty_like(a["q"])],
     "logprobs": lambda a: _logprob_outs(a, "logits"),
@@ -578,26 +579,28 @@ def _define() -> None:
             "-> Tensor[]",
         )
         torch.library.register_fake(back, _backward_fake(op))
-        torch.library.register_autograd(
-            qualname, _backward(op), setup_context=_setup_context(op)
-        )
+        torch.library.register_autograd(qualname, _backward(op), setup_context=_setup_context(op))
 
 
 _define()
 
 
-def call(op: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-    """``torch.ops.rlk.<op>`` on a backend call's ``(args, kwargs)`` (what ``rlk._ops`` passes
-    a backend), returning what the backend returns."""
-    names = _names(op)
+def operator_args(op: str, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
+    """``torch.ops.rlk.<op>``'s arguments for a backend call's ``(args, kwargs)``."""
     positional = [n for n, k in ARGS[op] if k in ("pos", "opt")]
     a = dict(zip(positional, args))
     a.update(kwargs)
     if op == "policy_loss":
         _encode_policy(a)
-    values = [a.get(n) for n in names]
+    return [a.get(n) for n in _names(op)]
+
+
+def call(op: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    """``torch.ops.rlk.<op>`` on a backend call's ``(args, kwargs)`` (what the public function
+    passes a backend), returning what the backend returns."""
+    values = operator_args(op, args, kwargs)
     outs = getattr(getattr(torch.ops, LIB), op)(*values)
-    a = dict(zip(names, values))
+    a = dict(zip(_names(op), values))
     if op == "policy_loss":
         return outs[0], {n: outs[1][i] for i, n in enumerate(policy_metrics(a))}
     n = n_outputs(op, a)
