@@ -46,6 +46,9 @@ sequence's first, their sum, backward:
   (:class:`~rlk_integrations.training.GraphedLogprobs`, its bucket the row's shape; the
   warm-up call captures).
 
+The same step with ``torch.compile`` on both sides (``e2e.train.compiled``: stock, stock with
+Liger's kernels, rlk) is :mod:`rlk_integrations.e2e_compile`'s.
+
 A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
 :data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
 of the packed row (``tokens``).
@@ -499,6 +502,10 @@ def _bench_model(
         for b in batches:
             _rollouts(model, name, b, new, PROMPT_LEN, device, emit, long=False)
         _trainings(model, name, n, length, device, emit, flce)
+        if device.type == "cuda":  # torch.compile on both sides (e2e_compile.py)
+            from rlk_integrations.e2e_compile import compiled_trainings
+
+            compiled_trainings(name, n, length, device, emit, flce)
         _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:
         unpatch_model(model)

@@ -129,6 +129,67 @@ def packed_logprobs(
     return list(lp.split(sizes))
 
 
+def compiled_logprobs(
+    model: torch.nn.Module,
+    *,
+    temperature: float = 1.0,
+    logits_dtype: torch.dtype | None = None,
+    **compile_kwargs: Any,
+):
+    """:func:`packed_logprobs`' rlk pass under ``torch.compile(fullgraph=True)`` (and
+    ``compile_kwargs``, e.g. ``mode="reduce-overhead"`` for CUDA graphs): returns a function
+    ``samples -> [len(response)] float32 per sample``, differentiable, bitwise the eager pass.
+
+    The packed offsets and the longest sequence go to attention (``cu_seq_lens_q/k``,
+    ``max_length_q/k``), so the compiled graph reads nothing on the host; the rotary table is
+    extended to the longest sequence before each call, outside the graph. ``model`` is a model
+    patched by :func:`rlk_integrations.transformers.patch_model`.
+    """
+    from rlk_integrations.transformers import decoder
+
+    base = decoder(model)
+
+    def packed(ids, pos, cu, rows, targets, longest):
+        hidden = base(
+            input_ids=ids,
+            position_ids=pos,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=longest,
+            max_length_k=longest,
+            use_cache=False,
+        ).last_hidden_state.squeeze(0)
+        head = model.get_output_embeddings()
+        return rlk.linear_logprobs(
+            hidden.index_select(0, rows),
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=temperature if temperature > 0 else 1.0,
+            logits_dtype=logits_dtype,
+        )
+
+    compiled = torch.compile(packed, fullgraph=True, **compile_kwargs)
+
+    def run(samples: list[Sample]) -> list[torch.Tensor]:
+        device = next(model.parameters()).device
+        ids, pos, cu, rows, targets = _pack_lists(samples)
+        longest = max(len(s.tokens) for s in samples)
+        base.rotary_emb._rlk_table.reserve(longest)
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+        lp = compiled(
+            as_long(ids)[None],
+            as_long(pos)[None],
+            torch.tensor(cu, dtype=torch.int32, device=device),
+            as_long(rows),
+            as_long(targets),
+            longest,
+        )
+        return list(lp.split([len(s.response) for s in samples]))
+
+    return run
+
+
 def bucket_of(batches: list[list[Sample]]) -> dict[str, int]:
     """The smallest :class:`GraphedLogprobs` bucket that holds each of ``batches``:
     ``max_tokens``, ``max_seqs``, ``max_seq_len`` and ``max_rows``."""

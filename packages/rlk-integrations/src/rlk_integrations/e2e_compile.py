@@ -1,0 +1,124 @@
+"""The e2e family's compiled training rows (``e2e.train.compiled``, CUDA only): the training
+row's step (:mod:`rlk_integrations.e2e_bench`: the packed row, the log-probability of every
+token after each sequence's first, their sum, backward) with ``torch.compile`` on both sides:
+
+- ``stock compiled``: stock transformers, ``model(...).logits``, ``log_softmax`` + ``gather``
+  in fp32, compiled (graph breaks allowed);
+- ``stock+liger compiled``: stock transformers with Liger's kernels applied (its RMSNorm,
+  SwiGLU MLP and rotary, through ``apply_liger_kernel_to_<model_type>``), the hidden states
+  into Liger's fused linear cross-entropy, compiled (graph breaks allowed); skipped when Liger
+  is missing or fails;
+- ``rlk compiled``: :func:`rlk_integrations.training.compiled_logprobs` (the patched model,
+  ``fullgraph=True``).
+
+Each row compiles a model of its own (the same seeded weights), so that Liger's changes to the
+model and to transformers' modules (restored afterwards) reach no other row. The warm-up
+iterations compile; the timed ones run the compiled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rlk_integrations import training
+from rlk_integrations.models import load_model
+from rlk_integrations.rollout import Sample
+from rlk_integrations.transformers import decoder, patch_model
+
+
+@contextlib.contextmanager
+def _liger_applied(model) -> Iterator[None]:
+    """Liger's kernels on ``model`` (rotary, RMSNorm, SwiGLU), and transformers' modeling
+    module of its architecture restored on exit (Liger replaces its names)."""
+    from liger_kernel import transformers as liger
+
+    kind = model.config.model_type
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    saved = dict(vars(module))
+    try:
+        getattr(liger, f"apply_liger_kernel_to_{kind}")(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+            fused_linear_cross_entropy=False, model=model,
+        )  # fmt: skip
+        yield
+    finally:
+        for name in set(vars(module)) - set(saved):
+            delattr(module, name)
+        for name, value in saved.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+
+
+def _stock(model, flce) -> Callable[[list[Sample]], torch.Tensor]:
+    """The stock step's log-probabilities (``flce``: through Liger's fused linear
+    cross-entropy), compiled."""
+
+    def logprobs(ids, pos, rows, targets):
+        if flce is None:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            logp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+            return logp.gather(1, targets[:, None]).reshape(-1)
+        hidden = decoder(model)(input_ids=ids, position_ids=pos, use_cache=False)
+        head = model.get_output_embeddings()
+        h = hidden.last_hidden_state[0].index_select(0, rows)
+        return -flce(h, head.weight, targets, bias=head.bias, reduction="none")
+
+    compiled = torch.compile(logprobs)
+
+    def run(samples):
+        return compiled(*training._pack(samples, next(model.parameters()).device))
+
+    return run
+
+
+def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> None:
+    """The ``e2e.train.compiled`` rows of model ``name`` on the training rows' ``n``
+    sequences of ``length`` tokens, timed as they are."""
+    from rlk.bench import _timing
+    from rlk_integrations import e2e_bench as e2e
+    from rlk_integrations.models import make_config
+
+    samples = e2e._train_samples(make_config(name).vocab_size, n, length)
+    shape, tokens = f"{name} {n}x{length}", n * length
+
+    impls = [("stock compiled", None), ("stock+liger compiled", flce), ("rlk compiled", None)]
+    for impl, liger in impls:
+        if impl == "stock+liger compiled" and liger is None:
+            continue
+        torch._dynamo.reset()
+        model = load_model(name, dtype=e2e.DTYPE, device=device, seed=e2e.SEED)
+        try:
+            with contextlib.ExitStack() as stack:
+                if impl.startswith("rlk"):
+                    fn = training.compiled_logprobs(patch_model(model))
+                else:
+                    if liger is not None:
+                        stack.enter_context(_liger_applied(model))
+                    fn = _stock(model, liger)
+
+                def step(m, s, fn=fn):
+                    out = fn(s)
+                    (torch.cat(out) if isinstance(out, list) else out).sum().backward()
+
+                e2e._say(f"e2e: {shape} e2e.train.compiled {impl}")
+                seconds = e2e._train_seconds(model, step, samples, device)
+        except Exception as e:
+            if impl != "stock+liger compiled":
+                raise
+            e2e._say(f"e2e: stock+liger compiled failed, row skipped ({type(e).__name__}: {e})")
+            continue
+        finally:
+            model = fn = step = None  # the compiled code holds the model
+            torch._dynamo.reset()
+            e2e._free(device)
+        emit(
+            _timing.row(
+                "e2e.train.compiled", shape, "bf16", impl, seconds * 1e3,
+                timing=f"wall, median of {e2e.TRAIN_ITERS}", tok_s=round(tokens / seconds, 1),
+                tokens=tokens, layout=f"packed 1x{tokens}",
+            )
+        )  # fmt: skip
