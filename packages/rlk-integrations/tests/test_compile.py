@@ -16,8 +16,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-import torch._inductor.config as inductor_config  # noqa: E402
-
 from rlk_integrations import models, training  # noqa: E402
 from rlk_integrations.rollout import Sample  # noqa: E402
 from rlk_integrations.transformers import patch_model  # noqa: E402
@@ -41,6 +39,10 @@ def _step(model, fn, samples):
 
 
 def _check(model, samples, **compile_kwargs):
+    # Imported here: Inductor imports triton, which must come after rlk (it picks the
+    # interpreter on a CPU before triton loads).
+    import torch._inductor.config as inductor_config
+
     want_lp, want_g = _step(model, lambda s: training.packed_logprobs(model, s), samples)
     with inductor_config.patch(emulate_precision_casts=True):
         compiled = training.compiled_logprobs(model, **compile_kwargs)

@@ -25,6 +25,7 @@ _choose_triton_mode()
 
 # The ops are imported by name and listed in __all__ (spelled out for static tools: type
 # checkers, IDEs, the API docs); a test checks both against the catalog.
+from rlk import _library  # noqa: E402, F401  (defines the torch.ops.rlk operators)
 from rlk._ops import (  # noqa: E402, F401
     apply_rotary,
     attention,

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rlk._catalog import GRAD_ARGS
-from rlk._plugins import backend_impl
+from rlk._plugins import BackendImpl, resolved_impl
 
 LIB = "rlk"
 
@@ -353,7 +353,7 @@ def _forward_impl(op: str) -> Callable[..., list[torch.Tensor]]:
 
     def impl(*values: Any) -> list[torch.Tensor]:
         args, kwargs = backend_call(op, values)
-        impl_ = backend_impl(values[0].device)
+        impl_ = resolved_impl(values[0].device)
         split = impl_.autograd.get(op) if extras_of is not None else None
         if split is not None:
             outs, extras = split.forward(*args, **kwargs)
@@ -439,7 +439,7 @@ def _backward_impl(op: str) -> Callable[..., list[torch.Tensor]]:
     def impl(grads, outs, extras, *rest) -> list[torch.Tensor]:
         *values, needs = rest
         args, kwargs = backend_call(op, tuple(values))
-        impl_ = backend_impl(values[0].device)
+        impl_ = resolved_impl(values[0].device)
         split = impl_.autograd.get(op)
         if split is not None:
             got = split.backward(tuple(grads), tuple(outs), tuple(extras), tuple(needs), *args,
@@ -583,6 +583,30 @@ def _define() -> None:
 
 
 _define()
+
+
+class _TracedOps(Mapping):
+    """The ops a public function finds while ``torch.compile`` traces: each op of
+    :data:`SCHEMAS` as its operator; any other (the optional ops) as the selected backend's."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def __getitem__(self, op: str) -> Callable[..., Any]:
+        if op in SCHEMAS:
+            return lambda *args, **kwargs: call(op, args, kwargs)
+        return resolved_impl(self.device).ops[op]
+
+    def __iter__(self):
+        return iter(SCHEMAS)
+
+    def __len__(self) -> int:
+        return len(SCHEMAS)
+
+
+def traced_impl(device: Any) -> BackendImpl:
+    """What ``rlk._plugins.backend_impl`` returns while ``torch.compile`` traces."""
+    return BackendImpl(ops=_TracedOps(device), claims=frozenset())
 
 
 def operator_args(op: str, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:

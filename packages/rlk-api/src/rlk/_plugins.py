@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+import torch
 
 from rlk._catalog import OPS, OPTIONAL_OPS
 
@@ -487,8 +488,26 @@ def _device_type(device: Any) -> str:
 _resolved: dict[tuple[str, str], BackendImpl] = {}
 
 
+#: ``torch.compiler.is_compiling`` (a name of this module's, which tests can replace).
+_compiling = torch.compiler.is_compiling
+
+
 def backend_impl(device: Any) -> BackendImpl:
-    """The complete implementation serving ``device`` (used by every public op)."""
+    """The complete implementation serving ``device`` (used by every public op).
+
+    While ``torch.compile`` traces, the ops of the catalog are ``torch.ops.rlk``'s operators
+    (``rlk._library``), which pick the backend when they run: nothing of a backend is traced
+    into the graph, and a backend chosen after compiling serves the next call."""
+    if _compiling():
+        from rlk._library import traced_impl
+
+        return traced_impl(device)
+    return resolved_impl(device)
+
+
+def resolved_impl(device: Any) -> BackendImpl:
+    """The backend implementation selected now for ``device`` (:func:`backend_impl` outside
+    ``torch.compile``)."""
     device_type = getattr(device, "type", None) or _device_type(device)
     key = (_requested(), device_type)
     impl = _resolved.get(key)
