@@ -257,6 +257,22 @@ def test_loader_failure_is_a_reason_not_a_crash(plugins):
     _works("triton")
 
 
+@pytest.mark.parametrize("entry", ["not a pair", "unknown op"])
+def test_bad_autograd_entries_are_refused_at_load(plugins, entry):
+    from rlk._plugins import OpAutograd
+
+    pair = OpAutograd(lambda *a: None, lambda *a: None)
+    ops = _reference_ops()
+    autograd = {"linear": (pair.forward, pair.backward)} if entry == "not a pair" else {}
+    if entry == "unknown op":
+        ops.pop("kl_penalty")
+        autograd = {"kl_penalty": pair}
+    load = lambda: BackendImpl(ops=ops, claims=frozenset(), autograd=autograd)  # noqa: E731
+    plugins(_spec("odd", load=load))
+    with pytest.raises(BackendError, match="autograd for"):
+        _plugins.registry().load("odd", complete=False)
+
+
 def test_unavailable_backends_are_passed_over(plugins):
     plugins(_spec("elsewhere", priority=1000, available=(False, "no such accelerator")))
     assert rlk.current_backend("cpu") == "triton"

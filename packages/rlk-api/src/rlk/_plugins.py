@@ -334,6 +334,16 @@ class Registry:
                 bad = [op for op, fn in impl.ops.items() if not callable(fn)]
                 if bad:
                     raise BackendError(f"backend {name!r} serves {', '.join(bad)} with no callable")
+                bad = [
+                    op
+                    for op, pair in impl.autograd.items()
+                    if op not in impl.ops or not isinstance(pair, OpAutograd)
+                ]
+                if bad:
+                    raise BackendError(
+                        f"backend {name!r} gives autograd for {', '.join(map(str, bad))}: each "
+                        "entry must be an OpAutograd of an op it serves"
+                    )
                 self._loaded[name] = impl
         if complete and impl.missing():
             raise BackendError(

@@ -30,8 +30,11 @@ Not covered (these run the stock kernels, which may change with the batch size):
   ``layer_norm``/``rms_norm``; ``nll_loss``/``cross_entropy`` reductions over the batch
   (their ``_log_softmax`` is covered); cuDNN/cuBLASLt fused epilogues reached by other ops.
 - Devices other than CPU and CUDA (ROCm builds of torch use the CUDA key and are covered).
-- torch.compile: Inductor generates its own kernels from decompositions and does not call
-  these aten kernels.
+- Code Inductor compiles: it generates its own kernels from decompositions, and its extern
+  GEMMs are ``out=`` calls, so a graph ``torch.compile`` built with Inductor (the default) runs
+  none of these overrides. A graph compiled without Inductor (``backend="aot_eager"``) calls
+  the aten kernels and is served. rlk's own ops in a compiled graph are ``torch.ops.rlk``
+  operators and stay rlk's either way (``tests/test_library.py`` shows all three).
 
 The override is process-wide (the dispatcher is global), for every thread, while at least one
 ``batch_invariant()`` context is open; contexts nest, and the original kernels come back when
