@@ -303,12 +303,15 @@ def _grouped_kernel(
 
 @jit
 def _grouped_dw_kernel(
-    A, B, C, GATHER_B, OFFS, M, N, stride_as, stride_am, stride_bs, stride_bn, stride_ce,
-    stride_cm, HAS_GATHER: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A, B, C, GATHER, ORDER, WEIGHTS, OFFS, M, N, stride_as, stride_am, stride_bs, stride_bn,
+    stride_ce, stride_cm, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # C[e, m, n] = sum over expert e's slots s of A[s, m] * B[row(s), n]: one program per
+    # C[e, m, n] = sum over expert e's slots s of A'[s, m] * B'[s, n]: one program per
     # (output tile, expert), the slots in ascending BLOCK_K chunks from the expert's first.
+    # A'[s] = A[s], or with GATHER_A its token's row scaled by the slot's routing weight,
+    # w * A[token(s)] in fp32 rounded to A's dtype (dY of the down projection); B'[s] = B[s],
+    # or with GATHER_B its token's row.
     e = tl.program_id(1).to(tl.int64)
     tiles_n = tl.cdiv(N, BLOCK_N)
     m0 = (tl.program_id(0) // tiles_n).to(tl.int64) * BLOCK_M
@@ -324,13 +327,19 @@ def _grouped_dw_kernel(
     for s0 in range(lo, hi, BLOCK_K):
         slots = s0 + rk
         mask_s = slots < hi
-        if HAS_GATHER:
-            src = tl.load(GATHER_B + slots, mask=mask_s, other=0)
+        if GATHER_A or GATHER_B:
+            token = tl.load(GATHER + slots, mask=mask_s, other=0)
         else:
-            src = slots
-        a = tl.load(A + slots[None, :] * stride_as + rm[:, None] * stride_am,
+            token = slots
+        a_row = token if GATHER_A else slots
+        a = tl.load(A + a_row[None, :] * stride_as + rm[:, None] * stride_am,
                     mask=mask_s[None, :] & mask_m[:, None], other=0.0)  # fmt: skip
-        b = tl.load(B + src[:, None] * stride_bs + rn[None, :] * stride_bn,
+        if GATHER_A:
+            flat = tl.load(ORDER + slots, mask=mask_s, other=0)
+            w = tl.load(WEIGHTS + flat, mask=mask_s, other=0.0).to(tl.float32)
+            a = (w[None, :] * a.to(tl.float32)).to(A.dtype.element_ty)
+        b_row = token if GATHER_B else slots
+        b = tl.load(B + b_row[:, None] * stride_bs + rn[None, :] * stride_bn,
                     mask=mask_s[:, None] & mask_n[None, :], other=0.0)  # fmt: skip
         acc = _dot(a, b, acc, IEEE)
     c_ptrs = C + e * stride_ce + rm[:, None] * stride_cm + rn[None, :]
@@ -446,16 +455,20 @@ def _grouped(table, key, d: _Dispatch, a, b, out, *, gather, b_kn, h=None, store
     )  # fmt: skip
 
 
-def _grouped_dw(table, d: _Dispatch, a, b, gather, out):
-    """``out[e] = a[slots of e].T @ b[row(slot)]`` (``out [E, M, N]``, fp32 sums rounded once)."""
+def _grouped_dw(table, d: _Dispatch, a, b, out, *, weights=None, gather_b=False):
+    """``out[e] = A'[slots of e].T @ B'[slots of e]`` (``out [E, M, N]``, fp32 sums rounded
+    once): ``A'`` is ``a``'s slot rows, or with ``weights`` (flat [T * k]) its token rows
+    scaled by the slot's weight; ``B'`` is ``b``'s slot rows, or with ``gather_b`` its token
+    rows (see ``_grouped_dw_kernel``)."""
     M, N = out.shape[1], out.shape[2]
     cfg = tuning.config(table, "moe_experts.dw", M=M, N=N, K=d.slots, dtype_bytes=a.element_size())
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _grouped_dw_kernel[(cdiv(M, bm) * cdiv(N, bn), d.experts)](
-        a, b, out, gather if gather is not None else d.offsets, d.offsets, M, N, a.stride(0),
-        a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        HAS_GATHER=gather is not None, IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=BLOCK_K[a.dtype], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        a, b, out, d.token, d.order, weights if weights is not None else d.offsets, d.offsets,
+        M, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        GATHER_A=weights is not None, GATHER_B=gather_b, IEEE=a.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K[a.dtype], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -532,13 +545,11 @@ class _ExpertsFunction(torch.autograd.Function):
         dgate_up = ddown = None
         if ctx.needs_input_grad[3]:
             dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=x.device)
-            _grouped_dw(table, d, dgu, x, d.token, dgate_up)
+            _grouped_dw(table, d, dgu, x, dgate_up, gather_b=True)
         if ctx.needs_input_grad[4]:
             # dY[s] = w * dOut[token(s)], rounded to the input dtype, as the product's operand.
-            w_slot = weights.reshape(-1).float()[d.order]
-            dy = (w_slot[:, None] * dout.float()[d.token]).to(x.dtype)
             ddown = torch.empty(down.shape, dtype=down.dtype, device=x.device)
-            _grouped_dw(table, d, dy, h, None, ddown)
+            _grouped_dw(table, d, dout, h, ddown, weights=weights.reshape(-1))
         dw = dweights.view(T, k).to(weights.dtype) if ctx.needs_input_grad[2] else None
         return dx, None, dw, dgate_up, ddown, None
 
