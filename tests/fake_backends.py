@@ -16,6 +16,7 @@ import torch
 import rlk
 import rlk_reference
 from rlk import BackendImpl, BackendSpec
+from rlk_reference import _moe as _ref_moe
 
 REF_OPS = {op: getattr(rlk_reference, op) for op in rlk.OPS}
 ROW_OPS = (
@@ -106,6 +107,18 @@ def path_dependent(op):
     return fn
 
 
+def reordered_combine(x, indices, weights, gate_up, down, **kwargs):
+    """moe_experts with the k expert outputs added in descending rank order (each the float64
+    oracle's, rounded to fp32; the sum in fp32): accurate, batch-invariant, and not the
+    contract's rank order, which the kit's combine-order check must catch."""
+    ones = torch.ones_like(weights[:, :1])
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for r in reversed(range(indices.shape[1])):
+        y = _ref_moe.moe_experts(x, indices[:, r : r + 1], ones, gate_up, down).float()
+        out = out + weights[:, r : r + 1].float() * y
+    return out.to(x.dtype)
+
+
 def crashing(*args, **kwargs):
     raise RuntimeError("boom: kernel exploded")
 
@@ -134,6 +147,10 @@ def _loaders():
                 op: path_dependent(op)
                 for op in ("attention", "paged_attention", "rms_norm", "linear_logprobs")
             },
+        ),
+        "fake_moe_order": lambda: _impl(
+            {"accuracy", "batch_invariance", "path_invariance"},
+            {"moe_route": _ref_moe.moe_route, "moe_experts": reordered_combine},
         ),
         "fake_broken": lambda: BackendImpl(
             ops={

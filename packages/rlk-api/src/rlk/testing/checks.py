@@ -100,7 +100,8 @@ def run_case(fn: Callable[..., Any], case: Case, backward: bool = True) -> dict[
     flat = flatten(call(fn, case.op, args))
     res = {k: v.detach() for k, v in flat.items()}
     if leaves:
-        outs = [(k, v) for k, v in flat.items() if k.startswith("out")]
+        # Integer outputs (moe_route's expert indices) get no cotangent.
+        outs = [(k, v) for k, v in flat.items() if k.startswith("out") and v.is_floating_point()]
         if len(outs) != len(case.cot):
             raise RuntimeError(f"expected {len(case.cot)} differentiable outputs, got {len(outs)}")
         for k, v in outs:
@@ -141,7 +142,8 @@ def _expected_dtype(case: Case, key: str) -> torch.dtype | None:
         return case.args[key[5:]].dtype
     if key.startswith("metric."):
         return torch.float32
-    want = OUT_DTYPE[case.op]
+    want = OUT_DTYPE[case.op].split(",")  # one dtype, or one per output ("float32,int64")
+    want = want[int(key[3:] or 0)] if len(want) > 1 else want[0]
     return case.dtype if want == "input" else getattr(torch, want)
 
 
@@ -252,6 +254,10 @@ def accuracy(fn: Callable, ref: Callable, cases: list[Case], rnd: random.Random)
                 )
                 continue
             n += 1
+            if not g.is_floating_point():  # indices (moe_route's experts): exactly the oracle's
+                if not torch.equal(g, w.to(g.device)):
+                    failures.append(f"{where}: {int((g != w.to(g.device)).sum())} differ")
+                continue
             max_abs, rel_rms, rel_max = errors(g, w)
             # A result cannot beat its own dtype: where the exact values, merely rounded to the
             # output dtype, already miss the tolerance (tiny gradients in fp16 subnormals), twice
@@ -533,6 +539,23 @@ def silu_and_mul_paths(fn: Callable, cases: list[Case]) -> Outcome:
         diffs.compare(f"{case.label}: grad gate", pair["grad.x"], one["grad.x"][..., :i])
         diffs.compare(f"{case.label}: grad up", pair["grad.up"], one["grad.x"][..., i:])
     return diffs.outcome(f"{diffs.compared} two-tensor results bitwise equal to one tensor's")
+
+
+def moe_combine_order(fn: Callable, cases: list[Case]) -> Outcome:
+    """moe_experts (fp32 cases) == ``sum_r w[:, r] * moe_experts(x, indices[:, r], 1)`` added in
+    ascending rank r in fp32: a one-expert call with weight 1 returns that expert's fp32 output
+    exactly, so the k-expert result must be its rank-order sum, bit for bit."""
+    diffs = _Diffs()
+    for case in cases:
+        a = case.args
+        out = call(fn, case.op, a)
+        want = torch.zeros_like(out)
+        ones = torch.ones_like(a["weights"][:, :1])
+        for r in range(a["indices"].shape[1]):
+            one = {**a, "indices": a["indices"][:, r : r + 1].contiguous(), "weights": ones}
+            want = want + a["weights"][:, r : r + 1] * call(fn, case.op, one)
+        diffs.compare(f"{case.label}: combine", out, want)
+    return diffs.outcome(f"{diffs.compared} results bitwise equal to the rank-order sum")
 
 
 def _without_k(args: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
