@@ -97,6 +97,19 @@ def test_policy_loss_truncated_importance_sampling():
     assert math.isclose(m["is_weight_mean"].item(), (0.5 + 2 + 1) / 3, rel_tol=1e-12)
 
 
+def test_policy_loss_unbounded_importance_weights():
+    """``rollout_logprobs`` without ``is_min``/``is_max``: the weights apply unclipped."""
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    new = torch.tensor([[1.0, 1.1, 0.5]], dtype=torch.float64).log()
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    rollout = -torch.tensor([[0.5, 4.0, 1.0]], dtype=torch.float64).log()  # IS weights 0.5, 4, 1
+    for mode in ("truncate", "mask"):
+        loss, m = ref.policy_loss(new, old, adv, mask, rollout_logprobs=rollout, is_mode=mode)
+        assert math.isclose(loss.item(), (-0.5 - 4.4 - 0.5) / 3, rel_tol=1e-12)
+        assert math.isclose(m["is_weight_mean"].item(), (0.5 + 4 + 1) / 3, rel_tol=1e-12)
+
+
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("clip_c", [None, 3.0])
 def test_policy_loss_empty_mask(agg, clip_c):

@@ -76,7 +76,8 @@ def _is_weights(delta, mask, is_level, is_mode, is_min, is_max) -> torch.Tensor:
         log_w = log_w.sum(-1, keepdim=True).expand(mask.shape)
     w = torch.exp(log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     if is_mode == "truncate":
-        return w.clamp(min=is_min, max=is_max)
+        # torch.clamp refuses two None bounds; no bound means the weights apply unclipped.
+        return w if is_min is None and is_max is None else w.clamp(min=is_min, max=is_max)
     inside = torch.ones_like(mask)
     if is_min is not None:
         inside = inside & (w >= is_min)
