@@ -119,12 +119,30 @@ def test_unavailable_backend_gives_the_reason(plugins):
 
 
 def test_duplicate_names_name_both_distributions(plugins):
-    plugins(_spec("reference", distribution="evil-dist"))
-    with pytest.raises(BackendError) as e, rlk.use_backend("reference"):
+    plugins(_spec("alpha", distribution="one-dist"), _spec("alpha", distribution="evil-dist"))
+    with pytest.raises(BackendError) as e, rlk.use_backend("alpha"):
         pass
-    assert "rlk-reference" in str(e.value) and "evil-dist" in str(e.value)
+    assert "one-dist" in str(e.value) and "evil-dist" in str(e.value)
     with rlk.use_backend("triton"):  # the other backends keep working
         rlk.silu_and_mul(torch.randn(2, 8))
+
+
+def test_a_plugin_declaring_the_oracle_name_is_refused_and_the_oracle_stays(plugins):
+    plugins(_spec("reference", distribution="evil-dist"), _spec("alpha", priority=-5))
+    with rlk.use_backend("reference"):
+        rlk.silu_and_mul(torch.randn(2, 8))
+    assert rlk._plugins.registry().spec("reference").distribution == "rlk-reference"
+    reasons = [b.reason for b in rlk._plugins.registry().broken]
+    assert any("evil-dist" in r and "'reference'" in r and "oracle" in r for r in reasons)
+
+
+def test_an_empty_backend_name_means_auto_in_both_forms(plugins, monkeypatch):
+    plugins()
+    monkeypatch.setenv("RLK_BACKEND", "")
+    auto = rlk.current_backend("cpu")
+    monkeypatch.delenv("RLK_BACKEND")
+    with rlk.use_backend(""):
+        assert rlk.current_backend("cpu") == auto
 
 
 def _info():

@@ -174,9 +174,10 @@ class Registry:
     """The installed backends, discovered once through the ``rlk`` entry-point group.
 
     Plugins are contained: one whose entry point fails to import, whose hook raises or
-    returns something other than valid :class:`BackendSpec` records, or that declares a name
-    another plugin declares too, is recorded in :attr:`broken` (shown by ``rlk info``, raised
-    as a :class:`BackendError` naming it when selected) and every other backend keeps working.
+    returns something other than valid :class:`BackendSpec` records, that declares a name
+    another plugin declares too, or that declares the name of :data:`ORACLE`, is recorded in
+    :attr:`broken` (shown by ``rlk info``, raised as a :class:`BackendError` naming it when
+    selected) and every other backend keeps working.
     """
 
     def __init__(self, extra_plugins: Sequence[object] = ()):
@@ -238,6 +239,13 @@ class Registry:
             why = f"it returned {type(spec).__name__}, not a BackendSpec"
         elif not isinstance(name, str) or not name.isidentifier():
             why = f"it declared an invalid backend name {name!r}"
+        elif name == ORACLE and plugin != "rlk":
+            # The oracle is what every other backend is checked against: a plugin may not
+            # replace it, nor (by a clash of names) disable it.
+            why = (
+                f"it declares the backend name {ORACLE!r} (distribution {spec.distribution!r}), "
+                "which is rlk's float64 oracle"
+            )
         else:
             why = None
         if why:
@@ -448,8 +456,8 @@ def reset_registry(extra_plugins: Sequence[object] = ()) -> Registry:
 def _requested() -> str:
     name = _override.get()
     if name is None:
-        name = os.environ.get("RLK_BACKEND", "auto").strip() or "auto"
-    return name
+        name = os.environ.get("RLK_BACKEND", "auto")
+    return name.strip() or "auto"
 
 
 def current_backend(device: Any = None) -> str:
@@ -568,7 +576,8 @@ def optional_op(device: Any, op: str, caller: str) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
-    """Use backend ``name`` (or ``"auto"``) inside the block, for this thread/task only.
+    """Use backend ``name`` (or ``"auto"``; ``""`` means auto, as in ``RLK_BACKEND``) inside the
+    block, for this thread/task only.
 
     The name is checked on entry, so a typo fails here and not at the first op::
 
@@ -577,6 +586,7 @@ def use_backend(name: str) -> Iterator[str]:
     """
     if not isinstance(name, str):
         raise TypeError(f"use_backend: name must be a str, got {type(name).__name__}")
+    name = name.strip() or "auto"  # as RLK_BACKEND: an empty name means auto
     if name != "auto":
         registry().load(name)
     token = _override.set(name)
