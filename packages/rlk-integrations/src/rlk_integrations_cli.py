@@ -24,6 +24,10 @@ from rlk_cli import Command
 ROLLOUT_ENGINES: dict[str, tuple[str, str]] = {
     "padded": ("rlk_integrations.rollout:PaddedRollout", "left-padded batch, KV cache"),
     "paged": ("rlk_integrations.paged:PagedRollout", "paged KV cache, continuous batching"),
+    "vllm": (
+        "rlk_integrations.vllm.engine:VLLMRollout",
+        "rlk's models inside vLLM (rlk[vllm]; temperature 1; adds a stock-vLLM row)",
+    ),
 }
 
 #: ``--rollout-mode`` values naming several engines: ``all`` runs every engine that can run
@@ -50,11 +54,12 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
     engines = "; ".join(f"{name}: {what}" for name, (_, what) in ROLLOUT_ENGINES.items())
     pk.add_argument(
         "--rollout-mode",
+        "--rollout-engine",
         default="all",
         choices=(*ROLLOUT_ENGINES, *ROLLOUT_GROUPS),
         help=f"rlk rollout engine ({engines}), both (padded and paged) or all (a row for each "
         "engine that can run here; the report says why the others cannot) (default: all; the "
-        "stock side is always padded)",
+        "stock side is padded, plus stock vLLM with vllm)",
     )
     pk.add_argument("--page-size", type=int, default=16, help="paged mode: tokens per KV page")
     pk.add_argument(

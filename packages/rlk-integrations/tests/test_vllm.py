@@ -14,6 +14,10 @@ import os
 import pytest
 import torch
 
+# Starting vLLM's engine takes about 20 s on 2 cores: stage 2 of nox -s tests (and stage 4, with
+# vLLM installed).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 import rlk_integrations.vllm as rv  # noqa: E402
 
@@ -220,3 +224,16 @@ def test_an_architecture_rlk_does_not_cover_is_refused_at_start(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="not the checkpoint's 'MistralForCausalLM'"):
         LLM(model=str(tmp_path), **{**ENGINE, **rv.engine_args()})
+
+
+def test_consistency_vllm_row_is_exact():
+    """``rlk consistency --rollout-engine vllm`` on the tiny Qwen2 (head_dim 16, which rlk's
+    attention takes and vLLM's CPU attention does not: the stock-vLLM row is skipped, saying
+    so): the rlk-in-vLLM row shows no mismatch, the stock row does."""
+    from rlk_integrations import consistency
+
+    report = consistency.run("tiny", prompts=3, new_tokens=4, rollout_modes=("vllm",))
+    rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
+    assert consistency.ok(report) and rows[("rlk", "vllm")]["tokens"] == 12
+    assert rows[("stock", "padded")]["frac_differ"] > 0
+    assert "head_dim >= 32" in report["rollout_skipped"]["vllm-stock"]

@@ -15,8 +15,9 @@ Rollout modes (``rollout_modes``/``--rollout-mode``) are the rollout engines of
 batch above; ``paged`` is :class:`rlk_integrations.paged.PagedRollout` (paged KV cache,
 continuous batching, ``rlk.paged_attention``). The rlk side gets one row per engine, each with
 its own rollout and training recompute; by default every registered engine that can run here,
-and the report names the others with the reason. The stock side always runs the padded batch
-with torch sampling (``PaddedRollout(sampler="torch")``).
+and the report names the others with the reason. The stock side runs the padded batch with
+torch sampling (``PaddedRollout(sampler="torch")``), and with the ``vllm`` engine also stock
+vLLM (:class:`rlk_integrations.vllm.engine.VLLMRollout`, ``stock=True``).
 
 Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
 same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
@@ -371,6 +372,8 @@ def check_args(
         not rollout_modes or any(m not in engines.names() for m in rollout_modes)
     ):
         raise UsageError(f"rollout modes must be among {engines.names()}, got {rollout_modes!r}")
+    if rollout_modes and "vllm" in rollout_modes and (leaves or rollout_tp > 1):
+        raise UsageError("the vllm rollout runs unsharded rlk ops: no leaves, rollout_tp = 1")
     if train_engine not in TRAIN_ENGINES:
         raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
     if train_engine == "transformers-graphs" and train_tp > 1:
@@ -538,7 +541,13 @@ def _run(
     rlk_engines, skipped = engines.available(rollout_modes, dev, options)
     # (the warm-up engine, the timed one) per row: the stock row samples with torch.
     rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
+    if leaves or rollout_tp > 1:  # "all": the vllm rollout runs unsharded rlk ops
+        for e in [e for e in rlk_engines if e.name == "vllm"]:
+            rlk_engines.remove(e)
+            skipped[e.name] = "runs unsharded rlk ops (no leaves, rollout_tp = 1)"
     rollouts["rlk"] = [(e, e) for e in rlk_engines]
+    if any(e.name == "vllm" for e in rlk_engines):
+        _add_stock_vllm(rollouts, skipped, model, dev, options)
     train_model = recompute = None
     if rollout_tp > 1 and "rlk" in sides:
         say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
@@ -619,6 +628,20 @@ def _run(
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
     }
+
+
+def _add_stock_vllm(rollouts, skipped, model, dev, options) -> None:
+    """With the ``vllm`` engine, the stock side gets a vLLM row too: vLLM's own model classes
+    and kernels (on CPU only where its attention takes the model's head_dim, 32 and up)."""
+    from rlk_integrations.vllm.engine import VLLMRollout
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if dev.type == "cpu" and head_dim < 32:
+        skipped["vllm-stock"] = f"vLLM's CPU attention takes head_dim >= 32, not {head_dim}"
+        return
+    stock = VLLMRollout(options, stock=True)
+    rollouts["stock"].append((stock, stock))
 
 
 def ok(report: dict[str, Any]) -> bool:
