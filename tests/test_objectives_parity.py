@@ -123,15 +123,15 @@ def verl_vanilla(lp, old, adv, mask, clip_low, clip_high, clip_c, mode, is_weigh
     return verl_agg_loss(pg, mask, mode, **agg), metrics
 
 
-def verl_gspo(lp, old, adv, mask, clip_low, clip_high):
-    # verl 0.9.1 compute_policy_loss_gspo: log s clamped at 10, seq-mean-token-mean always.
+def verl_gspo(lp, old, adv, mask, clip_low, clip_high, mode):
+    # verl 0.9.1 compute_policy_loss_gspo: log s clamped at 10, agg_loss with loss_agg_mode.
     a = adv[:, None].expand_as(lp)
     m = mask.double()
     seq = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
     log_s = (lp - lp.detach() + seq.detach()[:, None]).clamp(max=10.0)
     s = torch.exp(log_s)
     pg = torch.maximum(-a * s, -a * s.clamp(1 - clip_low, 1 + clip_high))
-    return verl_agg_loss(pg, mask, "seq-mean-token-mean")
+    return verl_agg_loss(pg, mask, mode)
 
 
 def verl_is_weights(log_ratio, mask, level, threshold, batch_normalize):
@@ -369,14 +369,15 @@ def test_verl_global_batch_info(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_verl_gspo(backend):
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
+def test_verl_gspo(backend, mode):
     lp, old, _, _, adv, mask = _data(3)
     adv[0] = -1.0
     lp[0] = old[0] + 12.0  # log s = 12 > 10: verl clamps, rlk's clip_c = e^10 does the same
     lp = _f32(lp)
-    want, want_grad = _peer(verl_gspo, lp, old, adv, mask, 0.2, 0.28)
+    want, want_grad = _peer(verl_gspo, lp, old, adv, mask, 0.2, 0.28, mode)
     (loss, m), grad = _rlk(backend, rlk.policy_loss, lp, old, adv, mask, clip_high=0.28,
-                           ratio_level="sequence", agg="seq-mean-token-mean",
+                           ratio_level="sequence", agg=mode,
                            clip_c=math.exp(10.0))  # fmt: skip
     assert 0 < float(m["clip_fraction"]) < 1
     _close(loss, want, backend)
