@@ -1,3 +1,4 @@
+import math
 import time
 
 import pytest
@@ -85,3 +86,12 @@ def test_large_vocab_runs_quickly():
     (lp.sum() + ent.sum()).backward()
     assert logits.grad is not None and torch.isfinite(lp).all()
     assert time.perf_counter() - start < 20
+
+
+def test_logprobs_of_logits_near_the_float_range_are_exact():
+    # Ten equal maxima near bf16's largest value at temperature 1e-3: z = logit / T is 3e41, and
+    # the log-probability of each maximum is exactly log(1/10).
+    logits = torch.full((1, 12), -1.0).to(torch.bfloat16)
+    logits[0, :10] = 3e38
+    lp = ref.logprobs(logits, torch.tensor([3]), temperature=1e-3)
+    assert math.isclose(lp.item(), math.log(0.1), rel_tol=1e-6)

@@ -17,7 +17,11 @@ def _logprobs(
     return_entropy: bool,
     out_dtype: torch.dtype,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    z = logits.double() / temperature
+    # Shifted by the row's max before the division: logits near the float range at a small
+    # temperature make z itself huge (3e38 / 1e-3), and z_target - logsumexp(z) would then lose
+    # every digit of the answer to cancellation. The shift leaves the value unchanged.
+    x = logits.double()
+    z = (x - x.amax(-1, keepdim=True).detach()) / temperature  # (no gradient: shift-invariant)
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, targets.long()[:, None])[:, 0] - lse
     if not return_entropy:
