@@ -237,3 +237,18 @@ def test_consistency_vllm_row_is_exact():
     assert consistency.ok(report) and rows[("rlk", "vllm")]["tokens"] == 12
     assert rows[("stock", "padded")]["frac_differ"] > 0
     assert "head_dim >= 32" in report["rollout_skipped"]["vllm-stock"]
+
+
+def test_preempted_requests_keep_the_bits(checkpoint, trainer):
+    """A KV cache of 6 usable blocks (96 tokens; vLLM keeps one more) for four requests of
+    10 + 20 tokens: vLLM preempts some and recomputes their prefix later; every
+    log-probability is still the trainer's."""
+    small = dict(max_model_len=64, num_gpu_blocks_override=7, disable_log_stats=False)
+    llm = start(checkpoint, **small, **rv.engine_args())
+    try:
+        got, _ = run(llm, prompts([10, 10, 10, 10], seed=4), seeds=[None] * 4, max_tokens=20)
+        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert preempted > 0, "the small cache forced no preemption"
+    assert_trainer_equal(trainer, [g[0] for g in got])
