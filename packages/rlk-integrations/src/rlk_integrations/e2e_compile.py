@@ -9,7 +9,10 @@ token after each sequence's first, their sum, backward) with ``torch.compile`` o
   into Liger's fused linear cross-entropy, compiled (graph breaks allowed); skipped when Liger
   is missing or fails;
 - ``rlk compiled``: :func:`rlk_integrations.training.compiled_logprobs` (the patched model,
-  ``fullgraph=True``).
+  ``fullgraph=True``);
+- ``stock compiled cudagraphs``, ``rlk compiled cudagraphs``: the stock and rlk rows with
+  ``mode="reduce-overhead"`` (CUDA graphs; two more untimed steps: the warm-up and the
+  recording).
 
 Each row compiles a model of its own (the same seeded weights), so that Liger's changes to the
 model and to transformers' modules (restored afterwards) reach no other row. The warm-up
@@ -53,9 +56,9 @@ def _liger_applied(model) -> Iterator[None]:
                 setattr(module, name, value)
 
 
-def _stock(model, flce) -> Callable[[list[Sample]], torch.Tensor]:
+def _stock(model, flce, mode) -> Callable[[list[Sample]], torch.Tensor]:
     """The stock step's log-probabilities (``flce``: through Liger's fused linear
-    cross-entropy), compiled."""
+    cross-entropy), compiled in ``mode``."""
 
     def logprobs(ids, pos, rows, targets):
         if flce is None:
@@ -67,7 +70,7 @@ def _stock(model, flce) -> Callable[[list[Sample]], torch.Tensor]:
         h = hidden.last_hidden_state[0].index_select(0, rows)
         return -flce(h, head.weight, targets, bias=head.bias, reduction="none")
 
-    compiled = torch.compile(logprobs)
+    compiled = torch.compile(logprobs, mode=mode)
 
     def run(samples):
         return compiled(*training._pack(samples, next(model.parameters()).device))
@@ -85,8 +88,14 @@ def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> No
     samples = e2e._train_samples(make_config(name).vocab_size, n, length)
     shape, tokens = f"{name} {n}x{length}", n * length
 
-    impls = [("stock compiled", None), ("stock+liger compiled", flce), ("rlk compiled", None)]
-    for impl, liger in impls:
+    impls = [
+        ("stock compiled", None, None),
+        ("stock+liger compiled", flce, None),
+        ("rlk compiled", None, None),
+        ("stock compiled cudagraphs", None, "reduce-overhead"),
+        ("rlk compiled cudagraphs", None, "reduce-overhead"),
+    ]
+    for impl, liger, mode in impls:
         if impl == "stock+liger compiled" and liger is None:
             continue
         torch._dynamo.reset()
@@ -94,17 +103,20 @@ def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> No
         try:
             with contextlib.ExitStack() as stack:
                 if impl.startswith("rlk"):
-                    fn = training.compiled_logprobs(patch_model(model))
+                    fn = training.compiled_logprobs(patch_model(model), mode=mode)
                 else:
                     if liger is not None:
                         stack.enter_context(_liger_applied(model))
-                    fn = _stock(model, liger)
+                    fn = _stock(model, liger, mode)
 
                 def step(m, s, fn=fn):
                     out = fn(s)
                     (torch.cat(out) if isinstance(out, list) else out).sum().backward()
 
                 e2e._say(f"e2e: {shape} e2e.train.compiled {impl}")
+                for _ in range(2 if mode else 0):  # CUDA graphs: the warm-up and the recording
+                    step(model, samples)
+                    model.zero_grad(set_to_none=True)
                 seconds = e2e._train_seconds(model, step, samples, device)
         except Exception as e:
             if impl != "stock+liger compiled":
@@ -113,8 +125,8 @@ def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> No
             continue
         finally:
             model = fn = step = None  # the compiled code holds the model
-            torch._dynamo.reset()
             e2e._free(device)
+            torch._dynamo.reset()
         emit(
             _timing.row(
                 "e2e.train.compiled", shape, "bf16", impl, seconds * 1e3,
