@@ -252,3 +252,21 @@ def test_preempted_requests_keep_the_bits(checkpoint, trainer):
         llm.llm_engine.engine_core.shutdown()
     assert preempted > 0, "the small cache forced no preemption"
     assert_trainer_equal(trainer, [g[0] for g in got])
+
+
+def test_top_k_logprobs_are_rlk_values(llm, trainer):
+    """``logprobs=2``: every returned value (the sampled token's and the top two) is the
+    trainer's log-probability of that token after the same tokens."""
+    from vllm import SamplingParams
+
+    p = prompts([6], seed=5)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=2, logprobs=2, seed=4)
+    out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0]
+    asked = []
+    for j, d in enumerate(out.logprobs):
+        context = p + list(out.token_ids[:j])
+        assert len(d) >= 2
+        asked += [(Sample(context, [t], torch.tensor([v.logprob])), t) for t, v in d.items()]
+    train = training.recompute_logprobs(trainer, [s for s, _ in asked], 4, temperature=1.0)
+    for (s, _), lp in zip(asked, train):
+        assert torch.equal(s.logprobs, lp), (s.logprobs, lp)
