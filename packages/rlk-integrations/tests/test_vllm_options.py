@@ -89,3 +89,22 @@ def test_another_vllm_release_is_refused(monkeypatch):
     monkeypatch.setattr(rv, "installed_vllm", lambda: None)
     with pytest.raises(RuntimeError, match="needs vLLM"):
         rv.check_vllm()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(quantization="awq"),
+        dict(enable_lora=True),
+        dict(speculative_config={"method": "ngram"}),
+        dict(tensor_parallel_size=2),
+        dict(kv_cache_dtype="fp8"),
+        dict(logprobs_mode="processed_logprobs"),
+    ],
+)
+def test_engine_args_refuses_an_unsupported_option_at_once(monkeypatch, kw):
+    monkeypatch.setattr(rv, "installed_vllm", lambda: rv.TESTED_VLLM)
+    (name,) = kw
+    with pytest.raises(NotImplementedError, match=f"do not support {name}="):
+        rv.engine_args(**kw)
+    assert rv.engine_args(block_size=16)["block_size"] == 16  # a supported option passes

@@ -103,9 +103,30 @@ def engine_args(**overrides: Any) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    _check_overrides(overrides)
     args: dict[str, Any] = {"hf_overrides": rlk_architectures, "logprobs_mode": "raw_logprobs"}
     args.update(overrides)
     return args
+
+
+def _check_overrides(kw: dict[str, Any]) -> None:
+    """``NotImplementedError`` naming each engine argument the rlk models refuse, here in the
+    caller's process (the same option passed to ``LLM()`` directly fails in vLLM's engine
+    process, which vLLM reports as ``Engine core initialization failed`` with this message in
+    its log: :func:`rlk_integrations.vllm.model.check_config`)."""
+    refused = {
+        "quantization": kw.get("quantization") is not None,
+        "enable_lora": bool(kw.get("enable_lora")),
+        "speculative_config": kw.get("speculative_config") is not None,
+        "tensor_parallel_size": kw.get("tensor_parallel_size", 1) != 1,
+        "pipeline_parallel_size": kw.get("pipeline_parallel_size", 1) != 1,
+        "kv_cache_dtype": kw.get("kv_cache_dtype", "auto") != "auto",
+        "logprobs_mode": kw.get("logprobs_mode", "raw_logprobs") != "raw_logprobs",
+        "hf_overrides": "hf_overrides" in kw,
+    }
+    bad = [f"{k}={kw[k]!r}" for k, on in refused.items() if on]
+    if bad:
+        raise NotImplementedError(f"rlk's vLLM models do not support {'; '.join(bad)}")
 
 
 def register() -> None:
