@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Sample:
-    """One request: its prompt, the sampled response and the rollout's log-probabilities."""
+    """One request: its prompt, the sampled response, the rollout's log-probabilities and (with
+    a value head, :mod:`rlk_integrations.critic`) the critic's values of its tokens' states."""
 
     prompt: list[int]
     response: list[int]
     logprobs: torch.Tensor  # float32 [len(response)]
     seed: int = 0
+    values: torch.Tensor | None = None  # float32 [len(response)]
 
     @property
     def tokens(self) -> list[int]:
@@ -86,12 +88,15 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
     progress: Callable[[str], None] | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> RolloutResult:
     """Sample ``max_new_tokens`` for each prompt in one left-padded batch.
 
     ``prompts``: token id lists (any lengths). ``seeds[i]`` keys request ``i``'s RNG (default
     ``i``); the token at position ``p`` of a sequence uses RNG offset ``p``. A response stops
     after ``eos_token_id``. ``progress`` gets a line every quarter of the steps.
+    ``value_head`` (a :class:`rlk_integrations.critic.ValueHead`): each sample also records
+    the head's value of the final hidden state that sampled each response token.
     Returns a :class:`RolloutResult` whose samples hold the response
     tokens and their float32 log-probabilities under ``softmax(logits / temperature)``.
     """
@@ -112,44 +117,64 @@ def generate(
     out_tokens: list[torch.Tensor] = []
     out_lps: list[torch.Tensor] = []
     logits_dtype = torch.float32
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_name: cache},
-        ).logits[:, -1, :]
-        logits_dtype = logits.dtype
-        if sampler == "rlk":
-            logits = logits.contiguous()
-            tok = rlk.sample(
-                logits, seeds_t, lengths + step, temperature=temperature, top_k=top_k, top_p=top_p
-            )
-            lp = rlk.logprobs(logits, tok, temperature=temperature if temperature > 0 else 1.0)
-        else:
-            tok, lp = _sample_torch(logits, temperature, gen)
-        if progress is not None and (step + 1) % max(1, max_new_tokens // 4) == 0:
-            progress(f"  decode step {step + 1}/{max_new_tokens}")
-        out_tokens.append(tok)
-        out_lps.append(lp.float())
-        ids = tok[:, None]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        positions = (lengths + step)[:, None]
+    hidden: list[torch.Tensor] = []
+    hook = None
+    if value_head is not None:
+        from rlk_integrations.critic import final_hidden_hook
+
+        hook = final_hidden_hook(model, hidden)
+    try:
+        start = time.perf_counter()
+        for step in range(max_new_tokens):
+            logits = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_name: cache},
+            ).logits[:, -1, :]
+            logits_dtype = logits.dtype
+            if sampler == "rlk":
+                logits = logits.contiguous()
+                tok = rlk.sample(
+                    logits,
+                    seeds_t,
+                    lengths + step,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                )
+                lp = rlk.logprobs(logits, tok, temperature=temperature if temperature > 0 else 1.0)
+            else:
+                tok, lp = _sample_torch(logits, temperature, gen)
+            if progress is not None and (step + 1) % max(1, max_new_tokens // 4) == 0:
+                progress(f"  decode step {step + 1}/{max_new_tokens}")
+            out_tokens.append(tok)
+            out_lps.append(lp.float())
+            ids = tok[:, None]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = (lengths + step)[:, None]
+    finally:
+        if hook is not None:
+            hook.remove()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     toks = torch.stack(out_tokens, 1).cpu() if out_tokens else torch.zeros(b, 0, dtype=torch.long)
     lps = torch.stack(out_lps, 1).cpu() if out_lps else torch.zeros(b, 0)
+    vals = None
+    if value_head is not None:
+        # The final norm runs once per step: its last position predicts the step's token.
+        vals = torch.stack([value_head(h) for h in hidden], 1).cpu() if hidden else lps * 0
     samples = []
     for i in range(b):
         resp = toks[i].tolist()
         n = len(resp)
         if eos_token_id is not None and eos_token_id in resp:
             n = resp.index(eos_token_id) + 1
-        samples.append(Sample(list(prompts[i]), resp[:n], lps[i, :n].clone(), seeds[i]))
+        v = None if vals is None else vals[i, :n].clone()
+        samples.append(Sample(list(prompts[i]), resp[:n], lps[i, :n].clone(), seeds[i], v))
     return RolloutResult(
         samples, seconds, sum(len(s.response) for s in samples), logits_dtype=logits_dtype
     )
