@@ -14,11 +14,24 @@ with elementwise numpy arithmetic in one explicit order: every product rounded t
 accumulator dtype, summed over K by a fixed pairwise tree, then added to the accumulator. Each
 output element then depends on its own row of ``a`` and column of ``b`` only, on any CPU and any
 BLAS. Applied once, only when the interpreter is active.
+
+Interpreted launches are serialised by a process-wide lock (:data:`_LAUNCH_LOCK`), since the
+interpreter patches module-level state for each launch: ops may be called from many threads.
 """
 
 from __future__ import annotations
 
+import threading
+
 _patched = False
+
+#: One interpreted launch at a time in the process. The interpreter runs a kernel by replacing
+#: the functions of ``triton.language`` (and its builder's state) with numpy versions for the
+#: launch and restoring them at its end: two launches from two threads would see each other's
+#: patching (errors such as "Did you forget to add @triton.jit ?") and :func:`_patch_lang_once`
+#: keeps one launch's state. The interpreter holds the GIL for its numpy work anyway, so the lock
+#: costs no parallelism; re-entrant for a launch made while another is set up (autotuning).
+_LAUNCH_LOCK = threading.RLock()
 
 
 def _ordered_dot(a, b, acc):
@@ -76,14 +89,15 @@ def _patch_lang_once(itp) -> None:
     grid_call = itp.GridExecutor.__call__
 
     def launch(self, *args, **kwargs):
-        done.clear()
-        try:
-            # A GPU computes log(0) = -inf, 0 * inf = nan, ... without a word; so do the kernels
-            # here (numpy's floating-point warnings would otherwise reach the user).
-            with np.errstate(all="ignore"):
-                return grid_call(self, *args, **kwargs)
-        finally:
+        with _LAUNCH_LOCK:
             done.clear()
+            try:
+                # A GPU computes log(0) = -inf, 0 * inf = nan, ... without a word; so do the
+                # kernels here (numpy's floating-point warnings would otherwise reach the user).
+                with np.errstate(all="ignore"):
+                    return grid_call(self, *args, **kwargs)
+            finally:
+                done.clear()
 
     itp._patch_lang = patch_lang
     itp.GridExecutor.__call__ = launch
