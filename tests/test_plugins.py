@@ -331,6 +331,18 @@ def test_use_backend_is_per_thread(plugins):
     assert seen["other"] != "alpha"
 
 
+def test_a_plugin_op_returning_a_non_tensor_is_named(plugins):
+    ops = _reference_ops()
+    plugins(_spec("odd", priority=-1, ops={**ops, "rms_norm": lambda *a, **kw: [1, 2]}))
+    with rlk.use_backend("odd"):
+        with pytest.raises(
+            TypeError, match=r"'odd' \(distribution 'test-dist'\).*'rms_norm'.*list"
+        ):
+            rlk.rms_norm(torch.randn(3, 8), torch.ones(8))
+        loss, metrics = rlk.policy_loss(*[torch.randn(2, 3)] * 2, torch.randn(2), torch.ones(2, 3))
+    assert loss.dim() == 0 and metrics  # results of every form an op has pass
+
+
 def test_ops_dispatch_to_the_selected_backend(plugins):
     calls = []
     ops = _reference_ops()

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pluggy
@@ -352,6 +352,8 @@ class Registry:
                         f"backend {name!r} gives autograd for {', '.join(map(str, bad))}: each "
                         "entry must be an OpAutograd of an op it serves"
                     )
+                if spec.distribution not in _OWN:
+                    impl = _checked_results(impl, name, spec.distribution)
                 self._loaded[name] = impl
         if complete and impl.missing():
             raise BackendError(
@@ -417,6 +419,38 @@ class Registry:
             )
             + f"; {_how_to_choose(list(self.specs))}."
         )
+
+
+#: rlk's own distributions; their ops' results are tested by rlk's suite, not at every call.
+_OWN = frozenset({"rlk-reference", "rlk-triton", "rlk-cuda", "rlk-rocm", "rlk-ascend"})
+
+
+def _is_result(out: object) -> bool:
+    """What an op may return: a tensor, or a tuple of tensors, ``None`` and dicts (metrics)."""
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, tuple) and all(
+        o is None or isinstance(o, (torch.Tensor, dict)) for o in out
+    )
+
+
+def _checked_results(impl: BackendImpl, name: str, dist: str) -> BackendImpl:
+    """``impl`` whose ops raise a ``TypeError`` naming the backend and the op when they return
+    something that is not an op's result (rlk would otherwise fail later, somewhere obscure)."""
+
+    def check(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if not _is_result(out):
+                raise TypeError(
+                    f"rlk backend {name!r} (distribution {dist!r}): its op {op!r} returned "
+                    f"{type(out).__name__}, not a tensor or a tuple of tensors"
+                )
+            return out
+
+        return checked
+
+    return replace(impl, ops={op: check(op, fn) for op, fn in impl.ops.items()})
 
 
 def _exc(e: BaseException) -> str:
