@@ -353,3 +353,18 @@ def test_reinforce_plus_plus_whitens_over_tokens():
     mu = (w * r).sum() / 6
     var = (w * (r - mu) ** 2).sum() / 5
     torch.testing.assert_close(got, (r - mu) / torch.sqrt(var + 1e-8))
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan"), 2.0, -1.0])
+def test_policy_loss_mask_value_not_0_or_1_gives_nan(bad):
+    # Reachable with the value checks off (a GPU without RLK_VALIDATE): the loss is NaN (and
+    # the gradient has NaN), never a loss computed as if the value were 1.
+    new = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    old, adv = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.float64)
+    good, _ = ref.policy_loss(new, old, adv, mask)
+    assert good.isfinite()
+    mask[0, 1] = bad
+    loss, _ = ref.policy_loss(new, old, adv, mask)
+    loss.backward()
+    assert loss.isnan() and new.grad.isnan().any()

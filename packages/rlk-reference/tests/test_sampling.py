@@ -145,3 +145,19 @@ def test_top_k_frequencies():
     counts = torch.bincount(draws, minlength=6).double()[[2, 3, 5]]
     probs = torch.softmax(torch.tensor([2.0, 3.0, 2.5], dtype=torch.float64), -1)
     assert _chi_square(counts, probs) < 25
+
+
+@pytest.mark.parametrize(
+    "which, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
+                     ("top_p", 1.5), ("top_p", 0.0), ("top_p", float("nan"))],
+)  # fmt: skip
+def test_an_invalid_per_row_value_draws_no_token(which, value):
+    # Reachable with the value checks off (a GPU without RLK_VALIDATE): that row only gives -1.
+    logits = torch.randn(3, 16)
+    kw = dict(temperature=torch.ones(3), top_k=torch.zeros(3, dtype=torch.int64),
+              top_p=torch.ones(3))  # fmt: skip
+    kw[which] = kw[which].clone()
+    kw[which][1] = value
+    seeds, offsets = torch.arange(3), torch.zeros(3, dtype=torch.int64)
+    out = ref.sample(logits, seeds, offsets, **kw)
+    assert out[1] == -1 and (out[[0, 2]] >= 0).all()

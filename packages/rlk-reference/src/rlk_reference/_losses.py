@@ -138,6 +138,9 @@ def policy_loss(
         loss, m = policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean")
     """
     out_dtype = result_dtype(logprobs)
+    # A mask value other than 0 or 1 (0.5, NaN) makes the loss and its gradient NaN, as the
+    # kernels do where the host does not read the mask (a GPU without RLK_VALIDATE).
+    valid = mask.dtype == torch.bool or ((mask == 0) | (mask == 1)).all()
     given = mask.bool()
     # Padding may hold anything (even inf); zero it first so that neither the loss nor the
     # gradient can pick up a NaN from a masked-out position.
@@ -190,6 +193,8 @@ def policy_loss(
     loss = _aggregate(pg, mask, agg, num_tokens, num_seqs, norm_length)
     if scale is not None:
         loss = loss / scale
+    if valid is not True:
+        loss = loss * torch.where(valid, 1.0, math.nan)
 
     ratio_d = ratio.detach()
     metrics["approx_kl"] = _masked_mean(old - lp.detach(), mask)

@@ -46,8 +46,9 @@ def sample(
 
     Row ``b``: ``z = logits / temperature``; filter by top-k, then top-p; pick
     ``argmax(z + g)`` over the kept tokens with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
-    :func:`rlk_reference.philox.philox_uniform` (lowest index on ties). A row with a NaN logit
-    draws no token: -1.
+    :func:`rlk_reference.philox.philox_uniform` (lowest index on ties). A row with a NaN logit,
+    or an invalid temperature (< 0, NaN), top-k (< 0) or top-p (outside (0, 1]), draws no token:
+    -1.
     """
     with torch.no_grad():
         b, vocab = logits.shape
@@ -56,16 +57,18 @@ def sample(
         out = torch.empty(b, dtype=torch.int64)
         for row in range(b):
             x = logits[row].double()
-            if bool(x.isnan().any()):
+            temp = float(temperature[row])
+            k = int(top_k[row]) if top_k is not None else 0
+            p = float(top_p[row]) if top_p is not None else 1.0
+            # Invalid per-row values (reachable with the value checks off) draw no token either.
+            if bool(x.isnan().any()) or not (temp >= 0.0 and k >= 0 and 0.0 < p <= 1.0):
                 out[row] = -1
                 continue
-            temp = float(temperature[row])
             if temp == 0.0:
                 out[row] = _first_argmax(x)
                 continue
             z = x / temp
-            k = int(top_k[row]) if top_k is not None else 0
-            keep = keep_mask(z, k, float(top_p[row]) if top_p is not None else 1.0)
+            keep = keep_mask(z, k, p)
             score = (z + gumbel[row]).masked_fill(~keep, float("-inf"))
             out[row] = _first_argmax(score)
         return out.to(logits.device)
