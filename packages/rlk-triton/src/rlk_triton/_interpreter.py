@@ -29,8 +29,8 @@ _patched = False
 #: the functions of ``triton.language`` (and its builder's state) with numpy versions for the
 #: launch and restoring them at its end: two launches from two threads would see each other's
 #: patching (errors such as "Did you forget to add @triton.jit ?") and :func:`_patch_lang_once`
-#: keeps one launch's state. The interpreter holds the GIL for its numpy work anyway, so the lock
-#: costs no parallelism; re-entrant for a launch made while another is set up (autotuning).
+#: keeps one launch's state. The interpreter is mostly Python that holds the GIL, so the lock
+#: costs little parallelism. Re-entrant, so that a launch made inside another cannot deadlock.
 _LAUNCH_LOCK = threading.RLock()
 
 
