@@ -342,7 +342,7 @@ def paged_part(rows) -> None:
     """``rlk.paged_attention`` at the harness's decode shapes under every forward config of the
     table and PAGED_EXTRA (shuffled pages, CUDA-graph GPU time, bits against the chosen)."""
     from rlk.bench import attention as battn
-    from rlk_triton import attention
+    from rlk_triton import paged_attention
 
     for i, (b, ctx, hq, hk, d, page) in enumerate(battn.DECODE):
         if PAGED_SHAPES is not None and i not in PAGED_SHAPES:
@@ -353,7 +353,7 @@ def paged_part(rows) -> None:
         def fn(inputs=inputs):
             return rlk.paged_attention(*inputs)
 
-        configs = list(attention.TUNING["paged_attention.fwd"].configs)
+        configs = list(paged_attention.TUNING["paged_attention.fwd"].configs)
         configs += [c for c in PAGED_EXTRA if c not in configs]
         _config_sweep(rows, "paged", f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}", fn,
                       "paged_attention.fwd", configs, kv_bytes, float("nan"))  # fmt: skip
@@ -460,7 +460,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
 
 
 #: The backward part's variants: whether the dK/dV kernel issues the dO V^T product before the
-#: exponent (attention._early_dp).
+#: exponent (attention_bwd._early_dp).
 ATTN_BWD_VARIANTS = [False, True]
 
 
@@ -475,15 +475,15 @@ def attention_bwd_part(rows) -> None:
 def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from rlk_triton import attention
+    from rlk_triton import attention_bwd
 
     shape = f"B={b} S={s} Hq={hq} Hk={hk} D={d}"
     *_, flops, step = _attention_case(b, s, hq, hk, d)
-    saved = attention._early_dp
+    saved = attention_bwd._early_dp
     ref = None
     try:
         for early in ATTN_BWD_VARIANTS:
-            attention._early_dp = lambda head_dim, early=early: early
+            attention_bwd._early_dp = lambda head_dim, early=early: early
             g = step()
             ref = g if ref is None else ref
             torch.cuda.synchronize()
@@ -508,7 +508,7 @@ def _attention_bwd_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None
             rows.append(r)
             print(json.dumps(r), flush=True)
     finally:
-        attention._early_dp = saved
+        attention_bwd._early_dp = saved
 
 
 # --------------------------------------------------------------------------------------------

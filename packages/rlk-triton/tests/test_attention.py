@@ -17,9 +17,11 @@ import torch
 
 import rlk_reference as ref
 from rlk_triton import attention as attn
+from rlk_triton import attention_bwd as attn_bwd
+from rlk_triton import paged_attention as pattn
 from rlk_triton import tuning
 
-TABLE = attn.TUNING
+TABLE = {**attn.TUNING, **pattn.TUNING}
 # Max error vs float64 relative to max(1, max|ref|): rounding of the output dominates.
 TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
 GPU = torch.cuda.is_available()
@@ -74,7 +76,7 @@ def _paged(q, seqs, q_lens, page_size, table=TABLE, seed=0):
     kc, vc, bt = _paged_cache(seqs, page_size, seed)
     lens = torch.tensor([k.shape[0] for k, _ in seqs], dtype=torch.int32, device=q.device)
     cu_q = _cu(q_lens, q.device)
-    return attn.paged_attention(q, kc, vc, bt, lens, cu_q, q.shape[-1] ** -0.5, table=table)
+    return pattn.paged_attention(q, kc, vc, bt, lens, cu_q, q.shape[-1] ** -0.5, table=table)
 
 
 def _path_outputs(q, k, v, chunkings, page_sizes, decode_from, other, table=TABLE):
@@ -295,8 +297,8 @@ def test_dkdv_loop_variants_change_no_bits(causal, monkeypatch):
     for cfg in TABLE["attention.bwd"].configs:
         got = {}
         for split, early in ((False, False), (True, False), (True, True), (False, True)):
-            monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim, split=split: split)
-            monkeypatch.setattr(attn, "_early_dp", lambda head_dim, early=early: early)
+            monkeypatch.setattr(attn_bwd, "_split_dkdv", lambda head_dim, split=split: split)
+            monkeypatch.setattr(attn_bwd, "_early_dp", lambda head_dim, early=early: early)
             with tuning.force("attention", {"attention.bwd": cfg}):
                 got[split, early] = _fwd_bwd(q, k, v, cu_q, cu_k, do, causal)
         for variant, res in got.items():
@@ -538,8 +540,8 @@ def test_gpu_backward_determinism_batch_and_tuning(causal, monkeypatch):
             ):
                 assert torch.equal(a, b), f"{name} changed with config {cfg}"
     for split, early in ((False, False), (True, False), (False, True)):
-        monkeypatch.setattr(attn, "_split_dkdv", lambda head_dim, split=split: split)
-        monkeypatch.setattr(attn, "_early_dp", lambda head_dim, early=early: early)
+        monkeypatch.setattr(attn_bwd, "_split_dkdv", lambda head_dim, split=split: split)
+        monkeypatch.setattr(attn_bwd, "_early_dp", lambda head_dim, early=early: early)
         got = _fwd_bwd(q, k, v, cu, cu, do, causal)
         for name, a, b in zip(["o", "dq", "dk", "dv"], base, got, strict=True):
             assert torch.equal(a, b), f"{name} changed with the dK/dV loop {(split, early)}"

@@ -11,8 +11,12 @@ import torch
 
 import rlk_reference as ref
 from rlk._ops import AGG_MODES
+from rlk_triton import advantages as advmod
 from rlk_triton import backend, tuning
-from rlk_triton import losses as lsmod
+from rlk_triton import policy_loss as plmod
+from rlk_triton.advantages import grpo_advantages
+from rlk_triton.kl import kl_penalty
+from rlk_triton.policy_loss import policy_loss
 
 TABLE = backend.default_table()
 AGGS = AGG_MODES
@@ -20,7 +24,8 @@ AGGS = AGG_MODES
 
 @pytest.fixture(autouse=True)
 def small_batch_block(monkeypatch):
-    monkeypatch.setattr(lsmod, "BLOCK_B", 2)
+    monkeypatch.setattr(plmod, "BLOCK_B", 2)
+    monkeypatch.setattr(advmod, "BLOCK_B", 2)
 
 
 def _policy_inputs(b=5, length=300, dtype=torch.float32, adv_1d=False, tis=False, seed=0):
@@ -76,7 +81,7 @@ def test_policy_loss_vs_reference(agg, variant):
     lp, old, adv, mask, roll = _policy_inputs(adv_1d="adv[B]" in variant, tis=tis)
     if tis:
         kw["rollout_logprobs"] = roll
-    loss, metrics, grad = _loss(lsmod.policy_loss, lp, old, adv, mask, table=TABLE, **kw)
+    loss, metrics, grad = _loss(policy_loss, lp, old, adv, mask, table=TABLE, **kw)
     rloss, rmetrics, rgrad = _loss(ref.policy_loss, lp, old, adv, mask, **kw)
     assert loss.shape == () and loss.dtype == torch.float32
     assert set(metrics) == set(rmetrics)
@@ -105,7 +110,7 @@ def test_policy_loss_vs_reference(agg, variant):
 )
 def test_policy_loss_global_counts_vs_reference(agg, counts):
     lp, old, adv, mask, _ = _policy_inputs()
-    loss, _, grad = _loss(lsmod.policy_loss, lp, old, adv, mask, agg=agg, table=TABLE, **counts)
+    loss, _, grad = _loss(policy_loss, lp, old, adv, mask, agg=agg, table=TABLE, **counts)
     rloss, _, rgrad = _loss(ref.policy_loss, lp, old, adv, mask, agg=agg, **counts)
     torch.testing.assert_close(loss, rloss, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(grad, rgrad, atol=1e-9, rtol=1e-5)
@@ -113,7 +118,7 @@ def test_policy_loss_global_counts_vs_reference(agg, counts):
 
 def test_policy_loss_bf16_gradient_dtype():
     lp, old, adv, mask, _ = _policy_inputs(dtype=torch.bfloat16)
-    loss, _, grad = _loss(lsmod.policy_loss, lp, old, adv, mask, table=TABLE)
+    loss, _, grad = _loss(policy_loss, lp, old, adv, mask, table=TABLE)
     rloss, _, rgrad = _loss(ref.policy_loss, lp, old, adv, mask)
     assert grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, rloss, atol=1e-6, rtol=1e-5)
@@ -124,9 +129,7 @@ def test_policy_loss_bf16_gradient_dtype():
 def test_empty_mask_gives_zero_loss_and_metrics(agg):
     lp, old, adv, mask, _ = _policy_inputs(b=3, length=20)
     mask[:] = False
-    loss, metrics, grad = _loss(
-        lsmod.policy_loss, lp, old, adv, mask, clip_c=3.0, agg=agg, table=TABLE
-    )
+    loss, metrics, grad = _loss(policy_loss, lp, old, adv, mask, clip_c=3.0, agg=agg, table=TABLE)
     assert float(loss) == 0 and all(float(v) == 0 for v in metrics.values())
     assert not grad.any()
 
@@ -134,14 +137,14 @@ def test_empty_mask_gives_zero_loss_and_metrics(agg):
 def test_zero_batch_and_length():
     for b, length in ((0, 7), (3, 0)):
         lp = torch.zeros(b, length)
-        loss, _, grad = _loss(lsmod.policy_loss, lp, lp, torch.zeros(b), lp.bool(), table=TABLE)
+        loss, _, grad = _loss(policy_loss, lp, lp, torch.zeros(b), lp.bool(), table=TABLE)
         assert float(loss) == 0 and grad.shape == (b, length)
 
 
 def test_float_mask_equals_bool_mask():
     lp, old, adv, mask, _ = _policy_inputs()
-    a = _loss(lsmod.policy_loss, lp, old, adv, mask, agg="seq-mean-token-mean", table=TABLE)
-    b = _loss(lsmod.policy_loss, lp, old, adv, mask.float(), agg="seq-mean-token-mean", table=TABLE)
+    a = _loss(policy_loss, lp, old, adv, mask, agg="seq-mean-token-mean", table=TABLE)
+    b = _loss(policy_loss, lp, old, adv, mask.float(), agg="seq-mean-token-mean", table=TABLE)
     assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
 
 
@@ -159,7 +162,7 @@ def test_policy_loss_tuning_invariance_and_determinism(variant):
     kw = dict(VARIANTS[variant], agg="seq-mean-token-mean", rollout_logprobs=roll, table=TABLE)
 
     def run():
-        return _all_bits(lambda: _loss(lsmod.policy_loss, lp, old, adv, mask, **kw))
+        return _all_bits(lambda: _loss(policy_loss, lp, old, adv, mask, **kw))
 
     results = []
     for cfg in configs:
@@ -182,19 +185,19 @@ def test_policy_loss_sequence_gradients_do_not_depend_on_other_sequences(kw):
     # With a fixed denominator each sequence's gradient is its own business.
     lp, old, adv, mask, roll = _policy_inputs(b=6, tis=True)
     kw = dict(kw, rollout_logprobs=roll, is_level="sequence", is_max=2.0, table=TABLE)
-    _, _, grad = _loss(lsmod.policy_loss, lp, old, adv, mask, **kw)
+    _, _, grad = _loss(policy_loss, lp, old, adv, mask, **kw)
     idx = torch.tensor([4, 0, 2])
     kw["rollout_logprobs"] = roll[idx]
-    _, _, sub = _loss(lsmod.policy_loss, lp[idx], old[idx], adv[idx], mask[idx], **kw)
+    _, _, sub = _loss(policy_loss, lp[idx], old[idx], adv[idx], mask[idx], **kw)
     assert torch.equal(sub, grad[idx])
 
 
 def test_policy_loss_micro_batches_add_up_to_the_batch():
     lp, old, adv, mask, _ = _policy_inputs(b=6)
     n = int(mask.sum())
-    whole, _, grad = _loss(lsmod.policy_loss, lp, old, adv, mask, table=TABLE)
+    whole, _, grad = _loss(policy_loss, lp, old, adv, mask, table=TABLE)
     parts = [
-        _loss(lsmod.policy_loss, lp[i], old[i], adv[i], mask[i], num_tokens=n, table=TABLE)
+        _loss(policy_loss, lp[i], old[i], adv[i], mask[i], num_tokens=n, table=TABLE)
         for i in (slice(0, 2), slice(2, 6))
     ]
     torch.testing.assert_close(parts[0][0] + parts[1][0], whole, atol=1e-7, rtol=1e-6)
@@ -214,7 +217,7 @@ def test_kl_penalty_vs_reference(kind, dtype, clamp, bias):
     cot = torch.randn(3, 300, generator=g)
     kw = dict(clamp=clamp, old_logprobs=old)
     x = lp.clone().requires_grad_()
-    kl = lsmod.kl_penalty(x, ref_lp, kind, table=TABLE, **kw)
+    kl = kl_penalty(x, ref_lp, kind, table=TABLE, **kw)
     (kl * cot).sum().backward()
     xr = lp.clone().requires_grad_()
     rkl = ref.kl_penalty(xr, ref_lp, kind, **kw)
@@ -234,7 +237,7 @@ def test_kl_penalty_tuning_invariance():
     for cfg in tuning.op_configs(TABLE, "kl_penalty"):
         with tuning.force("kl_penalty", cfg):
             x = lp.clone().requires_grad_()
-            kl = lsmod.kl_penalty(x, ref_lp, "k3+", old_logprobs=old, table=TABLE)
+            kl = kl_penalty(x, ref_lp, "k3+", old_logprobs=old, table=TABLE)
             kl.sum().backward()
             results.append((kl.detach(), x.grad))
     assert len(results) >= 2
@@ -249,7 +252,7 @@ def test_grpo_advantages_vs_reference(norm_std, size, dtype):
     g = torch.Generator().manual_seed(size)
     rewards = torch.randn(5 * size, generator=g).to(dtype)
     rewards[:size] = 1.0  # a constant group: std 0, advantages 0
-    adv = lsmod.grpo_advantages(rewards, size, norm_std=norm_std, eps=1e-6, table=TABLE)
+    adv = grpo_advantages(rewards, size, norm_std=norm_std, eps=1e-6, table=TABLE)
     radv = ref.grpo_advantages(rewards, size, norm_std=norm_std, eps=1e-6)
     assert adv.dtype == torch.float32
     torch.testing.assert_close(adv, radv, atol=2e-6, rtol=2e-6)
@@ -278,7 +281,7 @@ def test_grpo_estimators_vs_reference(estimator, norm_std):
         g = torch.Generator().manual_seed(5)
         kw["mask"] = torch.rand(ids.numel(), 40, generator=g) < 0.5
         kw["mask"][3] = False
-    adv = lsmod.grpo_advantages(rewards, table=TABLE, **kw)
+    adv = grpo_advantages(rewards, table=TABLE, **kw)
     radv = ref.grpo_advantages(rewards, **kw)
     assert adv.dtype == torch.float32 and adv.shape == rewards.shape
     torch.testing.assert_close(adv, radv, atol=2e-6, rtol=2e-6)
@@ -289,29 +292,29 @@ def test_grpo_group_ids_equal_contiguous_groups_bitwise():
     rewards = torch.randn(8 * 70, generator=g)
     ids = torch.arange(8).repeat_interleave(70) * 3 + 11
     for kw in (dict(), dict(norm_std=False), dict(estimator="rloo")):
-        by_size = lsmod.grpo_advantages(rewards, 70, table=TABLE, **kw)
-        by_ids = lsmod.grpo_advantages(rewards, group_ids=ids, table=TABLE, **kw)
+        by_size = grpo_advantages(rewards, 70, table=TABLE, **kw)
+        by_ids = grpo_advantages(rewards, group_ids=ids, table=TABLE, **kw)
         assert torch.equal(by_size, by_ids)
 
 
 def test_grpo_group_ids_invariance():
     """A group's advantages alone == among other groups, shuffled, whatever its ids' order."""
     ids, rewards = _ids(12, 7)
-    full = lsmod.grpo_advantages(rewards, group_ids=ids, table=TABLE)
+    full = grpo_advantages(rewards, group_ids=ids, table=TABLE)
     # Shuffle the batch but keep each group's members in their relative order: the contract
     # fixes a group's sums by that order.
     perm = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(8))
     for gid in ids.unique():
         perm[(ids[perm] == gid).nonzero()[:, 0]] = (ids == gid).nonzero()[:, 0]
-    shuffled = lsmod.grpo_advantages(rewards[perm], group_ids=ids[perm], table=TABLE)
+    shuffled = grpo_advantages(rewards[perm], group_ids=ids[perm], table=TABLE)
     assert torch.equal(shuffled, full[perm])
     for gid in ids.unique()[:4]:
         at = (ids == gid).nonzero()[:, 0]
-        alone = lsmod.grpo_advantages(rewards[at], group_ids=ids[at], table=TABLE)
+        alone = grpo_advantages(rewards[at], group_ids=ids[at], table=TABLE)
         assert torch.equal(alone, full[at])
     for cfg in tuning.op_configs(TABLE, "grpo_advantages"):
         with tuning.force("grpo_advantages", cfg):
-            assert torch.equal(lsmod.grpo_advantages(rewards, group_ids=ids, table=TABLE), full)
+            assert torch.equal(grpo_advantages(rewards, group_ids=ids, table=TABLE), full)
 
 
 def test_grpo_group_invariance_and_tuning():
@@ -320,9 +323,9 @@ def test_grpo_group_invariance_and_tuning():
     results = []
     for cfg in tuning.op_configs(TABLE, "grpo_advantages"):
         with tuning.force("grpo_advantages", cfg):
-            results.append(lsmod.grpo_advantages(rewards, 70, table=TABLE))
+            results.append(grpo_advantages(rewards, 70, table=TABLE))
     assert len(results) >= 2 and all(torch.equal(results[0], r) for r in results[1:])
-    sub = lsmod.grpo_advantages(rewards[140:350], 70, table=TABLE)  # groups 2..4 alone
+    sub = grpo_advantages(rewards[140:350], 70, table=TABLE)  # groups 2..4 alone
     assert torch.equal(sub, results[0][140:350])
 
 
@@ -335,11 +338,11 @@ def test_gpu_policy_loss_has_no_host_sync_and_matches_reference():
               ratio_level="sequence", reject={"seq_mean_k3": 0.02},
               num_seqs=torch.tensor(60.0, device="cuda"), is_normalize=True)  # fmt: skip
     x = lp.clone().requires_grad_()
-    lsmod.policy_loss(x, old, adv, mask, table=TABLE, **kw)  # compile outside the check
+    policy_loss(x, old, adv, mask, table=TABLE, **kw)  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, metrics = lsmod.policy_loss(x, old, adv, mask, table=TABLE, **kw)
+        loss, metrics = policy_loss(x, old, adv, mask, table=TABLE, **kw)
         loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -13,6 +13,7 @@ from rlk_reference._sampling import keep_mask
 from rlk_reference.philox import philox_uniform
 from rlk_triton import backend, tuning
 from rlk_triton import sampling as smod
+from rlk_triton import sampling_filters as sf
 from rlk_triton._triton import jit, tl
 
 TABLE = backend.default_table()
@@ -178,8 +179,9 @@ def test_skipping_blocks_without_kept_tokens_changes_no_token(monkeypatch, v):
     def count_all(block_max, prefix):
         return tl.full([], 1, tl.int1)
 
-    monkeypatch.setattr(smod, "_may_keep", keep_all)
-    monkeypatch.setattr(smod, "_may_count", count_all)
+    monkeypatch.setattr(smod, "_may_keep", keep_all)  # the candidate step
+    monkeypatch.setattr(sf, "_may_keep", keep_all)  # the passes and the pick (_live_blocks)
+    monkeypatch.setattr(sf, "_may_count", count_all)
     slow = _sample(logits, seeds, offsets, **p)
     assert fast[3] == -1 and torch.equal(fast, slow)
 
@@ -291,10 +293,10 @@ def _one_program_threshold(logits, temp, topk, topp, maxima, kept_out, V, stride
                            PART_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr):  # fmt: skip
     # The one-program radix threshold of _sample_kernel, its key written out.
     row = tl.program_id(0)
-    t, k, p, on_k, on_p = smod._filters(temp, topk, topp, row, V, True, True)
-    smod._block_maxima(logits + row * stride, V, 0, n_blocks, maxima + row * n_blocks, BLOCK)
+    t, k, p, on_k, on_p = sf._filters(temp, topk, topp, row, V, True, True)
+    sf._block_maxima(logits + row * stride, V, 0, n_blocks, maxima + row * n_blocks, BLOCK)
     tl.debug_barrier()
-    kept = smod._row_kept(logits + row * stride, V, t, k, p, on_k, on_p, n_blocks,
+    kept = sf._row_kept(logits + row * stride, V, t, k, p, on_k, on_p, n_blocks,
                           maxima + row * n_blocks, BLOCK, RADIX_BITS, PART_BLOCKS,
                           MAX_BLOCKS)  # fmt: skip
     tl.store(kept_out + row, kept.to(tl.int64))
@@ -332,8 +334,8 @@ def _one_program_masses(logits, maxima, temp, out, V, n_blocks, SHIFT: tl.conste
                         MAX_BLOCKS: tl.constexpr):  # fmt: skip
     # The first top-p pass's masses of row 0 as the one-program threshold adds them.
     t = tl.load(temp)
-    z_max = smod._row_z_max(maxima, n_blocks, t, MAX_BLOCKS)
-    mass = smod._row_masses(logits, V, tl.zeros([], tl.uint32), SHIFT, t, tl.zeros([], tl.uint32),
+    z_max = sf._row_z_max(maxima, n_blocks, t, MAX_BLOCKS)
+    mass = sf._row_masses(logits, V, tl.zeros([], tl.uint32), SHIFT, t, tl.zeros([], tl.uint32),
                             z_max, n_blocks, maxima, BLOCK, NCAND, PART_BLOCKS)  # fmt: skip
     tl.store(out + tl.arange(0, NCAND), mass)
 
@@ -354,9 +356,9 @@ def test_top_p_masses_are_exact_fixed_point_sums():
     prefix = torch.empty(1, 2 * smod.LEVELS, dtype=torch.int64)
     counts = torch.empty(2, 1, n_parts, ncand, dtype=torch.int32)
     masses = torch.empty(2, 1, n_parts, ncand, dtype=torch.int64)
-    smod._maxima_kernel[(1, n_parts)](logits, temp, k, q, maxima, v, v, blocks, **has,
+    sf._maxima_kernel[(1, n_parts)](logits, temp, k, q, maxima, v, v, blocks, **has,
                                       BLOCK=smod.BLOCK, PART_BLOCKS=smod.PART_BLOCKS)  # fmt: skip
-    smod._level_kernel[(1, n_parts)](logits, temp, k, q, maxima, prefix, counts, masses,
+    sf._level_kernel[(1, n_parts)](logits, temp, k, q, maxima, prefix, counts, masses,
                                      torch.empty(1, dtype=torch.int64),
                                      torch.empty(1, dtype=torch.float64),
                                      torch.empty(1, dtype=torch.int64),

@@ -79,7 +79,7 @@ CATALOG: tuple[OpSpec, ...] = (
         grad_args=("q", "k", "v"),
         unit_grads=("q", "k", "v"),
     ),
-    OpSpec("paged_attention", "attention"),
+    OpSpec("paged_attention", "paged_attention"),
     OpSpec(
         "logprobs", "logprobs", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32"
     ),
@@ -92,11 +92,15 @@ CATALOG: tuple[OpSpec, ...] = (
     ),
     # policy_loss aggregates over the batch: its gradient is checked for determinism only.
     OpSpec(
-        "policy_loss", "losses", kwonly=_POLICY_KWONLY, grad_args=("logprobs",), out_dtype="float32"
+        "policy_loss",
+        "policy_loss",
+        kwonly=_POLICY_KWONLY,
+        grad_args=("logprobs",),
+        out_dtype="float32",
     ),
     OpSpec(
         "kl_penalty",
-        "losses",
+        "kl",
         kwonly=("clamp", "old_logprobs"),
         grad_args=("logprobs",),
         unit_grads=("logprobs",),
@@ -104,7 +108,7 @@ CATALOG: tuple[OpSpec, ...] = (
     ),
     OpSpec(
         "grpo_advantages",
-        "losses",
+        "advantages",
         kwonly=("norm_std", "eps", "group_ids", "estimator", "mask"),
         out_dtype="float32",
     ),

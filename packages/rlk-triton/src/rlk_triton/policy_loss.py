@@ -1,14 +1,10 @@
-"""RL objectives on padded ``[B, L]`` tensors: ``policy_loss``, ``kl_penalty``, ``grpo_advantages``.
+"""The clipped policy loss on padded ``[B, L]`` tensors: ``policy_loss``.
 
-Semantics: the docstrings of ``rlk.policy_loss``, ``rlk.kl_penalty`` and ``rlk.grpo_advantages``
-(the arguments arrive validated and normalised). Per-token terms are computed in fp32. Every
-floating-point sum has one order, fixed by constants of this module: a sequence's tokens are
-accumulated lane-wise in blocks of :data:`BLOCK_L` (lane ``i`` adds tokens ``i, i + BLOCK_L,
-...`` in ascending order), then the lanes are added by the fixed binary tree of
-:func:`rlk_triton.logprobs.tree_sum`; the sequences are combined the same way in blocks of
-:data:`BLOCK_B` by a single program, and so are a GRPO group's members (in their order in the
-batch) in blocks of :data:`BLOCK_G`. Counts are integer sums (exact). So the results do not
-depend on tuning, and no step syncs with the host: the metrics are 0-d views of a device buffer.
+Semantics: the docstring of ``rlk.policy_loss`` (the arguments arrive validated and
+normalised). Per-token terms are computed in fp32, every sum in the fixed order of
+:mod:`rlk_triton._objectives` (tokens in blocks of :data:`BLOCK_L`, sequences in blocks of
+``BLOCK_B``), so the results do not depend on tuning, and no step syncs with the host: the
+metrics are 0-d views of a device buffer.
 
 policy_loss runs three kernels: per sequence (a first pass over the tokens when the sequence
 needs a statistic first: GSPO's mean log-ratio, a sequence-level importance weight, a rejection
@@ -24,18 +20,24 @@ import torch
 
 from rlk._ops import REJECT_OPTIONS
 from rlk_triton import tuning
+from rlk_triton._objectives import BLOCK_B, _log2, _max2, _safe_div
+from rlk_triton._policy_terms import (
+    _bounded,
+    _clamp_log,
+    _load_tokens,
+    _pg_terms,
+    _row_max,
+    _seq_keep,
+    _token_keep,
+)
 from rlk_triton._triton import cdiv, jit, tl
 from rlk_triton.logprobs import tree_sum
-from rlk_triton.norm import _pow2
 
 #: Tokens per block of a sequence's sums (lanes of the fixed-order accumulation).
 BLOCK_L = 256
-#: Sequences per block of the batch sums.
-BLOCK_B = 256
-#: Rewards per block of a GRPO group's sums.
-BLOCK_G = 64
 #: Log importance ratios are clamped to this bound before ``exp`` (verl's safety bound).
 LOG_RATIO_BOUND = 20.0
+
 
 AGG_CODES = {
     "token-mean": 0,
@@ -48,9 +50,6 @@ AGG_CODES = {
 }
 # REJECT_OPTIONS (rlk's list, imported above): bit ``i`` of the kernels' ``RS`` flags;
 # thresholds ``thr[2i], thr[2i+1]``.
-KL_CODES = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
-ADV_CODES = {"grpo": 0, "rloo": 1, "reinforce++-baseline": 2, "reinforce++": 3}
-NORM_CODES = {"group": 0, "none": 1, "batch": 2}
 #: Names of the policy-loss metrics, in the order of the metrics buffer.
 METRICS = (
     "clip_fraction",
@@ -69,153 +68,9 @@ _NF = 7
 _NI = 5
 
 
-def _log2(n: int) -> int:
-    return n.bit_length() - 1
-
-
 # --------------------------------------------------------------------------------------------
-# policy_loss
+# Kernels
 # --------------------------------------------------------------------------------------------
-
-
-# NaN and infinities follow IEEE semantics as in the float64 reference (torch's max, min and
-# clamp propagate NaN): every max/min/clamp on values here propagates NaN, where Triton's
-# defaults (tl.maximum, tl.minimum, tl.max) would return the other operand and hide a NaN
-# log-prob behind a finite loss. On numbers they give the same results as the defaults.
-
-
-@jit
-def _max2(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@jit
-def _min2(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@jit
-def _row_max(x):
-    """Max along axis 1, NaN if any element is NaN (tl.max would skip it)."""
-    return tl.reduce(x, 1, _max2)
-
-
-@jit
-def _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL: tl.constexpr):
-    """Per-token ``(pg, d pg / d lp, clipped, dual_clipped)`` in fp32 for a ratio whose
-    gradient with respect to the token's log-prob is the ratio itself."""
-    unclipped = -adv * ratio
-    clipped = -adv * _min2(_max2(ratio, 1.0 - clip_low), 1.0 + clip_high)
-    was_clipped = clipped > unclipped
-    pg = _max2(unclipped, clipped)
-    # Where the clamped term wins the ratio is outside the clamp range, so its gradient is 0.
-    dpg = tl.where(was_clipped, 0.0, unclipped)
-    dual = was_clipped != was_clipped  # all False
-    if DUAL:
-        bound = -adv * clip_c
-        dual = (adv < 0) & (bound < pg)
-        pg = tl.where(dual, bound, pg)
-        dpg = tl.where(dual, 0.0, dpg)
-    return pg, dpg, was_clipped, dual
-
-
-@jit
-def _bounded(w, is_min, is_max, MODE: tl.constexpr, HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr):
-    """Importance weights bounded by ``[is_min, is_max]``: clamped (MODE 0) or zeroed outside."""
-    if MODE == 0:
-        if HAS_MIN:
-            w = _max2(w, is_min)
-        if HAS_MAX:
-            w = _min2(w, is_max)
-    else:
-        inside = w == w  # a NaN weight is outside the range, as in the reference
-        if HAS_MIN:
-            inside = inside & (w >= is_min)
-        if HAS_MAX:
-            inside = inside & (w <= is_max)
-        w = tl.where(inside, w, 0.0)
-    return w
-
-
-@jit
-def _clamp_log(x):
-    return _min2(_max2(x, -20.0), 20.0)
-
-
-@jit
-def _token_keep(dc, thr_ptr, RS: tl.constexpr):
-    """Tokens the token-level rejection options keep (``dc``: old - rollout, clamped)."""
-    keep = dc == dc  # all True
-    if RS & 1:  # token_k1 = -dc within [log lower, log upper]
-        keep = keep & (-dc >= tl.load(thr_ptr + 0)) & (-dc <= tl.load(thr_ptr + 1))
-    if RS & 2:
-        keep = keep & (dc * dc * 0.5 <= tl.load(thr_ptr + 3))
-    if RS & 4:
-        keep = keep & (tl.exp(dc) - 1.0 - dc <= tl.load(thr_ptr + 5))
-    return keep
-
-
-@jit
-def _seq_keep(s1, s2, s3, m2, m3, n, thr_ptr, RS: tl.constexpr):
-    """Sequences the sequence-level rejection options keep, from the sums ``s1..s3`` of
-    k1..k3 over the sequence's tokens, the maxima ``m2``/``m3`` and the token count ``n``."""
-    keep = n >= 0  # all True
-    nf = n.to(tl.float32)
-    if RS & 8:
-        keep = keep & (s1 >= tl.load(thr_ptr + 6)) & (s1 <= tl.load(thr_ptr + 7))
-    if RS & 16:
-        keep = keep & (s2 <= tl.load(thr_ptr + 9))
-    if RS & 32:
-        keep = keep & (s3 <= tl.load(thr_ptr + 11))
-    if RS & 64:
-        mean1 = _safe_div(s1, nf)
-        keep = keep & (mean1 >= tl.load(thr_ptr + 12)) & (mean1 <= tl.load(thr_ptr + 13))
-    if RS & 128:
-        keep = keep & (_safe_div(s2, nf) <= tl.load(thr_ptr + 15))
-    if RS & 256:
-        keep = keep & (_safe_div(s3, nf) <= tl.load(thr_ptr + 17))
-    if RS & 512:
-        keep = keep & (m2 <= tl.load(thr_ptr + 19))
-    if RS & 1024:
-        keep = keep & (m3 <= tl.load(thr_ptr + 21))
-    return keep
-
-
-@jit
-def _safe_div(num, den):
-    return tl.where(den > 0, tl.math.div_rn(num, tl.maximum(den, 1e-30)), 0.0)
-
-
-@jit
-def _load_tokens(
-    lp_ptr,
-    old_ptr,
-    adv_ptr,
-    roll_ptr,
-    mask_ptr,
-    seqs,
-    offs,
-    ok,
-    s_lp,
-    s_old,
-    s_adv_b,
-    s_adv_l,
-    s_roll,
-    s_mask,
-    ROLL: tl.constexpr,
-):
-    """A block of tokens: ``(mask, lp, old, adv, old - rollout)`` (0 where masked out)."""
-    b = seqs.to(tl.int64)[:, None]
-    l = offs[None, :]
-    m = ok & (tl.load(mask_ptr + b * s_mask + l, mask=ok, other=0).to(tl.float32) != 0)
-    lp = tl.load(lp_ptr + b * s_lp + l, mask=m, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + b * s_old + l, mask=m, other=0.0).to(tl.float32)
-    adv = tl.load(adv_ptr + b * s_adv_b + l * s_adv_l, mask=m, other=0.0).to(tl.float32)
-    if ROLL:
-        delta = old - tl.load(roll_ptr + b * s_roll + l, mask=m, other=0.0).to(tl.float32)
-    else:
-        delta = old - old
-    return m, lp, old, adv, delta
 
 
 @jit
@@ -591,236 +446,6 @@ def _policy_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# kl_penalty
-# --------------------------------------------------------------------------------------------
-
-
-@jit
-def _kl_terms(d, clamp, KIND: tl.constexpr, CLAMP: tl.constexpr, ST: tl.constexpr):
-    """``(kl, d kl / d d)`` per token for ``d = logprobs - ref_logprobs``."""
-    if KIND == 0:
-        kl = d
-        dkl = tl.zeros_like(d) + 1.0
-    elif KIND == 1:
-        kl = d * d * 0.5
-        dkl = d
-    elif KIND == 2:
-        raw = tl.exp(-d) + d - 1.0
-        dkl = 1.0 - tl.exp(-d)
-        kl = raw
-        if CLAMP:
-            kl = _min2(_max2(raw, -clamp), clamp)
-            # A clamped value has gradient 0, a NaN one NaN (as autograd through the reference).
-            dkl = tl.where((raw >= -clamp) & (raw <= clamp), dkl, tl.where(raw == raw, 0.0, raw))
-    else:
-        kl = tl.abs(d)
-        dkl = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-    if ST:  # straight through: the gradient of k2
-        dkl = d
-    return kl, dkl
-
-
-@jit
-def _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS: tl.constexpr):
-    lp = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    d = lp - tl.load(ref_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if BIAS:
-        w = tl.exp(lp - tl.load(old_ptr + offs, mask=ok, other=0.0).to(tl.float32))
-    else:
-        w = d
-    return d, w
-
-
-@jit
-def _kl_fwd_kernel(
-    lp_ptr,
-    ref_ptr,
-    old_ptr,
-    out_ptr,
-    N,
-    clamp,
-    KIND: tl.constexpr,
-    CLAMP: tl.constexpr,
-    ST: tl.constexpr,
-    BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    d, w = _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS)
-    kl, _ = _kl_terms(d, clamp, KIND, CLAMP, ST)
-    if BIAS:
-        kl = kl * w
-    tl.store(out_ptr + offs, kl, mask=ok)
-
-
-@jit
-def _kl_bwd_kernel(
-    lp_ptr,
-    ref_ptr,
-    old_ptr,
-    g_ptr,
-    dlp_ptr,
-    N,
-    clamp,
-    KIND: tl.constexpr,
-    CLAMP: tl.constexpr,
-    ST: tl.constexpr,
-    BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    d, w = _kl_load(lp_ptr, ref_ptr, old_ptr, offs, ok, BIAS)
-    kl, dkl = _kl_terms(d, clamp, KIND, CLAMP, ST)
-    if BIAS:  # d (kl * w) = (dkl + kl) * w, since dw / dlp = w
-        dkl = (dkl + kl) * w
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dlp_ptr + offs, (g * dkl).to(dlp_ptr.dtype.element_ty), mask=ok)
-
-
-# --------------------------------------------------------------------------------------------
-# grpo_advantages
-# --------------------------------------------------------------------------------------------
-
-
-@jit
-def _group_moments(r_ptr, base, cnt, span, inv, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-                   LOG2_BLOCK_G: tl.constexpr, STD: tl.constexpr):  # fmt: skip
-    """``(mean, std, max |r|)`` of each group's rewards multiplied by ``inv`` (1, or a power of
-    two: exact), the sums in the fixed order; ``std`` is 0 unless ``STD``."""
-    cols = tl.arange(0, BLOCK_G)
-    acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-    amax = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-    for i0 in range(0, span, BLOCK_G):
-        ok = (i0 + cols)[None, :] < cnt[:, None]
-        r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        r = r * inv[:, None]
-        acc += r
-        amax = tl.maximum(amax, tl.abs(r))
-    size = cnt.to(tl.float32)
-    mean = tl.where(cnt == 1, 0.0, _safe_div(tree_sum(acc, LOG2_BLOCK_G), size))  # alone: 0
-    std = tl.zeros([GROUPS], tl.float32)
-    if STD:
-        acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
-        for i0 in range(0, span, BLOCK_G):
-            ok = (i0 + cols)[None, :] < cnt[:, None]
-            r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            d = tl.where(ok, r * inv[:, None] - mean[:, None], 0.0)
-            acc += d * d
-        std = tl.math.sqrt_rn(_safe_div(tree_sum(acc, LOG2_BLOCK_G), size - 1.0))
-    return mean, std, tl.max(amax, 1)
-
-
-@jit
-def _group_kernel(
-    r_ptr,
-    start_ptr,
-    count_ptr,
-    out_ptr,
-    n_seg,
-    span,
-    eps,
-    GROUPS: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    LOG2_BLOCK_G: tl.constexpr,
-    EST: tl.constexpr,
-    STD: tl.constexpr,
-):
-    """Per group (a segment of ``r`` of at most ``span`` members): GRPO / RLOO / baseline
-    advantages of its members; ``STD``: GRPO divided by the group's std."""
-    segs = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
-    s_ok = segs < n_seg
-    base = tl.load(start_ptr + segs, mask=s_ok, other=0).to(tl.int64)[:, None]
-    cnt = tl.load(count_ptr + segs, mask=s_ok, other=0)
-    cols = tl.arange(0, BLOCK_G)
-    size = cnt.to(tl.float32)
-    single = cnt == 1
-    inv = tl.zeros([GROUPS], tl.float32) + 1.0
-    mean, std, amax = _group_moments(
-        r_ptr, base, cnt, span, inv, GROUPS, BLOCK_G, LOG2_BLOCK_G, STD
-    )
-    # A sum or a square of finite rewards can overflow in fp32 where the float64 reference does
-    # not (|r| near 1e19 and above): such groups are computed again on the rewards scaled by a
-    # power of two (exact), and only they, so the bits of every other group are unchanged.
-    over = ((tl.abs(mean) == float("inf")) | (std == float("inf"))) & (amax < float("inf"))
-    if tl.max(over.to(tl.int32), 0) > 0:
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        inv = tl.where(over, _pow2(tl.maximum(tl.where(over, -e, 0), -126)), 1.0)
-        mean, std, _ = _group_moments(
-            r_ptr, base, cnt, span, inv, GROUPS, BLOCK_G, LOG2_BLOCK_G, STD
-        )
-    if STD:
-        den = tl.where(single, 1.0, std) + eps * inv
-    for i0 in range(0, span, BLOCK_G):
-        ok = (i0 + cols)[None, :] < cnt[:, None]
-        r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        r = r * inv[:, None]
-        adv = r - mean[:, None]
-        if STD:
-            adv = tl.math.div_rn(adv, den[:, None])
-        else:
-            if EST == 1:
-                n1 = tl.maximum(size - 1.0, 1.0)[:, None]
-                adv = tl.where(single[:, None], r, tl.math.div_rn(adv * size[:, None], n1))
-            adv = tl.math.div_rn(adv, inv[:, None])  # back to the rewards' scale (exact)
-        tl.store(out_ptr + base + i0 + cols[None, :], adv, mask=ok)
-
-
-@jit
-def _batch_norm_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    out_ptr,
-    N,
-    eps,
-    WHITEN: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    LOG2_BLOCK_B: tl.constexpr,
-):
-    """One program over the batch. ``WHITEN``: ``(x - mu) / sqrt(var + 1e-8)`` with the
-    ``w``-weighted mean and unbiased variance of ``x`` (REINFORCE++). Else ``y / (std + eps)``
-    with the unbiased std of ``x`` (GRPO with the batch std)."""
-    lanes = tl.arange(0, BLOCK_B)
-    acc = tl.zeros([1, BLOCK_B], tl.float32)
-    acc_w = tl.zeros([1, BLOCK_B], tl.float32)
-    for i0 in range(0, N, BLOCK_B):
-        ok = (i0 + lanes) < N
-        x = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)[None, :]
-        if WHITEN:
-            w = tl.load(w_ptr + i0 + lanes, mask=ok, other=0).to(tl.float32)[None, :]
-        else:
-            w = tl.where(ok, 1.0, 0.0)[None, :]
-        acc += w * x
-        acc_w += w
-    total = tree_sum(acc_w, LOG2_BLOCK_B)
-    mu = _safe_div(tree_sum(acc, LOG2_BLOCK_B), total)
-    acc = tl.zeros([1, BLOCK_B], tl.float32)
-    for i0 in range(0, N, BLOCK_B):
-        ok = (i0 + lanes) < N
-        x = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)[None, :]
-        if WHITEN:
-            w = tl.load(w_ptr + i0 + lanes, mask=ok, other=0).to(tl.float32)[None, :]
-        else:
-            w = tl.where(ok, 1.0, 0.0)[None, :]
-        d = x - mu[:, None]
-        acc += w * (d * d)
-    var = tl.where(total >= 2.0, _safe_div(tree_sum(acc, LOG2_BLOCK_B), total - 1.0), 0.0)
-    if WHITEN:
-        den = tl.math.sqrt_rn(var + 1e-8)
-    else:
-        den = tl.math.sqrt_rn(var) + eps
-    for i0 in range(0, N, BLOCK_B):
-        ok = (i0 + lanes) < N
-        if WHITEN:
-            y = tl.load(x_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32) - mu
-        else:
-            y = tl.load(y_ptr + i0 + lanes, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i0 + lanes, tl.math.div_rn(y, den), mask=ok)
-
-
-# --------------------------------------------------------------------------------------------
 # Tuning: launch parameters only
 # --------------------------------------------------------------------------------------------
 
@@ -847,33 +472,11 @@ TUNING = {
         ),
         choose=_choose_seqs,
     ),
-    "kl_penalty.fwd": tuning.Rule(
-        configs=(
-            {"BLOCK": 1024, "num_warps": 4},
-            {"BLOCK": 4096, "num_warps": 8},
-            {"BLOCK": 128, "num_warps": 1},
-        ),
-    ),
-    "kl_penalty.bwd": tuning.Rule(
-        configs=(
-            {"BLOCK": 1024, "num_warps": 4},
-            {"BLOCK": 4096, "num_warps": 8},
-            {"BLOCK": 128, "num_warps": 1},
-        ),
-    ),
-    "grpo_advantages.fwd": tuning.Rule(
-        configs=(
-            {"GROUPS": 16, "num_warps": 4},
-            {"GROUPS": 1, "num_warps": 1},
-            {"GROUPS": 64, "num_warps": 8},
-        ),
-    ),
-    "grpo_advantages.batch": tuning.Rule(configs=({"num_warps": 4}, {"num_warps": 8})),
 }
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers, autograd, public functions
+# Launchers, autograd, public function
 # --------------------------------------------------------------------------------------------
 
 
@@ -1105,160 +708,3 @@ def policy_loss(
     if rs:
         names.append("reject_fraction")
     return loss, {name: buf[METRICS.index(name)] for name in names}
-
-
-class KLPenaltyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, lp, ref, old, kind, clamp, table):
-        lp, ref = lp.contiguous(), ref.contiguous()
-        old = lp if old is None else old.contiguous()
-        flags = dict(
-            KIND=KL_CODES[kind.rstrip("+")],
-            CLAMP=clamp is not None,
-            ST=kind.endswith("+"),
-            BIAS=old is not lp,
-        )
-        out = torch.empty(lp.shape, dtype=torch.float32, device=lp.device)
-        n = lp.numel()
-        if n:
-            cfg = dict(tuning.config(table, "kl_penalty.fwd", N=n))
-            block = cfg.pop("BLOCK")
-            _kl_fwd_kernel[(cdiv(n, block),)](
-                lp, ref, old, out, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
-            )
-        ctx.save_for_backward(lp, ref, old)
-        ctx.flags, ctx.clamp, ctx.table = flags, float(clamp or 0.0), table
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        lp, ref, old = ctx.saved_tensors
-        dlp = torch.empty_like(lp)
-        n = lp.numel()
-        if n:
-            cfg = dict(tuning.config(ctx.table, "kl_penalty.bwd", N=n))
-            block = cfg.pop("BLOCK")
-            _kl_bwd_kernel[(cdiv(n, block),)](
-                lp, ref, old, g.contiguous(), dlp, n, ctx.clamp, BLOCK=block, **ctx.flags, **cfg
-            )
-        return dlp, None, None, None, None, None
-
-
-def kl_penalty(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    kind: str = "k3",
-    *,
-    clamp: float | None = 10.0,
-    old_logprobs: torch.Tensor | None = None,
-    table: tuning.TuningTable,
-) -> torch.Tensor:
-    """Per-token KL estimate ``[B, L]`` -> fp32 ``[B, L]`` (semantics: :func:`rlk.kl_penalty`),
-    differentiable with respect to ``logprobs``. ``kind`` is one of rlk's names (``k1``, ``k2``,
-    ``k3``, ``abs``, ``k1+``, ``k3+``, ``abs+``).
-
-    Example::
-
-        kl = kl_penalty(lp, ref_lp, "k3", table=table)
-    """
-    old = None if old_logprobs is None else old_logprobs.detach()
-    return KLPenaltyFunction.apply(logprobs, ref_logprobs.detach(), old, kind, clamp, table)
-
-
-def _segments(group_size, group_ids, n, device):
-    """``(order, starts, counts, n_seg)``: the groups as segments of ``rewards[order]``.
-
-    With ``group_ids`` a stable sort keeps each group's members in their batch order; starts
-    and counts come from integer scatters (exact), and there are ``n`` segment slots (empty ones
-    have count 0), so nothing waits for the host."""
-    if group_ids is None:
-        n_seg = n // group_size
-        starts = torch.arange(n_seg, dtype=torch.int64, device=device) * group_size
-        counts = torch.full((n_seg,), group_size, dtype=torch.int32, device=device)
-        return None, starts, counts, n_seg
-    order = torch.sort(group_ids, stable=True).indices
-    sid = group_ids[order]
-    first = torch.ones(n, dtype=torch.int64, device=device)
-    first[1:] = (sid[1:] != sid[:-1]).to(torch.int64)
-    seg = torch.cumsum(first, 0) - 1
-    pos = torch.arange(n, dtype=torch.int64, device=device)
-    starts = torch.full((n,), n, dtype=torch.int64, device=device)
-    starts = starts.scatter_reduce(0, seg, pos, reduce="amin")
-    counts = torch.zeros(n, dtype=torch.int32, device=device)
-    counts = counts.scatter_add(0, seg, torch.ones(n, dtype=torch.int32, device=device))
-    return order, starts, counts, n
-
-
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_size: int | None = None,
-    *,
-    norm_std: str = "group",
-    eps: float = 1e-6,
-    group_ids: torch.Tensor | None = None,
-    estimator: str = "grpo",
-    mask: torch.Tensor | None = None,
-    table: tuning.TuningTable,
-) -> torch.Tensor:
-    """Outcome-reward advantages of ``rewards [N]`` -> fp32 ``[N]`` (not differentiable;
-    semantics: :func:`rlk.grpo_advantages`). ``norm_std``: ``"group"``, ``"batch"``,
-    ``"none"`` (or ``True``/``False``).
-
-    Example::
-
-        adv = grpo_advantages(rewards, 8, table=table)
-    """
-    if isinstance(norm_std, bool):
-        norm_std = "group" if norm_std else "none"
-    est, norm = ADV_CODES[estimator], NORM_CODES[norm_std]
-    if est != 0:
-        norm = 1
-    rewards = rewards.detach().contiguous()
-    device = rewards.device
-    n = rewards.numel()
-    out = torch.empty(n, dtype=torch.float32, device=device)
-    if n == 0:
-        return out
-    if est == 3:
-        v = rewards
-    else:
-        order, starts, counts, n_seg = _segments(group_size, group_ids, n, device)
-        r = rewards if order is None else rewards[order]
-        v = torch.empty(n, dtype=torch.float32, device=device)
-        cfg = dict(tuning.config(table, "grpo_advantages.fwd", N=n, G=group_size or 0))
-        groups = cfg.pop("GROUPS")
-        _group_kernel[(cdiv(n_seg, groups),)](
-            r,
-            starts,
-            counts,
-            v,
-            n_seg,
-            n if group_size is None else group_size,
-            float(eps),
-            GROUPS=groups,
-            BLOCK_G=BLOCK_G,
-            LOG2_BLOCK_G=_log2(BLOCK_G),
-            EST=est,
-            STD=est == 0 and norm == 0,
-            **cfg,
-        )
-        if order is not None:
-            v = torch.empty_like(v).index_copy_(0, order, v)
-    if est < 2 and norm != 2:
-        return v
-    whiten = est >= 2
-    weights = mask.bool().sum(-1, dtype=torch.int32) if whiten else v
-    cfg = tuning.config(table, "grpo_advantages.batch", N=n)
-    _batch_norm_kernel[(1,)](
-        v if whiten else rewards,
-        weights,
-        v,
-        out,
-        n,
-        float(eps),
-        WHITEN=whiten,
-        BLOCK_B=BLOCK_B,
-        LOG2_BLOCK_B=_log2(BLOCK_B),
-        **cfg,
-    )
-    return out

@@ -1,0 +1,79 @@
+"""Paged attention (rollout decode and prefill): ``paged_attention``, bitwise equal to
+:func:`rlk_triton.attention.attention` on the same logical sequences.
+
+The kernel is the forward of :mod:`rlk_triton.attention` (``PAGED``): it gathers each KV
+tile's keys by logical position through the block table and feeds the same tiles to the
+same arithmetic; that module's docstring says why every path gives the same bits. This
+module holds the paged op's tuning rules and its public function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlk_triton import tuning
+from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
+
+
+def _choose_paged(rows: int, head_dim: int, programs: int, **_: int) -> int:
+    # programs: sequences x KV heads, the decode grid's size (_forward passes it).
+    if head_dim > 128:
+        return 1
+    if rows >= 1024:
+        return _long_rows(head_dim)
+    # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
+    # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->
+    # 287); at 64, 3 stages with registers capped at 128 per thread (4 programs per SM instead
+    # of 2; 24 bytes spilled): 107.4 -> 80.8 us. A grid of a few programs (one per SM at
+    # most) gains nothing from more programs per SM or a deeper pipeline: 3 stages without a
+    # cap (B = 1, ctx 8192, head_dim 128, 8 programs: 205.2 -> 190.5 us; B = 8, ctx 512,
+    # head_dim 64, 16 programs: 14.9 -> 14.4 us). Grids of 17 to 511 programs were not timed.
+    if programs <= 16:
+        return 3
+    return 8 if head_dim > 64 else 7
+
+
+TUNING = {"paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=_choose_paged)}
+
+#: Under the Triton interpreter (CPU): the largest tiles (its cost is per program and per op).
+CPU_TUNING = {"paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=lambda **_: 0)}
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float | None = None,
+    *,
+    table: tuning.TuningTable,
+) -> torch.Tensor:
+    """Causal attention of ``q [Tq, Hq, D]`` against paged caches ``[pages, page_size, Hk, D]``
+    (``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]`` including the new
+    tokens, ``cu_seqlens_q`` int32 ``[B + 1]``) -> ``[Tq, Hq, D]``; bitwise equal to
+    :func:`attention` on the same logical sequences. Forward only.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention needs caches with a contiguous head_dim")
+    q = q.contiguous()
+    o, _ = _forward(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q.contiguous(),
+        None,
+        seq_lens.contiguous(),
+        block_table.contiguous(),
+        True,
+        float(scale),
+        "paged_attention.fwd",
+        table,
+        False,
+    )
+    return o
