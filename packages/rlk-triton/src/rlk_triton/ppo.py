@@ -20,20 +20,16 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
+from rlk_triton._objectives import BLOCK_B, _log2, _max2, _min2, _safe_div
 from rlk_triton._triton import cdiv, jit, tl
 from rlk_triton.logprobs import tree_sum
-from rlk_triton.losses import (
+from rlk_triton.policy_loss import (
     AGG_CODES,
-    BLOCK_B,
     BLOCK_L,
     METRICS,
-    _log2,
-    _max2,
-    _min2,
     _norms,
     _policy_batch_kernel,
     _rows,
-    _safe_div,
 )
 
 #: Rows and columns of the tiles the whitening statistics are added over (lane-wise).
