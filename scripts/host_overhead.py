@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import rlk
-from rlk import _ops
+from rlk import ops
 from rlk._plugins import backend_impl
 from rlk_triton import _triton, gemm, tuning
 from rlk_triton.backend import default_table
@@ -85,7 +85,7 @@ def _parts(dev, bf) -> None:
     rows = [
         ("F.linear", lambda: F.linear(x, w)),
         ("rlk.linear", lambda: rlk.linear(x, w)),
-        ("  check_linear", lambda: _ops.check_linear(x, w, None)),
+        ("  check_linear", lambda: ops.check_linear(x, w, None)),
         ("  backend_impl", lambda: backend_impl(x.device)),
         ("  gemm.LinearFunction.apply", lambda: gemm.LinearFunction.apply(x, w, None, table)),
         ("  gemm._matmul", lambda: gemm._matmul(x, w.t(), None, bf, table, "linear.fwd")),

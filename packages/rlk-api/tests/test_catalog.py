@@ -3,11 +3,12 @@ agree with it (the public functions, the float64 oracle, the kit's case builders
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import rlk
 import rlk_reference
-from rlk import _builtin, _catalog, _ops
+from rlk import _builtin, _catalog, ops
 from rlk._catalog import CATALOG, OPS, OPTIONAL_OPS, SPECS
 from rlk.testing import cases
 
@@ -18,10 +19,25 @@ def test_ops_are_the_required_specs_in_order():
     assert len(SPECS) == len(CATALOG)  # names are unique
 
 
+def _family_ops() -> dict:
+    """The op functions of the rlk.ops family modules (their public functions, less the
+    argument checks they share with other distributions)."""
+    found = {}
+    for family in ops.FAMILIES:
+        mod = importlib.import_module(f"rlk.ops.{family}")
+        for name, obj in vars(mod).items():
+            public = not name.startswith(("_", "check_"))
+            if public and inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+                found[name] = obj
+    return found
+
+
 def test_public_exports_are_the_catalog_ops():
     assert set(OPS) <= set(rlk.__all__)
-    # The op functions rlk exports are exactly the catalog's, each the one of rlk._ops.
-    exported = {n for n in rlk.__all__ if getattr(rlk, n) is getattr(_ops, n, None)}
+    # The op functions rlk exports are exactly the catalog's, each the one of its family module.
+    family_ops = _family_ops()
+    assert set(family_ops) == set(OPS)
+    exported = {n for n in rlk.__all__ if getattr(rlk, n) is family_ops.get(n)}
     assert exported == set(OPS)
 
 
@@ -31,7 +47,7 @@ ALIASES = {"policy_loss": {"tis_cap"}}  # an upper importance-sampling bound: is
 
 def test_kwonly_matches_the_public_signatures():
     for op in OPS:
-        params = inspect.signature(getattr(_ops, op)).parameters.values()
+        params = inspect.signature(getattr(rlk, op)).parameters.values()
         kwonly = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
         assert [k for k in kwonly if k not in ALIASES.get(op, ())] == list(SPECS[op].kwonly), op
         names = {p.name for p in params}

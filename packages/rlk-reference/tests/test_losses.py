@@ -5,7 +5,7 @@ import torch
 from torch.autograd import gradcheck
 
 import rlk_reference as ref
-from rlk._ops import AGG_MODES
+from rlk.ops import AGG_MODES
 
 AGGS = AGG_MODES
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rlk_reference as ref
-from rlk._ops import AGG_MODES
+from rlk.ops import AGG_MODES
 from rlk_triton import advantages as advmod
 from rlk_triton import backend, tuning
 from rlk_triton import policy_loss as plmod

@@ -23,23 +23,10 @@ def _choose_triton_mode() -> None:
 
 _choose_triton_mode()
 
-# The ops are imported by name and listed in __all__ (spelled out for static tools: type
-# checkers, IDEs, the API docs); a test checks both against the catalog.
+# The ops (from their family modules in rlk.ops) are imported by name and listed in __all__
+# (spelled out for static tools: type checkers, IDEs, the API docs); a test checks both against
+# the catalog.
 from rlk import _library  # noqa: E402, F401  (defines the torch.ops.rlk operators)
-from rlk._ops import (  # noqa: E402, F401
-    apply_rotary,
-    attention,
-    grpo_advantages,
-    kl_penalty,
-    linear,
-    linear_logprobs,
-    logprobs,
-    paged_attention,
-    policy_loss,
-    rms_norm,
-    sample,
-    silu_and_mul,
-)
 from rlk._plugins import (  # noqa: E402
     GUARANTEES,
     OPS,
@@ -51,6 +38,11 @@ from rlk._plugins import (  # noqa: E402
     use_backend,
 )
 from rlk.batch_invariant import batch_invariant  # noqa: E402
+from rlk.ops.attention import attention, paged_attention  # noqa: E402
+from rlk.ops.dense import apply_rotary, linear, rms_norm, silu_and_mul  # noqa: E402
+from rlk.ops.logprobs import linear_logprobs, logprobs  # noqa: E402
+from rlk.ops.losses import grpo_advantages, kl_penalty, policy_loss  # noqa: E402
+from rlk.ops.sampling import sample  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -5,12 +5,13 @@ backend may claim), and the conformance kit's metadata (:data:`KWONLY`, :data:`G
 :data:`UNIT_GRADS`, :data:`OUT_DTYPE`). Derived elsewhere from :data:`CATALOG`: the public
 exports of ``rlk`` (``rlk/__init__.py``), the float64 backend's ops (``rlk/_builtin.py``) and
 the ops of rlk-triton's backends (``rlk_triton/backend.py``). A test checks that the public
-functions of ``rlk._ops`` and the reference's functions match the catalog.
+functions of the ``rlk.ops`` family modules and the reference's functions match the catalog.
 
-Adding an op: one :class:`OpSpec` here, its public function in ``rlk/_ops.py`` (or, for an
-optional op, the function that dispatches to it), its float64 oracle in ``rlk_reference``, its
-kernels in the file of rlk-triton named by ``family``, and its case builder in
-``rlk/testing/cases.py`` (named after the op).
+Adding an op (``docs/architecture.md``, "Adding an op"): one :class:`OpSpec` here, its public
+function in its family's module of ``rlk/ops/`` (or, for an optional op, the function that
+dispatches to it), its float64 oracle in ``rlk_reference``, its kernels in the file of
+rlk-triton named by ``family``, and its case builder in ``rlk/testing/cases.py`` (named after
+the op).
 
 This module imports nothing heavy (no torch): ``rlk_cli`` and the plugin registry read it.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op, as backends receive it (validated, normalised arguments; see ``rlk._ops``).
+    """One op, as backends receive it (validated, normalised arguments; see ``rlk.ops``).
 
     ``family``: the op family, which is also the module of rlk-triton holding its kernels,
     launchers, ``autograd.Function`` and the function a backend binds to a tuning table.

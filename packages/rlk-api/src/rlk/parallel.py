@@ -40,7 +40,7 @@ import torch
 
 from rlk import _plugins
 from rlk import _validate as chk
-from rlk._ops import check_linear, check_linear_logprobs
+from rlk.ops import check_linear, check_linear_logprobs
 
 
 def __getattr__(name: str) -> Any:
@@ -429,7 +429,7 @@ def vocab_parallel_linear_logprobs(
     bitwise equal to ``rlk.linear_logprobs`` of the full lm_head on one device. Without an
     initialised process group it is ``rlk.linear_logprobs``. The backend may restrict the
     split: rlk-triton's kernels need t a power of two dividing their vocabulary leaves
-    (``rlk_triton.logprobs.VOCAB_LEAVES``) and V a multiple of them (a ``ValueError`` says so).
+    (:data:`VOCAB_LEAVES`, defined here) and V a multiple of them (a ``ValueError`` says so).
 
     How: the log-sum-exp is a fixed tree over vocabulary leaves; a rank's rows are a subtree,
     so each rank merges its own leaves, the ranks all-gather their ``(max, sum-exp, entropy

@@ -7,7 +7,7 @@ from typing import Any
 
 from rlk import OPS, BackendImpl
 from rlk_ascend import npu as _npu
-from rlk_ascend import portable
+from rlk_ascend import portable, portable_losses
 
 #: What the portable code has been checked for, on CPU, by the conformance kit and the tests of
 #: this package. On an Ascend NPU nothing has been run yet (see docs/backends.md).
@@ -42,8 +42,9 @@ def make_impl(npu: Any = None, fused: tuple[str, ...] | None = None) -> BackendI
                 f"torch_npu.{_npu.FUSED[op]} (opt-in RLK_ASCEND_FUSED; never checked on an NPU)"
             )
         else:
-            ops[op] = getattr(portable, op)
-            delegated[op] = f"portable PyTorch, fixed order (rlk_ascend.portable.{op})"
+            mod = portable_losses if hasattr(portable_losses, op) else portable
+            ops[op] = getattr(mod, op)
+            delegated[op] = f"portable PyTorch, fixed order ({mod.__name__}.{op})"
     return BackendImpl(
         ops=ops,
         claims=CLAIMS,

@@ -1,7 +1,7 @@
 """RL objectives on padded ``[B, L]`` tensors: policy_loss, kl_penalty, grpo_advantages.
 
 The float64 oracle of ``rlk.policy_loss``, ``rlk.kl_penalty`` and ``rlk.grpo_advantages``: the
-arguments arrive validated and normalised by ``rlk._ops`` (rlk's names, bounds resolved), the
+arguments arrive validated and normalised by ``rlk.ops`` (rlk's names, bounds resolved), the
 semantics are in those docstrings, and autograd gives the backward.
 """
 

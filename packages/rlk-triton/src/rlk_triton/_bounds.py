@@ -1,6 +1,6 @@
 """Index inputs that the kernels check on the device, and how a bad one is reported.
 
-``rlk._ops`` checks index values (``cu_seqlens``, ``block_table``, ``seq_lens``, ``targets``) on
+``rlk.ops`` checks index values (``cu_seqlens``, ``block_table``, ``seq_lens``, ``targets``) on
 the host only where that costs no device synchronisation: always on CPU, on a GPU only with
 ``RLK_VALIDATE`` on. In default mode on a GPU a bad index therefore reaches the kernels, and so
 every kernel that reads an index bounds it itself:

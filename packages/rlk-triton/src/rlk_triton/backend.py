@@ -15,8 +15,8 @@ import importlib.metadata
 import torch
 
 from rlk import BackendImpl
-from rlk._catalog import CATALOG
 from rlk._plugins import OpAutograd
+from rlk.ops import CATALOG
 from rlk_triton import tuning
 from rlk_triton._triton import INTERPRET
 

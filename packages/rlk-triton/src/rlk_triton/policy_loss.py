@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from rlk._ops import REJECT_OPTIONS
+from rlk.ops import REJECT_OPTIONS
 from rlk_triton import tuning
 from rlk_triton._objectives import BLOCK_B, _log2, _max2, _safe_div
 from rlk_triton._policy_terms import (

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from rlk._catalog import GRAD_ARGS, OUT_DTYPE, UNIT_GRADS
-from rlk.testing.cases import (
-    AttnPath,
+from rlk.testing.case_tools import (
     Case,
     Gen,
     Seq,
@@ -30,6 +29,7 @@ from rlk.testing.cases import (
     paged_cache,
     select,
 )
+from rlk.testing.cases import AttnPath
 
 #: Accuracy tolerances against the float64 reference, by the dtype of the op's inputs.
 #: ``rel_rms`` bounds ``||out - ref||_2 / ||ref||_2`` and ``rel_max`` bounds

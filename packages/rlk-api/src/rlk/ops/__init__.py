@@ -1,0 +1,74 @@
+"""The public operators, one module per op family. Each validates its inputs, then calls the
+selected backend; ``rlk`` exports every op (``rlk.linear``, ...).
+
+Every op here has the same contract on every backend (docs/guide.md, "The numerics
+contract"): an output element depends only on its own logical inputs, reductions have one fixed
+order, tuning never changes bits, and backward is deterministic. Validation raises
+``TypeError``/``ValueError`` naming the argument before any kernel is launched.
+
+Backends receive normalised arguments: the leading dimensions of row-wise ops are flattened to
+one (``[..., H] -> [T, H]``), defaults are resolved (``scale``, ``logits_dtype``,
+``norm_length``), the sampling parameters of :func:`rlk.sample` are per-row tensors, and the RL
+objectives get rlk's names for verl's (KL kinds, estimators), ``is_max`` for ``tis_cap``,
+``norm_std`` as ``"group"``/``"batch"``/``"none"`` and ``reject`` as ``{option: (lower,
+upper)}``.
+
+The families (:data:`FAMILIES`): :mod:`rlk.ops.dense` (``linear``, ``rms_norm``,
+``silu_and_mul``, ``apply_rotary``), :mod:`rlk.ops.attention` (``attention``,
+``paged_attention``), :mod:`rlk.ops.logprobs` (``logprobs``, ``linear_logprobs``),
+:mod:`rlk.ops.losses` (``policy_loss``, ``kl_penalty``, ``grpo_advantages``),
+:mod:`rlk.ops.sampling` (``sample``). The op functions are reached through ``rlk`` or their
+family module (``rlk.ops.attention`` is the module, ``rlk.attention`` the op).
+
+Public names for other distributions (backends, ``rlk.parallel``, the conformance kit):
+
+- :data:`CATALOG` (one :class:`OpSpec` per op, required then optional), :data:`SPECS` (by
+  name): the op catalog (``rlk/_catalog.py``), from which backends map their ops (rlk-triton's
+  ``backend.OP_MODULES``);
+- :func:`check_linear`, :func:`check_linear_logprobs`: the argument checks of ``linear`` and
+  ``linear_logprobs``, for ops that take the same arguments (the tensor-parallel linears);
+- the RL objectives' options: :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`IS_LEVELS`,
+  :data:`IS_MODES`, :data:`REJECT_OPTIONS` (in the order of rlk-triton's bit flags),
+  :data:`KL_KINDS`, :data:`KL_ALIASES`, :data:`ADV_ESTIMATORS`, :data:`ADV_ALIASES`,
+  :data:`NORM_STD`.
+"""
+
+from __future__ import annotations
+
+from rlk._catalog import CATALOG, SPECS, OpSpec
+from rlk.ops.dense import check_linear
+from rlk.ops.logprobs import check_linear_logprobs
+from rlk.ops.losses import (
+    ADV_ALIASES,
+    ADV_ESTIMATORS,
+    AGG_MODES,
+    IS_LEVELS,
+    IS_MODES,
+    KL_ALIASES,
+    KL_KINDS,
+    NORM_STD,
+    RATIO_LEVELS,
+    REJECT_OPTIONS,
+)
+
+#: The op families, each a module of this package holding its ops' public functions.
+FAMILIES = ("dense", "attention", "logprobs", "losses", "sampling")
+
+__all__ = [
+    "CATALOG",
+    "SPECS",
+    "OpSpec",
+    "ADV_ALIASES",
+    "ADV_ESTIMATORS",
+    "AGG_MODES",
+    "FAMILIES",
+    "IS_LEVELS",
+    "IS_MODES",
+    "KL_ALIASES",
+    "KL_KINDS",
+    "NORM_STD",
+    "RATIO_LEVELS",
+    "REJECT_OPTIONS",
+    "check_linear",
+    "check_linear_logprobs",
+]

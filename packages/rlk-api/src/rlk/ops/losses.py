@@ -1,0 +1,469 @@
+"""The RL objectives: ``policy_loss``, ``kl_penalty``, ``grpo_advantages``, and their options.
+
+The option tuples (:data:`AGG_MODES`, :data:`REJECT_OPTIONS`, ...) are public: backends encode
+them (rlk-triton's ``REJECT_OPTIONS`` bit flags) and the conformance kit draws cases from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlk import _validate as chk
+from rlk.ops._common import _call
+
+#: ``policy_loss`` aggregations (see its docstring; docs/objectives.md maps verl's and TRL's).
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "row-mean-token-mean",
+    "row-mean-token-sum-norm",
+)
+RATIO_LEVELS = ("token", "sequence")
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
+#: verl's rejection-sampling options (``rollout_rs``), in the order they are applied.
+REJECT_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
+#: verl's KL names -> rlk's.
+KL_ALIASES = {
+    "kl": "k1",
+    "mse": "k2",
+    "low_var_kl": "k3",
+    "kl+": "k1+",
+    "k2+": "k2",
+    "mse+": "k2",
+    "low_var_kl+": "k3+",
+}
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline")
+#: verl's estimator names -> rlk's.
+ADV_ALIASES = {
+    "reinforce_plus_plus": "reinforce++",
+    "reinforce_plus_plus_baseline": "reinforce++-baseline",
+}
+NORM_STD = ("group", "batch", "none")
+
+
+def _check_padded(name: str, t: object, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    t = chk.tensor(name, t, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    if shape is not None:
+        chk.shape(name, t, shape, "[B, L] of logprobs")
+    return t
+
+
+def _check_mask(mask: object, shape: tuple[int, ...], of: str = "logprobs") -> torch.Tensor:
+    mask = chk.tensor("mask", mask, dtypes=(torch.bool, *chk.FLOAT_DTYPES), ndim=2)
+    if of == "logprobs":
+        chk.shape("mask", mask, shape, "[B, L] of logprobs")
+    elif mask.shape[0] != shape[0]:
+        raise ValueError(f"mask must be [N, L] with N = {of} = {shape[0]}, got {tuple(mask.shape)}")
+    if (
+        mask.dtype != torch.bool
+        and chk.value_checks_enabled(mask)
+        and not bool(((mask == 0) | (mask == 1)).all())
+    ):
+        raise ValueError("mask must hold only 0 and 1 (or be a bool tensor)")
+    return mask
+
+
+def _alias(name: str, v: object, options: tuple[str, ...], aliases: dict[str, str]) -> str:
+    """``v`` if it is one of ``options``, its rlk name if it is a peer's alias, else an error."""
+    if isinstance(v, str) and v in aliases:
+        return aliases[v]
+    return chk.choice(name, v, options + tuple(aliases))
+
+
+def _bound(name: str, v: object) -> float | None:
+    return None if v is None else chk.positive_float(name, v)
+
+
+def _count(name: str, v: object, device: torch.device) -> float | torch.Tensor | None:
+    """A positive count or scale: a Python number, or a 0-d tensor on the op's device (so that a
+    count summed over ranks on the GPU needs no host sync)."""
+    if v is None:
+        return None
+    if not isinstance(v, torch.Tensor):
+        return chk.positive_float(name, v)
+    if v.dim() != 0 or v.dtype == torch.bool or v.is_complex():
+        raise TypeError(f"{name} must be a number or a 0-d real tensor, got {v.dtype} {v.shape}")
+    if v.device != device:
+        raise ValueError(f"{name} is on {v.device} but logprobs is on {device}")
+    if chk.value_checks_enabled(v) and not bool(torch.isfinite(v) & (v > 0)):
+        raise ValueError(f"{name} must be finite and > 0, got {float(v)}")
+    return v
+
+
+def _reject(reject: object) -> dict[str, tuple[float | None, float]] | None:
+    """verl's rejection options -> ``{option: (lower, upper)}`` in :data:`REJECT_OPTIONS` order.
+
+    ``*_k1`` options take ``(lower, upper)`` bounds of ``exp(k1)`` (one number ``u`` means
+    ``(1/u, u)``); ``*_k2``/``*_k3`` options take one upper bound."""
+    if reject is None:
+        return None
+    if not isinstance(reject, Mapping) or not reject:
+        raise TypeError(
+            "reject must be a non-empty dict {option: threshold}, got "
+            f"{type(reject).__name__}{'' if reject else ' (empty)'}"
+        )
+    out: dict[str, tuple[float | None, float]] = {}
+    for option in REJECT_OPTIONS:
+        if option not in reject:
+            continue
+        spec = reject[option]
+        where = f"reject[{option!r}]"
+        if option.endswith("k1"):
+            if isinstance(spec, tuple | list):
+                if len(spec) != 2:
+                    raise ValueError(f"{where} must be (lower, upper), got {spec!r}")
+                lo, hi = (chk.positive_float(where, s) for s in spec)
+                if lo > hi:
+                    raise ValueError(f"{where} must have lower <= upper, got {spec!r}")
+            else:
+                hi = chk.positive_float(where, spec)
+                lo = 1.0 / hi
+            out[option] = (lo, hi)
+        else:
+            out[option] = (None, chk.positive_float(where, spec))
+    unknown = [k for k in reject if k not in REJECT_OPTIONS]
+    if unknown:
+        raise ValueError(
+            f"reject has unknown options {unknown}; the options are {', '.join(REJECT_OPTIONS)}"
+        )
+    return out
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    ratio_level: str = "token",
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    is_level: str | None = "token",
+    is_mode: str = "truncate",
+    is_min: float | None = None,
+    is_max: float | None = None,
+    is_normalize: bool | float | torch.Tensor = False,
+    reject: Mapping[str, Any] | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO/GSPO clipped policy-gradient loss on padded ``[B, L]`` tensors.
+
+    Shapes: ``logprobs`` (differentiable), ``old_logprobs``, ``mask`` (bool or 0/1: response
+    tokens), ``rollout_logprobs`` ``[B, L]``; ``advantages`` ``[B, L]`` or ``[B]`` (one per
+    sequence). Dtypes bf16/fp16/fp32; the loss and metrics are 0-d fp32 and every sum runs in
+    fp32 in a fixed order. Only ``logprobs`` gets a gradient. Mapping of every verl 0.9.1 / TRL
+    1.16 setting to these arguments: ``docs/objectives.md``.
+
+    **Ratio.** ``ratio_level="token"``: ``r = exp(logprobs - old_logprobs)`` per token.
+    ``"sequence"`` (GSPO): every token of a sequence takes ``s = exp(mean(logprobs -
+    old_logprobs))`` over its tokens, and its gradient is that of ``s * exp(lp - sg(lp))`` (the
+    sequence ratio's gradient, spread evenly over the tokens).
+
+    **Per token**, with advantage ``A``: ``pg = max(-A * r, -A * clamp(r, 1 - clip_low, 1 +
+    clip_high))``; dual clip (``clip_c > 1``; verl's default ``clip_ratio_c=3.0``, off here by
+    default): tokens with ``A < 0`` take ``min(pg, -A * clip_c)``.
+
+    **Importance sampling against the rollout engine** (``rollout_logprobs``; no gradient):
+    ``pg *= w`` with ``log w = old_logprobs - rollout_logprobs`` per token (``is_level="token"``)
+    or summed over the sequence (``"sequence"``: the product of the token ratios), clamped to
+    ``[-20, 20]``; ``is_level=None``: no weights (``rollout_logprobs`` for ``reject`` only).
+    ``is_mode="truncate"`` clamps ``w`` to ``[is_min, is_max]``; ``"mask"`` sets ``w = 0``
+    outside that range (IcePop / TRL ``*_mask``). ``tis_cap`` is the old name of ``is_max``.
+    ``is_normalize=True`` divides ``w`` by its mean over the batch (over tokens, or over
+    sequences at sequence level; left alone when that mean is <= 1e-8, as verl); a number or
+    0-d tensor divides by that value instead (the mean over the whole batch when the batch is
+    split into micro-batches: ``metrics["is_weight_mean"]`` of a call on the whole batch).
+
+    **Rejection** (verl ``rollout_rs``): ``reject={option: threshold}`` removes tokens or whole
+    sequences from ``mask`` (and so from every count and metric) where the rollout policy
+    strays. Per token ``k1 = rollout - old``, ``k2 = k1^2 / 2``, ``k3 = exp(-k1) - 1 + k1``
+    (estimators of KL(rollout || old), log-ratios clamped to ``[-20, 20]``); options
+    ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``, ``seq_mean_k{1,2,3}`` (over the sequence's tokens),
+    ``seq_max_k{2,3}``. ``*_k1`` options keep ``lower <= exp(stat) <= upper`` (threshold
+    ``(lower, upper)``, or ``u`` for ``(1/u, u)``); the others keep ``stat <= threshold``. A
+    token stays if every option keeps it. Statistics use the given ``mask``.
+
+    **Aggregation** ``agg`` of the masked ``pg`` (``n_b`` tokens of sequence ``b``; ``S`` =
+    sequences with ``n_b > 0``, or ``num_seqs``; ``R`` = rows ``B``, or ``num_seqs``; ``N`` = all
+    tokens, or ``num_tokens``; ``Ln`` = ``norm_length``, default ``L``):
+
+    - ``token-mean``: ``sum / N`` (verl ``token-mean``; TRL ``bnpo``, and ``dapo`` with
+      ``num_tokens``);
+    - ``token-sum``: ``sum``;
+    - ``seq-mean-token-sum``: ``sum_b (sum of b) / S``;
+    - ``seq-mean-token-mean``: ``sum_b (mean of b) / S``;
+    - ``seq-mean-token-sum-norm``: ``sum / (S * Ln)`` (verl, Dr. GRPO);
+    - ``row-mean-token-mean``: ``sum_b (sum of b / max(n_b, 1)) / R`` (TRL ``grpo``: empty rows
+      count);
+    - ``row-mean-token-sum-norm``: ``sum / (R * Ln)`` (TRL ``dr_grpo`` with ``norm_length =
+      max_completion_length``).
+
+    A zero denominator gives a loss of 0. With ``num_tokens``/``num_seqs`` set to the totals of
+    the whole batch, the losses of its micro-batches add up to the loss of the whole batch (under
+    data parallelism, multiply by the world size if the gradients are averaged over ranks).
+    ``num_tokens``/``num_seqs`` are numbers or 0-d tensors on the device.
+
+    Returns ``(loss, metrics)``: 0-d fp32 ``loss``, differentiable with respect to ``logprobs``,
+    and 0-d detached fp32 metrics over the tokens kept: ``clip_fraction`` (tokens whose clipped
+    term was taken), ``approx_kl`` (mean of ``old - new``), ``ratio_mean``, ``ratio_max``; with
+    dual clip ``dual_clip_fraction``; with importance weights ``is_weight_mean`` (mean of the
+    bounded weights before ``is_normalize``, over the tokens or sequences of ``mask``); with
+    ``reject`` ``reject_fraction`` (tokens of ``mask`` removed).
+
+    Example::
+
+        loss, m = rlk.policy_loss(lp, old_lp, adv, mask, agg="seq-mean-token-mean")
+        # verl defaults (vanilla, clip 0.2, dual clip 3.0, token-mean) with token TIS at 2.0:
+        loss, m = rlk.policy_loss(lp, old_lp, adv, mask, clip_c=3.0,
+                                  rollout_logprobs=rollout_lp, is_max=2.0)
+    """
+    logprobs = _check_padded("logprobs", logprobs)
+    shape = tuple(logprobs.shape)
+    old_logprobs = _check_padded("old_logprobs", old_logprobs, shape)
+    advantages = chk.tensor("advantages", advantages, dtypes=chk.FLOAT_DTYPES, ndim=(1, 2))
+    if advantages.dim() == 1:
+        chk.shape("advantages", advantages, shape[:1], "[B] or [B, L] of logprobs")
+    else:
+        chk.shape("advantages", advantages, shape, "[B] or [B, L] of logprobs")
+    mask = _check_mask(mask, shape)
+    if rollout_logprobs is not None:
+        rollout_logprobs = _check_padded("rollout_logprobs", rollout_logprobs, shape)
+    device = chk.same_device(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        rollout_logprobs=rollout_logprobs,
+    )
+    clip_low = chk.positive_float("clip_low", clip_low, allow_zero=True)
+    clip_high = chk.positive_float("clip_high", clip_high, allow_zero=True)
+    if clip_low >= 1:
+        raise ValueError(
+            f"clip_low must be < 1 (the ratio is clamped at 1 - clip_low), got {clip_low}"
+        )
+    if clip_c is not None:
+        clip_c = chk.positive_float("clip_c", clip_c)
+        if clip_c <= 1:
+            raise ValueError(f"clip_c must be > 1 for dual clip, got {clip_c}")
+    agg = chk.choice("agg", agg, AGG_MODES)
+    ratio_level = chk.choice("ratio_level", ratio_level, RATIO_LEVELS)
+    if is_level is not None:
+        is_level = chk.choice("is_level", is_level, IS_LEVELS)
+    is_mode = chk.choice("is_mode", is_mode, IS_MODES)
+    if tis_cap is not None:
+        if is_max is not None:
+            raise ValueError("tis_cap is the old name of is_max: give one of them")
+        is_max = tis_cap
+    is_min, is_max = _bound("is_min", is_min), _bound("is_max", is_max)
+    if is_min is not None and is_max is not None and is_min > is_max:
+        raise ValueError(f"is_min must be <= is_max, got {is_min} > {is_max}")
+    if not isinstance(is_normalize, bool):
+        is_normalize = _count("is_normalize", is_normalize, device)
+    reject = _reject(reject)
+    if rollout_logprobs is None:
+        given = [n for n, v in (("is_min", is_min), ("is_max", is_max), ("reject", reject)) if v]
+        if is_normalize is not False:
+            given.append("is_normalize")
+        if is_level == "sequence" or is_mode != "truncate":
+            given.append("is_level/is_mode")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} need rollout_logprobs (importance sampling / rejection)"
+            )
+    elif is_level is None and (
+        is_min is not None or is_max is not None or is_normalize is not False
+    ):
+        raise ValueError("is_min/is_max/tis_cap/is_normalize weigh tokens: is_level is None")
+    for name, v, modes in (
+        ("num_tokens", num_tokens, ("token-mean",)),
+        ("num_seqs", num_seqs, tuple(m for m in AGG_MODES if m.startswith(("seq", "row")))),
+        ("norm_length", norm_length, tuple(m for m in AGG_MODES if m.endswith("-norm"))),
+    ):
+        if v is not None and agg not in modes:
+            raise ValueError(f"{name} applies to agg {', '.join(modes)}, not {agg!r}")
+    num_tokens = _count("num_tokens", num_tokens, device)
+    num_seqs = _count("num_seqs", num_seqs, device)
+    if norm_length is not None:
+        norm_length = chk.positive_float("norm_length", norm_length)
+    elif agg.endswith("-norm"):
+        norm_length = float(shape[1])
+    return _call(
+        "policy_loss",
+        device,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_c=clip_c,
+        agg=agg,
+        ratio_level=ratio_level,
+        rollout_logprobs=rollout_logprobs,
+        is_level=is_level,
+        is_mode=is_mode,
+        is_min=is_min,
+        is_max=is_max,
+        is_normalize=is_normalize,
+        reject=reject,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_length=norm_length,
+    )
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kind: str = "k3",
+    *,
+    clamp: float | None = 10.0,
+    old_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate between the policy and a reference, ``[B, L]`` -> fp32 ``[B, L]``.
+
+    With ``d = logprobs - ref_logprobs``: ``k1 = d``; ``abs = |d|``; ``k2 = d^2 / 2``;
+    ``k3 = exp(-d) + d - 1`` (the low-variance estimator), clamped to ``[-clamp, clamp]``
+    (verl: 10; ``clamp=None``: no clamp, as TRL). The straight-through kinds ``k1+``, ``k3+``,
+    ``abs+`` have the value of ``k1``/``k3``/``abs`` and the gradient of ``k2`` (``d``). verl's
+    names are accepted: ``kl`` = ``k1``, ``mse`` = ``k2``, ``low_var_kl`` = ``k3``,
+    ``low_var_kl+`` = ``k3+``, ``kl+`` = ``k1+``, ``k2+``/``mse+`` = ``k2``.
+
+    ``old_logprobs`` (TRL's ``use_bias_correction_kl``): the estimate is multiplied by the
+    token's importance ratio ``exp(logprobs - old_logprobs)``, which is differentiated too.
+    Differentiable with respect to ``logprobs``; every element is computed on its own.
+
+    Example::
+
+        kl = rlk.kl_penalty(lp, ref_lp, "low_var_kl")            # verl use_kl_loss default
+        kl = rlk.kl_penalty(lp, ref_lp, "k3", clamp=None, old_logprobs=old_lp)   # TRL beta > 0
+    """
+    logprobs = _check_padded("logprobs", logprobs)
+    shape = tuple(logprobs.shape)
+    ref_logprobs = _check_padded("ref_logprobs", ref_logprobs, shape)
+    kind = _alias("kind", kind, KL_KINDS, KL_ALIASES)
+    if clamp is not None:
+        clamp = chk.positive_float("clamp", clamp)
+    if old_logprobs is not None:
+        old_logprobs = _check_padded("old_logprobs", old_logprobs, shape)
+    device = chk.same_device(
+        logprobs=logprobs, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs
+    )
+    return _call(
+        "kl_penalty", device, logprobs, ref_logprobs, kind, clamp=clamp, old_logprobs=old_logprobs
+    )
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    *,
+    norm_std: bool | str = True,
+    eps: float = 1e-6,
+    group_ids: torch.Tensor | None = None,
+    estimator: str = "grpo",
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Outcome-reward advantages, one per response: ``rewards [N]`` -> fp32 ``[N]``.
+
+    Groups (the responses of one prompt) are given by ``group_size`` (contiguous groups of that
+    size, at least 2: TRL's ``num_generations``) or by ``group_ids`` (int ``[N]``, any values in
+    any order, groups of any size: verl's ``uid`` index). A group's sums run over its members in
+    their order in ``rewards``, in a fixed order, so a group's advantages do not depend on the
+    rest of the batch (except with ``norm_std="batch"`` and the ``reinforce++`` estimators).
+
+    ``estimator``:
+
+    - ``grpo``: ``(r - mean_g) / (std_g + eps)`` with the unbiased (Bessel) std of the group
+      (``norm_std=True`` or ``"group"``); ``r - mean_g`` (``False`` or ``"none"``: Dr. GRPO);
+      ``(r - mean_g) / (std_batch + eps)`` (``"batch"``: the unbiased std of all ``N`` rewards,
+      TRL ``scale_rewards="batch"``). A group of one has mean 0 and std 1 (verl).
+    - ``rloo``: ``r - mean of the other members`` = ``n / (n - 1) * (r - mean_g)``; a group of
+      one keeps ``r`` (verl).
+    - ``reinforce++-baseline``: ``r - mean_g`` (a group of one: ``r``), then whitened over the
+      response tokens of the batch: ``(v - mu) / sqrt(var + 1e-8)`` with the token-weighted
+      mean and unbiased variance (each response weighs its ``mask`` token count).
+    - ``reinforce++``: ``r`` whitened the same way (no groups; verl's ``gamma = 1``).
+
+    verl's names ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline`` are accepted.
+    ``mask`` (``[N, L]`` bool or 0/1) is required by, and only allowed with, the two
+    ``reinforce++`` estimators. ``norm_std`` and ``eps`` apply to ``grpo`` only. Not
+    differentiable.
+
+    Example::
+
+        adv = rlk.grpo_advantages(rewards, group_size=8)                  # TRL: eps=1e-4
+        adv = rlk.grpo_advantages(rewards, group_ids=uid, estimator="rloo")   # verl rloo
+    """
+    rewards = chk.tensor("rewards", rewards, dtypes=chk.FLOAT_DTYPES, ndim=1)
+    n = rewards.numel()
+    estimator = _alias("estimator", estimator, ADV_ESTIMATORS, ADV_ALIASES)
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        if group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2 (a group needs a baseline), got {group_size}; "
+                "groups of one: pass group_ids"
+            )
+        if n % group_size:
+            raise ValueError(f"rewards has {n} entries, not a multiple of group_size={group_size}")
+    if group_ids is not None:
+        chk.tensor("group_ids", group_ids, dtypes=(torch.int32, torch.int64), ndim=1)
+        chk.shape("group_ids", group_ids, (n,), "one per reward")
+    grouped = estimator != "reinforce++"
+    if grouped and (group_size is None) == (group_ids is None):
+        raise ValueError(f"estimator {estimator!r} needs exactly one of group_size and group_ids")
+    if not grouped and (group_size is not None or group_ids is not None):
+        raise ValueError("estimator 'reinforce++' uses no groups: drop group_size/group_ids")
+    if isinstance(norm_std, bool):
+        norm_std = "group" if norm_std else "none"
+    elif norm_std not in NORM_STD:  # a truthy string such as "False" must not switch it on
+        raise TypeError(
+            f"norm_std must be a bool or one of {', '.join(map(repr, NORM_STD))}, got {norm_std!r}"
+        )
+    eps = chk.positive_float("eps", eps)
+    if estimator.startswith("reinforce++"):
+        if mask is None:
+            raise ValueError(f"estimator {estimator!r} needs mask (token counts for whitening)")
+        mask = _check_mask(mask, (n,), of="rewards.numel()")
+    elif mask is not None:
+        raise ValueError(f"mask applies to the reinforce++ estimators, not {estimator!r}")
+    device = chk.same_device(rewards=rewards, group_ids=group_ids, mask=mask)
+    return _call(
+        "grpo_advantages",
+        device,
+        rewards,
+        group_size,
+        norm_std=norm_std,
+        eps=eps,
+        group_ids=group_ids,
+        estimator=estimator,
+        mask=mask,
+    )
