@@ -1018,7 +1018,7 @@ def decode_part(rows) -> None:
     # 2. and 3. GPU time per product
     # Pointer-kernel candidates, and descriptor ones (TMA: the tile of W is one bulk copy).
     cands = [
-        gemm._cfg(bm, bn, 4, st, tma=tma, unroll=u)
+        gemm.gemm_config(bm, bn, 4, st, tma=tma, unroll=u)
         for bm in DECODE["bm"]
         for tma in (False, True)
         for bn in DECODE["bn"]

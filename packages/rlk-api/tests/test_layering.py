@@ -74,3 +74,65 @@ def test_the_scan_sees_every_import_form():
     )
     mods = [m for _, m in imported_modules(src)]
     assert mods == ["rlk_triton", "rlk_cuda.tables", "rlk_rocm.plugin", "rlk_triton.gemm"]
+
+
+def _distributions() -> dict[str, str]:
+    """top-level package or module -> the distribution folder (``packages/<dist>``) holding it."""
+    owner = {}
+    for src in sorted(PACKAGES.glob("*/src")):
+        for top in src.iterdir():
+            if top.suffix == ".py" or (top.is_dir() and (top / "__init__.py").exists()):
+                owner[top.stem] = src.parent.name
+    return owner
+
+
+def private_imports(source: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every private name (a part starting with ``_``) that ``source``
+    imports: ``import a._b``, ``from a._b import c``, ``from a import _b``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(ln, n) for ln, n in found if any(p.startswith("_") for p in n.split(".")[1:])]
+
+
+#: Private crossings in files that are being reworked elsewhere (the rollout-engine interface,
+#: the custom-op registration):
+#: each has a public name to move to (``rlk.use_backend``, ``rlk.validate``); an entry goes
+#: when its file does. The list only shrinks.
+KNOWN_CROSSINGS = {
+    "rlk-integrations/src/rlk_integrations/consistency.py imports rlk._plugins",
+    "rlk-integrations/src/rlk_integrations/paged.py imports rlk._validate.validate_requested",
+    "rlk-integrations/src/rlk_integrations/e2e_bench.py imports rlk.bench._timing",
+    "rlk-triton/src/rlk_triton/backend.py imports rlk._plugins.OpAutograd",
+}
+
+
+def private_crossings() -> set[str]:
+    owner = _distributions()
+    bad = set()
+    for f in sorted(PACKAGES.glob("*/src/**/*.py")):
+        dist = f.relative_to(PACKAGES).parts[0]
+        for _, name in private_imports(f.read_text()):
+            top = name.split(".")[0]
+            if top in owner and owner[top] != dist:
+                bad.add(f"{f.relative_to(PACKAGES)} imports {name}")
+    return bad
+
+
+def test_no_private_name_crosses_a_distribution():
+    # What another distribution needs is a documented public name (rlk.ops.CATALOG,
+    # rlk.ops.REJECT_OPTIONS, rlk_triton.gemm.gemm_config, rlk.validate, ...).
+    assert private_crossings() - KNOWN_CROSSINGS == set()
+
+
+def test_the_private_scan_sees_every_form():
+    src = "import rlk._ops\nfrom rlk._catalog import CATALOG\nfrom rlk.bench import _timing\n"
+    src += "from rlk import ops\nfrom . import _sibling\n"
+    assert [n for _, n in private_imports(src)] == [
+        "rlk._ops",
+        "rlk._catalog.CATALOG",
+        "rlk.bench._timing",
+    ]

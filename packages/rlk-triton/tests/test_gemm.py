@@ -144,7 +144,7 @@ def test_unrolled_k_loop_keeps_the_chain(dtype):
     base = _grads(x, w, b, dy, table)
     for unroll in (2, 3, 8):
         for tma in (False, True):
-            cfg = {**gemm._cfg(64, 16, 4, 3, tma=tma, unroll=unroll)}
+            cfg = {**gemm.gemm_config(64, 16, 4, 3, tma=tma, unroll=unroll)}
             with tuning.force("linear", {k: cfg for k in gemm.TUNING}):
                 out = _grads(x, w, b, dy, table)
             for name, got, ref in zip(("y", "dx", "dw", "db"), out, base, strict=True):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlk._ops import AGG_MODES
+from rlk.ops import AGG_MODES
 from rlk_reference import _ppo as ref
 from rlk_triton import backend, ppo, tuning
 

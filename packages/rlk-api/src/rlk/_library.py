@@ -252,7 +252,7 @@ def _names(op: str) -> tuple[str, ...]:
 
 
 def _reject_options() -> tuple[str, ...]:
-    from rlk._ops import REJECT_OPTIONS
+    from rlk.ops import REJECT_OPTIONS
 
     return REJECT_OPTIONS
 

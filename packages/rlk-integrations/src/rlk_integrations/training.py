@@ -286,7 +286,7 @@ class GraphedLogprobs:
         return_entropy: bool = False,
         capture: bool = True,
     ) -> None:
-        from rlk import _validate
+        from rlk import validate as _validate
 
         max_seq_len = max_tokens if max_seq_len is None else max_seq_len
         max_rows = max_tokens if max_rows is None else max_rows

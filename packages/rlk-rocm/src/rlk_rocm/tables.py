@@ -11,15 +11,15 @@ an MI300X (no AMD GPU was reachable); the choices follow AMD's published Triton 
 
 from __future__ import annotations
 
-from rlk_triton.gemm import _cfg
+from rlk_triton.gemm import gemm_config
 from rlk_triton.tuning import Rule
 
 _GEMM = (
-    _cfg(64, 64, 4, 2, group_m=8),  # 0: decode
-    _cfg(64, 128, 4, 2, group_m=8),  # 1: decode, wide N (lm_head)
-    _cfg(128, 128, 4, 2, group_m=8),  # 2: mid M
-    _cfg(256, 128, 8, 2, group_m=4),  # 3: large M
-    _cfg(64, 64, 4, 2, group_m=4),  # 4: fp32
+    gemm_config(64, 64, 4, 2, group_m=8),  # 0: decode
+    gemm_config(64, 128, 4, 2, group_m=8),  # 1: decode, wide N (lm_head)
+    gemm_config(128, 128, 4, 2, group_m=8),  # 2: mid M
+    gemm_config(256, 128, 8, 2, group_m=4),  # 3: large M
+    gemm_config(64, 64, 4, 2, group_m=4),  # 4: fp32
 )
 
 _NUM_CUS = 304  # MI300X; shapes the choice only

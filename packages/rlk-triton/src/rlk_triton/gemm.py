@@ -313,7 +313,9 @@ def _matmul_tma_kernel(
         c_desc.store([row0, col0], acc.to(c_desc.dtype))
 
 
-def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False, unroll=1):
+def gemm_config(bm, bn, warps, stages, group_m=8, tma=False, persistent=False, unroll=1):
+    """One launch config of the GEMM kernels (public: vendor tuning tables, rlk-rocm's, build
+    their candidates with it)."""
     return {
         "BLOCK_M": bm,
         "BLOCK_N": bn,
@@ -329,28 +331,28 @@ def _cfg(bm, bn, warps, stages, group_m=8, tma=False, persistent=False, unroll=1
 # Candidates. Every one keeps BLOCK_M % 64 == 0 and num_warps in {4, 8} (one MMA kind, see the
 # module docstring). Indices are referred to by the choosers below.
 _CONFIGS = (
-    _cfg(64, 32, 4, 8),  # 0: decode, N up to ~4k: a program per SM, a deep pipeline on W
-    _cfg(64, 64, 4, 6),  # 1: decode, wider N; M 64-256 at N ~4k
-    _cfg(64, 128, 4, 4),  # 2: decode, large N (lm_head)
-    _cfg(64, 256, 8, 4),  # 3: M ~ 64..128, large N
-    _cfg(128, 128, 8, 4),  # 4: mid M
-    _cfg(128, 256, 8, 3),  # 5: large M (cuBLAS-class tile)
-    _cfg(128, 256, 8, 4),  # 6: large M, deeper pipeline
-    _cfg(256, 128, 8, 3),  # 7: large M, tall tile
-    _cfg(128, 128, 4, 4),  # 8: mid M, fewer warps (fp32 FMA path)
-    _cfg(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
-    _cfg(64, 128, 4, 6),  # 10: M 64-256, N > ~4k
-    _cfg(256, 128, 8, 4),  # 11: large M, tall tile, deeper pipeline
-    _cfg(64, 128, 4, 4, tma=True),  # 12: M 64-256 at N ~4k, descriptors
-    _cfg(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
-    _cfg(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
-    _cfg(64, 64, 4, 8, tma=True),  # 15: decode M 17-64, N up to ~8k, descriptors
-    _cfg(64, 128, 4, 6, tma=True),  # 16: decode M 17-64, wider N; M 65-256, descriptors
-    _cfg(64, 64, 4, 6, tma=True),  # 17: M 65-256, N up to ~8k, descriptors
-    _cfg(64, 256, 8, 4, tma=True, persistent=True),  # 18: M ~1k with a short K, persistent
-    _cfg(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
-    _cfg(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
-    _cfg(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
+    gemm_config(64, 32, 4, 8),  # 0: decode, N up to ~4k: a program per SM, a deep pipeline on W
+    gemm_config(64, 64, 4, 6),  # 1: decode, wider N; M 64-256 at N ~4k
+    gemm_config(64, 128, 4, 4),  # 2: decode, large N (lm_head)
+    gemm_config(64, 256, 8, 4),  # 3: M ~ 64..128, large N
+    gemm_config(128, 128, 8, 4),  # 4: mid M
+    gemm_config(128, 256, 8, 3),  # 5: large M (cuBLAS-class tile)
+    gemm_config(128, 256, 8, 4),  # 6: large M, deeper pipeline
+    gemm_config(256, 128, 8, 3),  # 7: large M, tall tile
+    gemm_config(128, 128, 4, 4),  # 8: mid M, fewer warps (fp32 FMA path)
+    gemm_config(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
+    gemm_config(64, 128, 4, 6),  # 10: M 64-256, N > ~4k
+    gemm_config(256, 128, 8, 4),  # 11: large M, tall tile, deeper pipeline
+    gemm_config(64, 128, 4, 4, tma=True),  # 12: M 64-256 at N ~4k, descriptors
+    gemm_config(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
+    gemm_config(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
+    gemm_config(64, 64, 4, 8, tma=True),  # 15: decode M 17-64, N up to ~8k, descriptors
+    gemm_config(64, 128, 4, 6, tma=True),  # 16: decode M 17-64, wider N; M 65-256, descriptors
+    gemm_config(64, 64, 4, 6, tma=True),  # 17: M 65-256, N up to ~8k, descriptors
+    gemm_config(64, 256, 8, 4, tma=True, persistent=True),  # 18: M ~1k with a short K, persistent
+    gemm_config(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
+    gemm_config(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
+    gemm_config(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
