@@ -106,6 +106,7 @@ KNOWN_CROSSINGS = {
     "rlk-integrations/src/rlk_integrations/consistency.py imports rlk._plugins",
     "rlk-integrations/src/rlk_integrations/paged.py imports rlk._validate.validate_requested",
     "rlk-integrations/src/rlk_integrations/e2e_bench.py imports rlk.bench._timing",
+    "rlk-integrations/src/rlk_integrations/e2e_compile.py imports rlk.bench._timing",
     "rlk-triton/src/rlk_triton/backend.py imports rlk._plugins.OpAutograd",
 }
 

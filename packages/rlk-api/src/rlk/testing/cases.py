@@ -19,20 +19,25 @@ import torch
 
 from rlk._catalog import OPS
 
-# SEED, Case, Gen and OpCases are also read through this module (rlk.testing, the tests).
+# KWONLY, SEED, Case, Gen, OpCases, call, select and batch_of are also read through this module
+# (rlk.testing, the tests).
 from rlk.testing.case_tools import (  # noqa: F401
     BF16,
     FP16,
     FP32,
+    KWONLY,
     SEED,
     Case,
     Gen,
     OpCases,
     Seq,
+    batch_of,
+    call,
     dtype_name,
     pack,
     paged_args,
     paged_cache,
+    select,
 )
 
 # --------------------------------------------------------------------------------------------
