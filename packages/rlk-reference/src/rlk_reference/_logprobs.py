@@ -19,9 +19,12 @@ def _logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # Shifted by the row's max before the division: logits near the float range at a small
     # temperature make z itself huge (3e38 / 1e-3), and z_target - logsumexp(z) would then lose
-    # every digit of the answer to cancellation. The shift leaves the value unchanged.
+    # every digit of the answer to cancellation. The shift leaves the value unchanged. A row
+    # whose max is inf or NaN is not shifted (inf - inf would turn it NaN): it keeps the
+    # special-value results of the unshifted formula.
     x = logits.double()
-    z = (x - x.amax(-1, keepdim=True).detach()) / temperature  # (no gradient: shift-invariant)
+    m = x.amax(-1, keepdim=True).detach()  # (no gradient: the value is shift-invariant)
+    z = (x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))) / temperature
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, targets.long()[:, None])[:, 0] - lse
     if not return_entropy:

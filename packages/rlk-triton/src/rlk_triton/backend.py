@@ -122,6 +122,7 @@ def _attention_forward(q, k, v, cu_q, cu_k, causal, scale, *, max_seqlen_q=None,
 def _attention_backward(grads, outs, extras, needs, q, k, v, cu_q, cu_k, causal, scale, *,
                         max_seqlen_q=None, max_seqlen_k=None, table):  # fmt: skip
     from rlk_triton import attention as a
+    from rlk_triton.attention_bwd import _backward
 
     q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))
     if max_seqlen_q is None:  # the lengths from the offsets (a host read), as the forward did
@@ -130,7 +131,7 @@ def _attention_backward(grads, outs, extras, needs, q, k, v, cu_q, cu_k, causal,
     else:
         bounds = (int(max_seqlen_q), int(max_seqlen_k))
     do = torch.zeros_like(q) if grads[0] is None else grads[0]
-    return a._backward(
+    return _backward(
         do, q, k, v, outs[0], extras[0], cu_q, cu_k, causal, float(scale), table, bounds
     )
 
