@@ -4,7 +4,10 @@ One :class:`Architecture` per supported ``model_type`` names the transformers mo
 defines the model and, by name, each module class whose computation rlk replaces
 (:func:`rlk_integrations.transformers.patch_model` for transformers, the rotary table of
 :mod:`rlk_integrations.rotary` for Megatron too). Every ``nn.Linear`` of the decoder and the
-head is replaced as well; embeddings and the model classes themselves are kept.
+head is replaced as well; embeddings and the model classes themselves are kept. A
+mixture-of-experts architecture (Qwen3-MoE) also names its sparse block, whose forward is
+replaced, and the router and experts classes that block runs (their own forwards are then
+never called).
 
 Example::
 
@@ -35,6 +38,8 @@ class Architecture:
     rms_norm: str
     attention: str
     mlp: str
+    #: Mixture of experts: (sparse block, router, experts) class names; () for a dense model.
+    moe: tuple[str, ...] = ()
 
     def classes(self) -> dict[str, type]:
         """Each role's transformers class. Raises ``RuntimeError`` naming a class the installed
@@ -52,12 +57,23 @@ class Architecture:
             out[role] = cls
         return out
 
+    def moe_classes(self) -> tuple[type, ...]:
+        """The classes named by :attr:`moe` (sparse block, router, experts); () for a dense
+        architecture."""
+        mod = importlib.import_module(self.modeling)
+        out = tuple(getattr(mod, name, None) for name in self.moe)
+        for name, cls in zip(self.moe, out):
+            if not isinstance(cls, type):
+                raise RuntimeError(f"{self.modeling} defines no {name}: a transformers release "
+                                   "rlk's integration does not know")  # fmt: skip
+        return out
+
     def cls(self, role: str) -> type:
         """The transformers class of ``role`` (one of :data:`ROLES`)."""
         return self.classes()[role]
 
 
-def _arch(model_type: str, prefix: str) -> Architecture:
+def _arch(model_type: str, prefix: str, moe: tuple[str, ...] = ()) -> Architecture:
     return Architecture(
         model_type=model_type,
         modeling=f"transformers.models.{model_type}.modeling_{model_type}",
@@ -65,16 +81,18 @@ def _arch(model_type: str, prefix: str) -> Architecture:
         decoder_layer=f"{prefix}DecoderLayer",
         rms_norm=f"{prefix}RMSNorm",  # input, post-attention, final; Qwen3's q/k norms too
         attention=f"{prefix}Attention",
-        mlp=f"{prefix}MLP",
+        mlp=f"{prefix}MLP",  # every MLP of a dense model; an MoE model's dense layers
+        moe=tuple(f"{prefix}{name}" for name in moe),
     )
 
 
 LLAMA = _arch("llama", "Llama")
 QWEN2 = _arch("qwen2", "Qwen2")
 QWEN3 = _arch("qwen3", "Qwen3")
+QWEN3_MOE = _arch("qwen3_moe", "Qwen3Moe", moe=("SparseMoeBlock", "TopKRouter", "Experts"))
 
 #: The supported architectures by ``config.model_type``.
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 

@@ -1,9 +1,10 @@
 """Built-in random-init model configs, and loading a local transformers checkpoint.
 
-``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, and ``tiny-mha`` / ``tiny-mha8`` whose 4 / 8
-key/value heads split over 4 / 8 tensor-parallel ranks) are small enough for the Triton
-interpreter on a CPU; ``qwen2-0.5b``, ``qwen3-0.6b`` and ``llama3-8b-4layers`` have the shapes
-of the real models (random weights, nothing downloaded) for GPU runs.
+``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, a mixture of 8 experts with 2
+per token, and ``tiny-mha`` / ``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8
+tensor-parallel ranks) are small enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
+``qwen3-0.6b``, ``llama3-8b-4layers`` and ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token)
+have the shapes of the real models (random weights, nothing downloaded) for GPU runs.
 
 ``llama3.2-1b-4layers`` and ``qwen2.5-1.5b-4layers`` (:data:`HELDOUT`) are held out: the layer
 shapes of Llama-3.2-1B (head_dim 64, llama3 rope scaling, tied embeddings) and Qwen2.5-1.5B
@@ -61,6 +62,21 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # Mixture of experts: every layer sparse, 8 experts of 32 intermediate units, 2 per token.
+    "tiny-qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            _TINY,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2-0.5b": (
         "qwen2",
         dict(
@@ -105,6 +121,29 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
             rope_scaling=_llama3_rope(8.0),
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Qwen3-30B-A3B's layers (128 experts of 768, 8 per token, renormalised), 4 of its 48.
+    "qwen3-30b-a3b-4layers": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
             tie_word_embeddings=False,
         ),
     ),

@@ -1,15 +1,19 @@
-"""Run a transformers Llama / Qwen2 / Qwen3 causal LM on rlk ops.
+"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on rlk ops.
 
 :func:`patch_model` picks the patch of the model's architecture (:func:`patch_llama`,
-:func:`patch_qwen2`, :func:`patch_qwen3`), which replaces ``forward`` on the model's own
-instances of the module classes that :mod:`rlk_integrations.architectures` names for it (no new
-classes, no weight copies, the state dict is unchanged), so that:
+:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`), which replaces ``forward``
+on the model's own instances of the module classes that :mod:`rlk_integrations.architectures`
+names for it (no new classes, no weight copies, the state dict is unchanged), so that:
 
 - every ``nn.Linear`` of the decoder and ``lm_head`` calls :func:`rlk.linear`;
 - every ``*RMSNorm`` (input, post-attention, final, Qwen3's per-head q/k norm) calls
   :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it
   (``*DecoderLayer``);
 - the ``*MLP`` is ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
+- Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``: the router's logits by :func:`rlk.linear`, the experts
+  chosen by :func:`rlk.moe_route` (ties to the lower expert index) and run by
+  :func:`rlk.moe_experts`, so that a token's experts and their output are the same bits in any
+  batch (the rollout and the training recompute choose the same experts);
 - ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.rotary.RotaryTable`, built in
   fixed chunks of positions (so a position's values never depend on how many positions were
   asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
@@ -51,10 +55,12 @@ from rlk_integrations.architectures import (
     LLAMA,
     QWEN2,
     QWEN3,
+    QWEN3_MOE,
     SUPPORTED_MODEL_TYPES,  # noqa: F401  (public: the model types patch_model takes)
     Architecture,
     architecture,
 )
+from rlk_integrations.moe import check_moe, moe_forward
 from rlk_integrations.rotary import RotaryTable
 
 ATTN_NAME = "rlk"
@@ -513,10 +519,16 @@ def _plan(model: nn.Module, arch: Architecture, leaves: int | None) -> list[tupl
     from transformers import PreTrainedModel
 
     classes = arch.classes()
+    # The MoE block runs its router and experts itself (their forwards are never called).
+    block, *run_by_block = arch.moe_classes() or (None,)
     plan, unknown = [], []
     for path, module in model.named_modules():
         role = next((r for r, cls in classes.items() if isinstance(module, cls)), None)
-        if isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
+        if block is not None and isinstance(module, block):
+            plan.append((module, moe_forward))
+        elif run_by_block and isinstance(module, tuple(run_by_block)):
+            continue
+        elif isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
             if module.in_features % leaves:
                 raise ValueError(f"leaves = {leaves} must divide {path}'s K = {module.in_features}")
             plan.append((module, _tree_linear_forward))
@@ -527,7 +539,7 @@ def _plan(model: nn.Module, arch: Architecture, leaves: int | None) -> list[tupl
         elif type(module).__module__ == arch.modeling and not isinstance(module, PreTrainedModel):
             unknown.append(f"{path} ({type(module).__name__})")
     if unknown:
-        replaced = ", ".join(cls.__name__ for cls in classes.values())
+        replaced = ", ".join(cls.__name__ for cls in (*classes.values(), *arch.moe_classes()))
         raise NotImplementedError(
             f"rlk's {arch.model_type} patch replaces {replaced} and nn.Linear; this model also "
             f"holds {', '.join(unknown[:5])}, which it would leave stock"
@@ -549,6 +561,7 @@ def _patch(model: nn.Module, arch: Architecture, leaves: int | None) -> nn.Modul
             "use patch_model, which picks the patch of the model's architecture"
         )
     _check_transformers(model, arch)
+    check_moe(model, arch, leaves)
     if leaves is not None:
         import rlk.parallel
 
@@ -588,15 +601,31 @@ def patch_qwen3(model: nn.Module, leaves: int | None = None) -> nn.Module:
     return _patch(model, QWEN3, leaves)
 
 
+def patch_qwen3_moe(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen3-MoE model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen3MoeRotaryEmbedding``, ``Qwen3MoeDecoderLayer``, ``Qwen3MoeRMSNorm``,
+    ``Qwen3MoeAttention``, ``Qwen3MoeMLP`` (dense layers), ``Qwen3MoeSparseMoeBlock`` (which
+    then runs its ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts`` on rlk) and ``nn.Linear``
+    modules are replaced. ``leaves`` and ``output_router_logits=True`` are refused."""
+    return _patch(model, QWEN3_MOE, leaves)
+
+
 #: The patch of each supported ``model_type``.
-PATCHES = {"llama": patch_llama, "qwen2": patch_qwen2, "qwen3": patch_qwen3}
+PATCHES = {
+    "llama": patch_llama,
+    "qwen2": patch_qwen2,
+    "qwen3": patch_qwen3,
+    "qwen3_moe": patch_qwen3_moe,
+}
 
 
 def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
-    """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM`` (or
-    its base model) run every decoder op on rlk: :func:`patch_llama`, :func:`patch_qwen2` or
-    :func:`patch_qwen3` by ``model.config.model_type``; ``NotImplementedError`` naming any other
-    architecture. In place; returns ``model``. Idempotent (patching again with other
+    """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``/
+    ``Qwen3MoeForCausalLM`` (or its base model) run every decoder op on rlk:
+    :func:`patch_llama`, :func:`patch_qwen2`, :func:`patch_qwen3` or :func:`patch_qwen3_moe` by
+    ``model.config.model_type``; ``NotImplementedError`` naming any other architecture (Qwen2-MoE
+    and DeepSeek-style routers, with shared experts, grouped top-k or a score-correction bias,
+    among them). In place; returns ``model``. Idempotent (patching again with other
     ``leaves`` raises).
 
     What runs after patching (the module classes are named by
@@ -605,6 +634,8 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     - ``nn.Linear`` (every projection and ``lm_head``): :func:`rlk.linear`;
     - ``*RMSNorm``: :func:`rlk.rms_norm`;
     - ``*MLP``: ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
+    - ``Qwen3MoeSparseMoeBlock``: :func:`rlk.linear` (router logits), :func:`rlk.moe_route`,
+      :func:`rlk.moe_experts`;
     - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.rotary.RotaryTable`;
     - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
       function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;

@@ -23,7 +23,11 @@ def _dims(cfg: Any) -> tuple[int, int, int]:
 
 
 def _check_supported(cfg: Any) -> None:
-    architecture(cfg, "Megatron")
+    if architecture(cfg, "Megatron").moe:
+        raise NotImplementedError(
+            f"rlk's Megatron integration has no mixture-of-experts layers ({cfg.model_type}); "
+            "run the model through rlk_integrations.transformers.patch_model"
+        )
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"needs hidden_act='silu', got {cfg.hidden_act!r}")
     if getattr(cfg, "mlp_bias", False):
