@@ -121,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("bench", help="time every op family against the strongest peer on this GPU")
     pb.add_argument(
         "--only", default=None, help="comma-separated families (default: all): gemm, attention, "
-        "norm, logprobs, sampling, e2e, e2e-long, e2e-heldout (the e2e ones: with "
+        "norm, logprobs, sampling, moe, e2e, e2e-long, e2e-heldout (the e2e ones: with "
         "rlk-integrations)",
     )  # fmt: skip
     pb.add_argument("--quick", action="store_true", help="one or two shapes per family")

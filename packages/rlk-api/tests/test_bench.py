@@ -132,7 +132,7 @@ def test_a_family_of_a_missing_distribution_says_what_to_install(capsys, monkeyp
     import importlib.metadata
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
-    assert bench.available() == ["gemm", "attention", "norm", "logprobs", "sampling"]
+    assert bench.available() == ["gemm", "attention", "norm", "logprobs", "sampling", "moe"]
     with pytest.raises(ValueError, match=r"e2e family comes with rlk-integrations"):
         bench.family_module("e2e")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,6 +1,6 @@
 """``rlk bench``: every op family against the strongest implementation the machine has.
 
-Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling`` here; in
+Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling``, ``moe`` here; in
 rlk-integrations, found through the entry-point group ``rlk.bench``, ``e2e``, the rollout and
 training engines, ``e2e-long``, their rollouts at long prompts and outputs, and
 ``e2e-heldout``, the training rows on held-out model shapes) has
@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 #: Every family, in the order ``rlk bench`` runs them.
-FAMILIES = ("gemm", "attention", "norm", "logprobs", "sampling", "e2e", "e2e-long", "e2e-heldout")
+FAMILIES = (
+    "gemm", "attention", "norm", "logprobs", "sampling", "moe", "e2e", "e2e-long", "e2e-heldout",
+)  # fmt: skip
 
 #: The families of other distributions (entry-point group ``rlk.bench``, each naming the family's
 #: module) and the install that brings them: without it, asking for one is an error.
