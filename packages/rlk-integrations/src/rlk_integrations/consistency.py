@@ -69,6 +69,9 @@ class SideResult:
     k3_kl: float
     rollout_tok_s: float
     train_tok_s: float
+    #: Mixture of experts: the share of tokens routed to other experts in training than in
+    #: the rollout (rlk_integrations.moe.routing_differ); None where not measured.
+    expert_differ: float | None = None
 
 
 def compare(rollout_lps: list[torch.Tensor], train_lps: list[torch.Tensor]) -> dict[str, float]:
@@ -123,7 +126,7 @@ def run_side(
     ``warm_passes``: untimed training passes before the timed one (on a GPU the training
     shapes' kernels compile in the first). ``train_graphs``: the transformers recompute through
     ``training.GraphedLogprobs`` (rlk only)."""
-    from rlk_integrations import training
+    from rlk_integrations import moe, training
 
     use_rlk = side == "rlk"
     if (train_model is not None or recompute is not None) and not use_rlk:
@@ -137,9 +140,14 @@ def run_side(
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
     say(f"[{side}] {engine.name} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
-    ro = engine.generate(
-        model, prompts, new_tokens, seeds, temperature=temperature, progress=progress
-    )
+    # An MoE model's expert choices are logged where both passes run the model's forward here
+    # (a padded rollout, this process's eager recompute).
+    here = engine.name == "padded" and train_model is None and recompute is None
+    routes = moe.routing_logs(model, here and not train_graphs)
+    with routes[0]:
+        ro = engine.generate(
+            model, prompts, new_tokens, seeds, temperature=temperature, progress=progress
+        )
     # Training sees the samples in another order and another batch composition.
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     groups = training.micro_batches(len(prompts), micro_batch, order)
@@ -155,11 +163,13 @@ def run_side(
         graphed = None
         if train_graphs:
             graphed = _bucket(model, ro.samples, groups, temperature, ro.logits_dtype, device)
-        train_lps, train_tokens, train_s = _recompute_here(
-            model, trainer, train_model, ro, groups, temperature, use_rlk, device, warm_passes,
-            graphed,
-        )  # fmt: skip
+        with routes[1]:
+            train_lps, train_tokens, train_s = _recompute_here(
+                model, trainer, train_model, ro, groups, temperature, use_rlk, device,
+                warm_passes, graphed,
+            )  # fmt: skip
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
+    m["expert_differ"] = moe.expert_differ(*routes, groups)
     return SideResult(
         side=side,
         rollout_mode=engine.name,
@@ -648,7 +658,11 @@ def ok(report: dict[str, Any]) -> bool:
     """True when the rlk row exists, compared tokens, and shows exactly zero mismatch."""
     rows = [r for r in report["rows"] if r["side"] == "rlk"]
     return bool(rows) and all(
-        r["tokens"] > 0 and r["max_abs_dlogp"] == 0.0 and r["frac_differ"] == 0.0 for r in rows
+        r["tokens"] > 0
+        and r["max_abs_dlogp"] == 0.0
+        and r["frac_differ"] == 0.0
+        and not r.get("expert_differ")
+        for r in rows
     )
 
 
@@ -672,12 +686,14 @@ def format_table(report: dict[str, Any]) -> str:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
     for name, why in report.get("rollout_skipped", {}).items():
         notes.append(f"rollout engine {name} not run: {why}")
+    # Mixture of experts: the share of tokens whose experts differ ("-": not measured).
+    experts = any(r.get("expert_differ") is not None for r in report["rows"])
     cols = (
         f"{'side':<6} {'rollout':<10} {'train':<19} {'tokens':>7} {'max|dlogp|':>11} "
         f"{'mean|dlogp|':>12} "
-        f"{'differ':>7} "
+        f"{'differ':>7} " + (f"{'experts':>8} " if experts else "") +
         f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
-    )
+    )  # fmt: skip
     lines = [head, *notes, cols, "-" * len(cols)]
     for r in report["rows"]:
         lines.append(
@@ -685,7 +701,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r.get('train_engine', 'transformers'):<19} {r['tokens']:>7d} "
             f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
-            f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
+            + (f"{_share(r.get('expert_differ')):>8} " if experts else "")
+            + f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
         )
     lines.append(
         "tok/s: this command's own loops (the paged rollout replays CUDA graphs of its decode "
@@ -693,6 +710,10 @@ def format_table(report: dict[str, Any]) -> str:
         "Engine speed: rlk bench --only e2e."
     )
     return "\n".join(lines)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _num(x: float) -> str:

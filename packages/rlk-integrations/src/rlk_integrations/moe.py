@@ -180,3 +180,23 @@ def routing_differ(rollout: dict, training: dict) -> tuple[float, int]:
     if not common:
         return 0.0, 0
     return sum(rollout[k] != training[k] for k in common) / len(common), len(common)
+
+
+def routing_logs(model: nn.Module, on: bool) -> tuple[Any, Any]:
+    """Two contexts, for a padded rollout and a packed training pass: :class:`RoutingLog` s of
+    ``model`` when ``on`` and it has MoE layers, else ones that log nothing."""
+    import contextlib
+
+    from rlk_integrations.architectures import architecture
+
+    if on and architecture(model.config).moe:
+        return RoutingLog(model), RoutingLog(model)
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def expert_differ(rollout: Any, training: Any, groups: list[list[int]]) -> float | None:
+    """:func:`routing_differ`'s share for :func:`routing_logs`' two logs after the passes
+    (``groups``: the training forwards' samples); None when nothing was logged."""
+    if not isinstance(rollout, RoutingLog) or not rollout.calls or not training.calls:
+        return None
+    return routing_differ(padded_routing(rollout), packed_routing(training, groups))[0]
