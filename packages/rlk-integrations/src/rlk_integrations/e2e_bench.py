@@ -96,7 +96,9 @@ from rlk_integrations.models import HELDOUT, load_model
 from rlk_integrations.rollout import Sample
 from rlk_integrations.transformers import decoder, patch_model, unpatch_model
 
-MODELS = ("qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers")
+#: Last, the mixture-of-experts model (Qwen3-30B-A3B's layers, 4 of them), so that a run cut
+#: short by its time limit keeps the dense models' rows.
+MODELS = ("qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers", "qwen3-30b-a3b-4layers")
 BATCHES = (8, 64)
 NEW_TOKENS = 128
 TRAIN_SEQS = 8
