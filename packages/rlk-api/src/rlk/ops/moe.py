@@ -1,0 +1,97 @@
+"""Mixture of experts: the router's top-k (:func:`moe_route`) and the experts (:func:`moe_experts`).
+
+A mixture-of-experts layer is ``rlk.linear`` (the router's logits), then :func:`moe_route`, then
+:func:`moe_experts`. Both are optional ops (``rlk._catalog``): a backend without them raises
+:class:`rlk.BackendError` naming those that have them; rlk never runs another backend's kernel
+in their place. Contract (docs/guide.md, "Mixture of experts"): a token's experts, weights and
+output depend only on its own row, its experts' weights and nothing of the batch; ties go to
+the lower expert index; the k expert outputs are added in rank order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlk import _plugins
+from rlk import _validate as chk
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, normalize: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts and routing weights from the router's logits.
+
+    Shapes: ``logits [T, E]`` (bf16/fp16/fp32, e.g. ``rlk.linear(x, router_weight)``) ->
+    ``(weights, indices)``, float32 and int64 ``[T, top_k]``, ranked by decreasing logit. The
+    logits are compared exactly (``-0.0`` equals ``+0.0``, NaN ranks above every number), ties
+    go to the lower expert index. ``weights`` are the softmax over all E experts at the chosen
+    ones, or with ``normalize`` the softmax over the chosen k alone (Qwen-MoE's
+    ``norm_topk_prob``: the top-k probabilities over their sum); a row holding a NaN or +inf
+    logit gets NaN weights.
+
+    Contract: a row's results depend on that row only, bitwise. Differentiable in ``logits``
+    through ``weights``.
+
+    Example::
+
+        weights, indices = rlk.moe_route(rlk.linear(x, router_w), 8, normalize=True)
+    """
+    chk.tensor("logits", logits, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
+    chk.positive_int("top_k", top_k)
+    if top_k > logits.shape[1]:
+        raise ValueError(f"top_k = {top_k} is more than the {logits.shape[1]} experts")
+    chk.flag("normalize", normalize)
+    fn = _plugins.optional_op(logits.device, "moe_route", "rlk.moe_route")
+    return fn(logits, top_k, normalize)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """The chosen experts' SwiGLU MLPs, weighted and summed:
+    ``out[t] = sum_r weights[t, r] * down[e] @ (silu(g) * u)``, ``e = indices[t, r]``,
+    ``[g; u] = gate_up[e] @ x[t]``.
+
+    Shapes: ``x [T, H]`` (bf16/fp16/fp32), ``indices [T, k]`` (int32/int64 in ``[0, E)``, e.g.
+    from :func:`moe_route`), ``weights [T, k]`` (float), ``gate_up [E, 2I, H]`` (each expert's
+    gate rows then up rows: transformers' ``gate_up_proj``) and ``down [E, H, I]`` in x's dtype
+    (any strides) -> ``[T, H]`` in x's dtype. gate and up are rounded to x's dtype, ``silu(g) *
+    u`` is computed in fp32 and rounded once, the down projection and the weighted sum stay in
+    fp32, the k terms added in ascending rank ``r``, rounded once at the end.
+
+    Contract: row t depends only on ``x[t]``, ``indices[t]``, ``weights[t]`` and its experts'
+    weights, bitwise: not on the batch size, on how many tokens share an expert or on their
+    order. Differentiable in ``x``, ``weights``, ``gate_up`` and ``down``; the backward is
+    deterministic (no floating-point atomics). An index outside ``[0, E)`` is a ``ValueError``
+    where value checks run (CPU, ``RLK_VALIDATE``); elsewhere its token's output is NaN and the
+    kernel reports it (``rlk_triton._bounds``).
+
+    Example::
+
+        out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
+    """
+    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
+    chk.tensor("indices", indices, dtypes=_INDEX_DTYPES, ndim=2)
+    chk.tensor("weights", weights, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    chk.tensor("gate_up", gate_up, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
+    chk.tensor("down", down, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
+    chk.same_dtype(x=x, gate_up=gate_up, down=down)
+    chk.same_device(x=x, indices=indices, weights=weights, gate_up=gate_up, down=down)
+    T, H = x.shape
+    E, I2, _ = gate_up.shape
+    if indices.shape[0] != T or indices.shape[1] < 1:
+        raise ValueError(f"indices must have shape ({T}, k >= 1), got {tuple(indices.shape)}")
+    chk.shape("weights", weights, indices.shape, "the shape of indices")
+    if E < 1 or I2 < 2 or I2 % 2:
+        raise ValueError(f"gate_up must be [E, 2I, H] with E, I >= 1, got {tuple(gate_up.shape)}")
+    chk.shape("gate_up", gate_up, (E, I2, H), "[experts, 2 * intermediate, x.shape[1]]")
+    chk.shape("down", down, (E, H, I2 // 2), "[experts, x.shape[1], intermediate]")
+    chk.index_range("indices", indices, 0, E, f"there are {E} experts")
+    fn = _plugins.optional_op(x.device, "moe_experts", "rlk.moe_experts")
+    return fn(x, indices, weights, gate_up, down)
