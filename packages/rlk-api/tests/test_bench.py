@@ -234,3 +234,15 @@ def test_memory_column_only_where_measured():
     for r in rows:
         del r["extra_GiB"]
     assert "extra_GiB" not in bench.format_family(rows, "logprobs")
+
+
+def test_moe_family_runs(on_cpu, monkeypatch):
+    pytest.importorskip("transformers")
+    from rlk.bench import moe
+
+    rows = _run(monkeypatch, moe, LAYERS=[("t", 32, 4, 2, 32)], QUICK_TOKENS=[8])
+    assert {(r["op"], r["impl"]) for r in rows} == {
+        (op, impl)
+        for op in ("moe_layer.fwd", "moe_layer.fwd+bwd")
+        for impl in ("rlk", "stock", "stock-grouped_mm")
+    }
