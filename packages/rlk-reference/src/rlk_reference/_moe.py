@@ -33,7 +33,7 @@ def moe_route(
     (Qwen-MoE's ``norm_topk_prob``: the top-k probabilities divided by their sum).
     """
     z = logits.double()
-    indices = route_order(logits)[:, :top_k]
+    indices = route_order(logits)[:, :top_k].contiguous()
     m = z.max(dim=-1, keepdim=True).values  # NaN where the row holds one
     e = torch.exp(z - m)
     picked = e.gather(1, indices)

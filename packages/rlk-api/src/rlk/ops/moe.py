@@ -77,8 +77,8 @@ def moe_experts(
         out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
     """
     chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
-    chk.tensor("indices", indices, dtypes=_INDEX_DTYPES, ndim=2)
-    chk.tensor("weights", weights, dtypes=chk.FLOAT_DTYPES, ndim=2)
+    chk.tensor("indices", indices, dtypes=_INDEX_DTYPES, ndim=2, contiguous=False)
+    chk.tensor("weights", weights, dtypes=chk.FLOAT_DTYPES, ndim=2, contiguous=False)
     chk.tensor("gate_up", gate_up, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
     chk.tensor("down", down, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
     chk.same_dtype(x=x, gate_up=gate_up, down=down)
@@ -94,4 +94,4 @@ def moe_experts(
     chk.shape("down", down, (E, H, I2 // 2), "[experts, x.shape[1], intermediate]")
     chk.index_range("indices", indices, 0, E, f"there are {E} experts")
     fn = _plugins.optional_op(x.device, "moe_experts", "rlk.moe_experts")
-    return fn(x, indices, weights, gate_up, down)
+    return fn(x, indices.contiguous(), weights.contiguous(), gate_up, down)
