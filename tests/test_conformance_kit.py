@@ -36,7 +36,7 @@ def test_reference_passes_accuracy_and_skips_what_it_does_not_claim(reference_re
     r = reference_report
     assert r.ok, testing.format_table(r)
     assert r.backend == "reference" and r.claims == ["accuracy"]
-    assert [row.op for row in r.rows if row.check == "accuracy"] == list(_plugins.OPS)
+    assert [row.op for row in r.rows if row.check == "accuracy"] == list(testing.KIT_OPS)
     for row in r.rows:
         if row.check == "accuracy":
             assert row.status == "pass", row.detail
@@ -44,19 +44,19 @@ def test_reference_passes_accuracy_and_skips_what_it_does_not_claim(reference_re
             assert (row.status, row.detail) == ("skip", "not claimed by backend")
     lin = r.row("linear", "accuracy")
     assert 0 < lin.max_err < 0.1 and 0 < lin.rel_rms < 1e-2  # errors are measured, not zero
-    assert r.counts() == {"pass": 12, "fail": 0, "skip": 48}
+    assert r.counts() == {"pass": 14, "fail": 0, "skip": 56}
     assert r.seconds < 30
 
 
 def test_table_and_dict(reference_report):
     table = testing.format_table(reference_report)
     assert "backend 'reference'" in table
-    assert table.splitlines()[-1].startswith("12 passed, 0 failed, 48 skipped")
-    assert "not claimed by backend: 48 checks" in table
+    assert table.splitlines()[-1].startswith("14 passed, 0 failed, 56 skipped")
+    assert "not claimed by backend: 56 checks" in table
     d = reference_report.to_dict()
     json.dumps(d)  # serialisable
-    assert d["ok"] and d["summary"] == {"pass": 12, "fail": 0, "skip": 48}
-    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 60
+    assert d["ok"] and d["summary"] == {"pass": 14, "fail": 0, "skip": 56}
+    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 70
 
 
 def test_batch_dependent_backend_fails_batch_invariance_only(fakes):
@@ -104,6 +104,21 @@ def test_path_dependent_backend_fails_path_invariance(fakes):
     assert not any("prefill of" in f for f in att)  # nq == nk calls are not perturbed
 
 
+def test_reordered_moe_combine_fails_path_invariance_only(fakes):
+    """Summing the experts in descending rank order is accurate and batch-invariant, and not
+    the contract's order: the combine-order check catches it."""
+    r = testing.run_conformance(backend="fake_moe_order", ops=["moe_experts"], device="cpu")
+    assert _status(r, "moe_experts", "accuracy") == "pass"
+    assert _status(r, "moe_experts", "batch_invariance") == "pass"
+    row = r.row("moe_experts", "path_invariance")
+    assert row.status == "fail" and "combine" in row.detail
+
+
+def test_optional_op_a_backend_lacks_is_skipped(fakes):
+    r = testing.run_conformance(backend="fake_batchdep", ops=["moe_route"], device="cpu")
+    assert (r.row("moe_route", "implemented").status, r.ok) == ("skip", True)
+
+
 def test_missing_op_and_crashing_op_are_failures_and_the_run_goes_on(fakes):
     r = testing.run_conformance(
         backend="fake_broken", ops=["sample", "silu_and_mul", "linear"], device="cpu"
@@ -125,12 +140,12 @@ def test_cli_reference_passes_with_json(tmp_path, capsys):
     code = cli.main(["conformance", "--backend", "reference", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.out
-    assert "12 passed, 0 failed, 48 skipped" in captured.out
+    assert "14 passed, 0 failed, 56 skipped" in captured.out
     assert "linear: accuracy pass" in captured.err  # progress, one line per op
     d = json.loads(out.read_text())
     assert d["ok"] and d["backend"] == "reference" and d["mode"] == "quick"
     assert {(row["op"], row["check"]) for row in d["rows"]} == {
-        (op, c) for op in _plugins.OPS for c in _plugins.GUARANTEES
+        (op, c) for op in testing.KIT_OPS for c in _plugins.GUARANTEES
     }
 
 

@@ -118,6 +118,22 @@ CATALOG: tuple[OpSpec, ...] = (
     # reduced by a fixed tree of leaves; ``exchange`` tops the tree over tensor-parallel ranks.
     OpSpec("tree_linear", "tree_gemm", **_TREE_LINEAR),
     OpSpec("column_tree_linear", "tree_gemm", **_TREE_LINEAR),
+    # Mixture of experts (rlk.ops.moe): the router's top-k and the experts, combined.
+    OpSpec(
+        "moe_route",
+        "moe",
+        grad_args=("logits",),
+        unit_grads=("logits",),
+        out_dtype="float32,int64",
+        optional=True,
+    ),
+    OpSpec(
+        "moe_experts",
+        "moe",
+        grad_args=("x", "weights", "gate_up", "down"),
+        unit_grads=("x", "weights"),
+        optional=True,
+    ),
     # linear_logprobs with the lm_head split over the ranks of ``exchange`` (rlk.parallel).
     OpSpec(
         "vocab_parallel_linear_logprobs",

@@ -16,6 +16,7 @@ The random numbers of :func:`sample` are specified bit-exactly in :mod:`rlk_refe
 from rlk_reference._attention import attention, paged_attention
 from rlk_reference._dense import apply_rotary, linear, rms_norm, silu_and_mul
 from rlk_reference._logprobs import linear_logprobs, logprobs
+from rlk_reference._moe import moe_experts, moe_route
 from rlk_reference._losses import grpo_advantages, kl_penalty, policy_loss
 from rlk_reference._parallel import (
     column_tree_linear,
@@ -40,4 +41,6 @@ __all__ = [
     "tree_linear",
     "column_tree_linear",
     "vocab_parallel_linear_logprobs",
+    "moe_route",
+    "moe_experts",
 ]

@@ -41,9 +41,11 @@ from typing import Any
 import torch
 
 from rlk import _plugins
+from rlk._catalog import OPTIONAL_OPS
 from rlk._plugins import GUARANTEES, OPS, BackendImpl
 from rlk.testing import cases as _cases
 from rlk.testing import checks as _checks
+from rlk.testing import moe_cases as _moe_cases
 from rlk.testing import special_values as _special
 from rlk.testing.checks import SAMPLE_AGREEMENT, TOLERANCES
 
@@ -123,6 +125,11 @@ class Report:
         }
 
 
+#: The ops the kit checks: every required op, then the optional ops it has cases for (a
+#: backend without one is skipped there, not failed).
+KIT_OPS: tuple[str, ...] = (*OPS, *_moe_cases.BUILDERS)
+
+
 def _reference_op(op: str) -> Callable:
     import rlk_reference
 
@@ -181,11 +188,21 @@ def _path(impl, op, oc, device, rnd) -> _checks.Outcome:
         return _checks.silu_and_mul_paths(impl.ops[op], oc.path)
     if op == "apply_rotary":
         return _checks.rotary_paths(impl.ops[op], oc.path)
+    if op == "moe_experts":
+        return _checks.moe_combine_order(impl.ops[op], oc.path)
     return _checks.Outcome("skip", NO_SECOND_PATH)
+
+
+def _build(op: str, quick: bool, device: torch.device) -> _cases.OpCases:
+    if op in _moe_cases.BUILDERS:
+        return _moe_cases.BUILDERS[op](_cases.Gen(op, device), quick)
+    return _cases.build(op, quick, device)
 
 
 def _op_rows(impl: BackendImpl, op: str, device: torch.device, quick: bool) -> list[Row]:
     if op not in impl.ops:
+        if op in OPTIONAL_OPS:
+            return [Row(op, "implemented", "skip", detail="optional op, not implemented")]
         return [Row(op, "implemented", "fail", detail="not implemented")]
     rows: list[Row] = []
     oc: _cases.OpCases | None = None
@@ -198,7 +215,7 @@ def _op_rows(impl: BackendImpl, op: str, device: torch.device, quick: bool) -> l
         else:
             try:
                 if oc is None:
-                    oc = _cases.build(op, quick, device)
+                    oc = _build(op, quick, device)
                 out = _run_check(impl, op, check, oc, device)
             except Exception as e:  # a crash is a failure of this check, and the run goes on
                 where = traceback.extract_tb(e.__traceback__)[-1]
@@ -237,10 +254,10 @@ def run_conformance(
     device = torch.device(device if device is not None else _plugins._device_type(None))
     name = backend or _plugins.current_backend(device)
     impl = _plugins.registry().load(name, complete=False)
-    ops = list(OPS if ops is None else [ops] if isinstance(ops, str) else ops)
-    unknown = [o for o in ops if o not in OPS]
+    ops = list(KIT_OPS if ops is None else [ops] if isinstance(ops, str) else ops)
+    unknown = [o for o in ops if o not in KIT_OPS]
     if unknown:
-        raise ValueError(f"unknown ops {unknown}; the ops are {', '.join(OPS)}")
+        raise ValueError(f"unknown ops {unknown}; the ops are {', '.join(KIT_OPS)}")
     report = Report(name, str(device), quick, sorted(impl.claims))
     t0 = time.perf_counter()
     for op in ops:
