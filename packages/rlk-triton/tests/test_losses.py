@@ -11,9 +11,9 @@ import torch
 
 import rlk_reference as ref
 from rlk.ops import AGG_MODES
+from rlk_triton import _objectives as objmod
 from rlk_triton import advantages as advmod
 from rlk_triton import backend, tuning
-from rlk_triton import policy_loss as plmod
 from rlk_triton.advantages import grpo_advantages
 from rlk_triton.kl import kl_penalty
 from rlk_triton.policy_loss import policy_loss
@@ -24,7 +24,7 @@ AGGS = AGG_MODES
 
 @pytest.fixture(autouse=True)
 def small_batch_block(monkeypatch):
-    monkeypatch.setattr(plmod, "BLOCK_B", 2)
+    monkeypatch.setattr(objmod, "BLOCK_B", 2)
     monkeypatch.setattr(advmod, "BLOCK_B", 2)
 
 

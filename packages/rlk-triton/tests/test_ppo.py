@@ -11,14 +11,14 @@ import torch
 
 from rlk.ops import AGG_MODES
 from rlk_reference import _ppo as ref
-from rlk_triton import backend, ppo, tuning
+from rlk_triton import _objectives, backend, ppo, tuning
 
 TABLE = {**backend.default_table(), **ppo.TUNING}
 
 
 @pytest.fixture(autouse=True)
 def small_batch_block(monkeypatch):
-    monkeypatch.setattr(ppo, "BLOCK_B", 2)
+    monkeypatch.setattr(_objectives, "BLOCK_B", 2)
 
 
 def _inputs(b=5, length=300, seed=0):

@@ -1,20 +1,14 @@
 """The per-token and per-sequence terms of :mod:`rlk_triton.policy_loss`'s kernels.
 
 The clipped surrogate and its gradient, bounded importance weights, the token- and
-sequence-level rejection masks, the loads of a block of tokens and a NaN-propagating row max:
-fp32 on one token, or on one sequence's sums.
+sequence-level rejection masks and the loads of a block of tokens: fp32 on one token, or on
+one sequence's sums.
 """
 
 from __future__ import annotations
 
 from rlk_triton._objectives import _max2, _min2, _safe_div
 from rlk_triton._triton import jit, tl
-
-
-@jit
-def _row_max(x):
-    """Max along axis 1, NaN if any element is NaN (tl.max would skip it)."""
-    return tl.reduce(x, 1, _max2)
 
 
 @jit

@@ -20,13 +20,22 @@ import torch
 
 from rlk.ops import REJECT_OPTIONS
 from rlk_triton import tuning
-from rlk_triton._objectives import BLOCK_B, _log2, _max2, _safe_div
+from rlk_triton._objectives import (
+    METRICS,
+    NF,
+    NI,
+    _log2,
+    _max2,
+    _row_max,
+    _safe_div,
+    agg_flags,
+    aggregate,
+)
 from rlk_triton._policy_terms import (
     _bounded,
     _clamp_log,
     _load_tokens,
     _pg_terms,
-    _row_max,
     _seq_keep,
     _token_keep,
 )
@@ -39,33 +48,8 @@ BLOCK_L = 256
 LOG_RATIO_BOUND = 20.0
 
 
-AGG_CODES = {
-    "token-mean": 0,
-    "token-sum": 1,
-    "seq-mean-token-sum": 2,
-    "seq-mean-token-mean": 3,
-    "seq-mean-token-sum-norm": 4,
-    "row-mean-token-mean": 5,
-    "row-mean-token-sum-norm": 6,
-}
 # REJECT_OPTIONS (rlk's list, imported above): bit ``i`` of the kernels' ``RS`` flags;
 # thresholds ``thr[2i], thr[2i+1]``.
-#: Names of the policy-loss metrics, in the order of the metrics buffer.
-METRICS = (
-    "clip_fraction",
-    "approx_kl",
-    "ratio_mean",
-    "ratio_max",
-    "dual_clip_fraction",
-    "is_weight_mean",
-    "reject_fraction",
-)
-
-# Per-sequence stats: floats (pg sum, (old - new) sum, ratio sum, ratio max, IS weight sum or
-# sequence weight, mean log-ratio, sequence weight), ints (kept tokens, clipped, dual-clipped,
-# tokens of mask, sequence kept).
-_NF = 7
-_NI = 5
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,108 +236,6 @@ def _policy_seq_kernel(
     tl.store(i + 2, n_dual, mask=seq_ok)
     tl.store(i + 3, n_mask, mask=seq_ok)
     tl.store(i + 4, seq_keep.to(tl.int32), mask=seq_ok)
-
-
-@jit
-def _policy_batch_kernel(
-    seqf_ptr,
-    seqi_ptr,
-    norms_ptr,
-    loss_ptr,
-    met_ptr,
-    coef_ptr,
-    B,
-    AGG: tl.constexpr,
-    PER_SEQ_MEAN: tl.constexpr,
-    NORM_LEN: tl.constexpr,
-    TOK_GIVEN: tl.constexpr,
-    SEQ_GIVEN: tl.constexpr,
-    IS: tl.constexpr,
-    IS_NORM: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    LOG2_BLOCK_B: tl.constexpr,
-):
-    lanes = tl.arange(0, BLOCK_B)
-    acc_pg = tl.zeros([1, BLOCK_B], tl.float32)
-    acc_pg_mean = tl.zeros([1, BLOCK_B], tl.float32)
-    acc_kl = tl.zeros([1, BLOCK_B], tl.float32)
-    acc_r = tl.zeros([1, BLOCK_B], tl.float32)
-    acc_w = tl.zeros([1, BLOCK_B], tl.float32)
-    r_max = tl.zeros([1], tl.float32)
-    n_tok = tl.zeros([1], tl.int32)
-    n_seq = tl.zeros([1], tl.int32)
-    n_clip = tl.zeros([1], tl.int32)
-    n_dual = tl.zeros([1], tl.int32)
-    n_mask = tl.zeros([1], tl.int32)
-    n_mask_seq = tl.zeros([1], tl.int32)
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + lanes
-        ok = b < B
-        f = seqf_ptr + b * 7
-        i = seqi_ptr + b * 5
-        pg = tl.load(f + 0, mask=ok, other=0.0)[None, :]
-        n = tl.load(i + 0, mask=ok, other=0)[None, :]
-        nm = tl.load(i + 3, mask=ok, other=0)[None, :]
-        acc_pg += pg
-        acc_pg_mean += _safe_div(pg, n.to(tl.float32))
-        acc_kl += tl.load(f + 1, mask=ok, other=0.0)[None, :]
-        acc_r += tl.load(f + 2, mask=ok, other=0.0)[None, :]
-        r_max = _max2(r_max, _row_max(tl.load(f + 3, mask=ok, other=0.0)[None, :]))
-        w = tl.load(f + 4, mask=ok, other=0.0)[None, :]
-        if IS == 2:  # the mean over sequences with tokens of the sequence weights
-            w = tl.where(nm > 0, w, 0.0)
-        acc_w += w
-        n_tok += tl.sum(n, axis=1)
-        n_seq += tl.sum((n > 0).to(tl.int32), axis=1)
-        n_mask += tl.sum(nm, axis=1)
-        n_mask_seq += tl.sum((nm > 0).to(tl.int32), axis=1)
-        n_clip += tl.sum(tl.load(i + 1, mask=ok, other=0)[None, :], axis=1)
-        n_dual += tl.sum(tl.load(i + 2, mask=ok, other=0)[None, :], axis=1)
-    one = tl.arange(0, 1)
-    pg_sum = tree_sum(acc_pg, LOG2_BLOCK_B)
-    tok = n_tok.to(tl.float32)
-    if TOK_GIVEN:
-        tok = tl.load(norms_ptr + one)
-    if AGG >= 5:
-        seq = tl.zeros([1], tl.float32) + B
-    else:
-        seq = n_seq.to(tl.float32)
-    if SEQ_GIVEN:
-        seq = tl.load(norms_ptr + 1 + one)
-    if PER_SEQ_MEAN:
-        num = tree_sum(acc_pg_mean, LOG2_BLOCK_B)
-    else:
-        num = pg_sum
-    if AGG == 0:
-        den = tok
-    elif AGG == 1:
-        den = tl.zeros([1], tl.float32) + 1.0
-    else:
-        den = seq
-        if NORM_LEN:
-            den = den * tl.load(norms_ptr + 2 + one)
-    w_mean = tl.zeros([1], tl.float32)
-    if IS == 1:
-        w_mean = _safe_div(tree_sum(acc_w, LOG2_BLOCK_B), n_mask.to(tl.float32))
-    elif IS == 2:
-        w_mean = _safe_div(tree_sum(acc_w, LOG2_BLOCK_B), n_mask_seq.to(tl.float32))
-    if IS_NORM == 1:
-        z = tl.where(w_mean > 1e-8, w_mean, 1.0)
-    elif IS_NORM == 2:
-        z = tl.load(norms_ptr + 3 + one)
-    else:
-        z = tl.zeros([1], tl.float32) + 1.0
-    loss = tl.math.div_rn(_safe_div(num, den), z)
-    tl.store(loss_ptr + one, loss)
-    tl.store(coef_ptr + one, tl.math.div_rn(_safe_div(tl.zeros([1], tl.float32) + 1.0, den), z))
-    n_tokf = n_tok.to(tl.float32)
-    tl.store(met_ptr + one, _safe_div(n_clip.to(tl.float32), n_tokf))
-    tl.store(met_ptr + 1 + one, _safe_div(tree_sum(acc_kl, LOG2_BLOCK_B), n_tokf))
-    tl.store(met_ptr + 2 + one, _safe_div(tree_sum(acc_r, LOG2_BLOCK_B), n_tokf))
-    tl.store(met_ptr + 3 + one, r_max)
-    tl.store(met_ptr + 4 + one, _safe_div(n_dual.to(tl.float32), n_tokf))
-    tl.store(met_ptr + 5 + one, w_mean)
-    tl.store(met_ptr + 6 + one, _safe_div((n_mask - n_tok).to(tl.float32), n_mask.to(tl.float32)))
 
 
 @jit
@@ -544,8 +426,8 @@ class PolicyLossFunction(torch.autograd.Function):
         scalars, flags, batch_flags = plan
         lp, old, adv, mask, roll, strides = _policy_inputs(lp, old, adv, mask, rollout)
         pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8
-        seqf = torch.empty(B, _NF, dtype=torch.float32, device=lp.device)
-        seqi = torch.empty(B, _NI, dtype=torch.int32, device=lp.device)
+        seqf = torch.empty(B, NF, dtype=torch.float32, device=lp.device)
+        seqi = torch.empty(B, NI, dtype=torch.int32, device=lp.device)
         if B:
             cfg = dict(tuning.config(table, "policy_loss.seq", B=B, L=L))
             seqs = cfg.pop("SEQS")
@@ -569,22 +451,8 @@ class PolicyLossFunction(torch.autograd.Function):
                 **flags,
                 **cfg,
             )
-        loss = torch.empty((), dtype=torch.float32, device=lp.device)
-        metrics = torch.empty(len(METRICS), dtype=torch.float32, device=lp.device)
-        coef = torch.empty(1, dtype=torch.float32, device=lp.device)
-        cfg = tuning.config(table, "policy_loss.batch", B=B, L=L)
-        _policy_batch_kernel[(1,)](
-            seqf,
-            seqi,
-            norms,
-            loss,
-            metrics,
-            coef,
-            B,
-            **batch_flags,
-            BLOCK_B=BLOCK_B,
-            LOG2_BLOCK_B=_log2(BLOCK_B),
-            **cfg,
+        loss, metrics, coef = aggregate(
+            seqf, seqi, norms, batch_flags, table, "policy_loss.batch", L
         )
         ctx.save_for_backward(lp, old, adv, mask, roll, thr, seqf, seqi, coef)
         ctx.strides, ctx.scalars, ctx.flags = strides, scalars, flags
@@ -681,11 +549,7 @@ def policy_loss(
         RS=rs,
     )
     batch_flags = dict(
-        AGG=AGG_CODES[agg],
-        PER_SEQ_MEAN=agg.endswith("-token-mean"),
-        NORM_LEN=agg.endswith("-norm"),
-        TOK_GIVEN=num_tokens is not None,
-        SEQ_GIVEN=num_seqs is not None,
+        agg_flags(agg, num_tokens, num_seqs),
         IS=is_code,
         IS_NORM=0 if not weigh or is_normalize is False else (1 if is_normalize is True else 2),
     )

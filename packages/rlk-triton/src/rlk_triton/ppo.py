@@ -20,17 +20,20 @@ from __future__ import annotations
 import torch
 
 from rlk_triton import tuning
-from rlk_triton._objectives import BLOCK_B, _log2, _max2, _min2, _safe_div
+from rlk_triton._objectives import (
+    METRICS,
+    NF,
+    NI,
+    _log2,
+    _max2,
+    _min2,
+    _safe_div,
+    agg_flags,
+    aggregate,
+)
 from rlk_triton._triton import cdiv, jit, tl
 from rlk_triton.logprobs import tree_sum
-from rlk_triton.policy_loss import (
-    AGG_CODES,
-    BLOCK_L,
-    METRICS,
-    _norms,
-    _policy_batch_kernel,
-    _rows,
-)
+from rlk_triton.policy_loss import BLOCK_L, _norms, _rows
 
 #: Rows and columns of the tiles the whitening statistics are added over (lane-wise).
 WHITEN_B = 16
@@ -310,8 +313,8 @@ class ValueLossFunction(torch.autograd.Function):
         v, old, ret, m = _rows(v), _rows(old), _rows(ret), _mask_rows(mask)
         strides = (v.stride(0), old.stride(0), ret.stride(0), m.stride(0))
         # Zeros: the batch kernel also reads the stats policy_loss's metrics come from.
-        seqf = torch.zeros(B, 7, dtype=torch.float32, device=v.device)
-        seqi = torch.zeros(B, 5, dtype=torch.int32, device=v.device)
+        seqf = torch.zeros(B, NF, dtype=torch.float32, device=v.device)
+        seqi = torch.zeros(B, NI, dtype=torch.int32, device=v.device)
         scalar = (0.0 if clip is None else float(clip),)
         if B:
             cfg = dict(tuning.config(table, "value_loss.seq", B=B, L=L))
@@ -333,24 +336,8 @@ class ValueLossFunction(torch.autograd.Function):
                 SEQS=seqs,
                 **cfg,
             )
-        loss = torch.empty((), dtype=torch.float32, device=v.device)
-        metrics = torch.empty(len(METRICS), dtype=torch.float32, device=v.device)
-        coef = torch.empty(1, dtype=torch.float32, device=v.device)
-        cfg = tuning.config(table, "value_loss.batch", B=B, L=L)
-        _policy_batch_kernel[(1,)](
-            seqf,
-            seqi,
-            norms,
-            loss,
-            metrics,
-            coef,
-            B,
-            **batch_flags,
-            IS=0,
-            IS_NORM=0,
-            BLOCK_B=BLOCK_B,
-            LOG2_BLOCK_B=_log2(BLOCK_B),
-            **cfg,
+        loss, metrics, coef = aggregate(
+            seqf, seqi, norms, batch_flags, table, "value_loss.batch", L
         )
         ctx.save_for_backward(v, old, ret, m, seqi, coef)
         ctx.strides, ctx.scalar, ctx.clip, ctx.table = strides, scalar, clip is not None, table
@@ -416,13 +403,7 @@ def value_loss(
     if norm_length is None:
         norm_length = values.shape[1]
     norms = _norms(device, num_tokens, num_seqs, norm_length, False)
-    batch_flags = dict(
-        AGG=AGG_CODES[agg],
-        PER_SEQ_MEAN=agg.endswith("-token-mean"),
-        NORM_LEN=agg.endswith("-norm"),
-        TOK_GIVEN=num_tokens is not None,
-        SEQ_GIVEN=num_seqs is not None,
-    )
+    batch_flags = agg_flags(agg, num_tokens, num_seqs)
     loss, buf = ValueLossFunction.apply(
         values, old_values.detach(), returns.detach(), mask, norms, clip, batch_flags, table
     )
