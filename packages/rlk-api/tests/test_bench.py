@@ -81,6 +81,35 @@ def test_render_and_merge(tmp_path):
     assert json.loads(out.read_text())["rows"] == merged["rows"]
 
 
+def test_merge_into_a_merged_report_keeps_its_parts_and_replaces_rows_measured_again():
+    """The committed report is itself merged: its parts stay listed with their commits, a row
+    measured again comes from the newer part, and a part with no row left leaves the list."""
+    a = _report([_row("linear.fwd", "rlk", 2.0)], commit="aaa")
+    a["meta"]["command"] = "rlk bench --only gemm"
+    b = _report([_row("e2e.train", "rlk", 4.0, "e2e")], commit="bbb")
+    b["meta"]["command"] = "rlk bench --only e2e"
+    old = bench.merge([a, b], mixed_commits=True)
+    c = _report([_row("e2e.train", "rlk", 3.0, "e2e")], commit="ccc")
+    c["meta"]["command"] = "rlk bench --only e2e"
+    d = _report([_row("moe_layer.fwd", "rlk", 1.0, "moe")], commit="ccc")
+    d["meta"]["command"] = "rlk bench --only moe"
+    new = bench.merge([old, c, d], mixed_commits=True)
+    assert [(p["command"], p["commit"]) for p in new["meta"]["parts"]] == [
+        ("rlk bench --only gemm", "aaa"),
+        ("rlk bench --only e2e", "ccc"),
+        ("rlk bench --only moe", "ccc"),
+    ]
+    assert [(r["op"], r["ms"]) for r in new["rows"]] == [
+        ("linear.fwd", 2.0),
+        ("e2e.train", 3.0),
+        ("moe_layer.fwd", 1.0),
+    ]
+    assert (
+        new["meta"]["commit"] == "aaa"
+        and "`rlk bench --only e2e` at `ccc`" in (new["meta"]["commit_note"])
+    )
+
+
 def test_a_peer_that_raises_is_recorded_as_left_out(on_cpu, monkeypatch):
     """A failing peer gets no row but a left_out record with its error, through run(), merge()
     and the Markdown; an error of rlk's own propagates."""

@@ -240,6 +240,28 @@ def format_family(rows: list[dict], family: str) -> str:
     return text
 
 
+_KEEP = ("command", "gpu", "copy_GBps", "cublas_bf16_TFLOPs", "commit", "date")
+
+
+def _families(command: str) -> set[str]:
+    """The families named by a ``rlk bench --only a,b`` command (empty: all of them)."""
+    words = command.split()
+    return set(words[words.index("--only") + 1].split(",")) if "--only" in words[:-1] else set()
+
+
+def _leaves(report: dict) -> list[tuple[dict, list[dict]]]:
+    """``report`` as (part meta, its rows) pairs. A merged report (``meta["parts"]``) gives one
+    pair per part, each row going to the part whose ``--only`` named its family."""
+    m = report["meta"]
+    if "parts" not in m:
+        return [({k: m[k] for k in _KEEP}, list(report["rows"]))]
+    leaves = [(dict(p), []) for p in m["parts"]]
+    for r in report["rows"]:
+        owner = next((lv for lv in leaves if r["family"] in _families(lv[0]["command"])), None)
+        (owner or leaves[0])[1].append(r)
+    return leaves
+
+
 def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     """One report from the reports of parts of one run (families split over processes or GPUs
     of one machine): the rows and failures of all; ``meta`` of the first, with every part's
@@ -247,24 +269,36 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
 
     Parts must have measured one commit, unless ``mixed_commits``: then each part keeps its own
     commit under ``parts`` and ``meta["commit_note"]`` names the parts measured at a commit
-    other than the first part's."""
+    other than the first part's. A part may itself be a merged report (the committed
+    ``docs/benchmarks/<gpu>.json``): its parts are kept, and a row measured again by a later
+    part (same family, op, shape, dtype and impl) is replaced by it; a part whose rows were all
+    replaced leaves the list."""
     if len(parts) == 1:
         return parts[0]
-    keep = ("command", "gpu", "copy_GBps", "cublas_bf16_TFLOPs", "commit", "date")
-    commits = {p["meta"]["commit"] for p in parts}
+    leaves = [lv for p in parts for lv in _leaves(p)]
+    commits = {m["commit"] for m, _ in leaves}
     if len(commits) != 1 and not mixed_commits:
         raise ValueError(
             f"the parts measured different commits: {sorted(commits)} (--mixed-commits to "
             "merge them anyway, each part keeping its commit)"
         )
-    meta = dict(parts[0]["meta"], parts=[{k: p["meta"][k] for k in keep} for p in parts])
-    first = parts[0]["meta"]["commit"]
-    others = [p["meta"] for p in parts if p["meta"]["commit"] != first]
+    key = ("family", "op", "shape", "dtype", "impl")
+    newest = {tuple(r.get(k) for k in key): i for i, (_, rows) in enumerate(leaves) for r in rows}
+    kept = []
+    for i, (m, rows) in enumerate(leaves):
+        mine = [r for r in rows if newest[tuple(r.get(k) for k in key)] == i]
+        if mine or not rows:
+            kept.append((m, mine))
+    first = kept[0][0]
+    meta = dict(parts[0]["meta"], parts=[m for m, _ in kept])
+    meta.update(first)
+    meta.pop("commit_note", None)
+    others = [m for m, _ in kept if m["commit"] != first["commit"]]
     if others:
         meta["commit_note"] = "measured at other commits: " + "; ".join(
             f"`{m['command']}` at `{m['commit']}`" for m in others
         )
-    rows = [r for p in parts for r in p["rows"]]
+    rows = [r for _, rs in kept for r in rs]
     failed = [f for p in parts for f in p.get("failed", [])]
     left_out = [r for p in parts for r in p.get("left_out", [])]
     return {"meta": meta, "rows": rows, "failed": failed, "left_out": left_out}
