@@ -251,7 +251,7 @@ def test_logprobs_and_sampling_families_run(on_cpu, monkeypatch):
     assert {r["impl"] for r in rows} >= {"rlk", "torch"}
 
 
-def test_memory_column_only_where_measured():
+def test_memory_and_roofline_columns_only_where_measured():
     rows = [
         {"family": "logprobs", "op": "linear_logprobs.fwd+bwd", "shape": "s", "dtype": "bf16",
          "impl": impl, "ms": 2.0, "timing": "events", "extra_GiB": gib}
@@ -263,6 +263,10 @@ def test_memory_column_only_where_measured():
     for r in rows:
         del r["extra_GiB"]
     assert "extra_GiB" not in bench.format_family(rows, "logprobs")
+    assert "hbm_roofline" not in header
+    rows[0]["hbm_roofline"] = 0.523
+    text = bench.format_family(rows, "logprobs")
+    assert "hbm_roofline" in text.splitlines()[0] and "0.523" in text
 
 
 def test_moe_family_runs(on_cpu, monkeypatch):

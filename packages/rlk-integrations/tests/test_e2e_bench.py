@@ -5,6 +5,7 @@ CPU it only has to run); every row the result file's readers look for comes out.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -30,6 +31,10 @@ def test_e2e_family_runs(monkeypatch):
     )
     for name, value in shapes.items():
         monkeypatch.setattr(e2e_bench, name, value)
+    # The CPU has no copy bandwidth measured: a made-up one (100 kB/s, so that the tiny
+    # model's share is far from 0), so that the paged rows' roofline share is computed as on
+    # CUDA.
+    monkeypatch.setattr(e2e_bench, "_copy_GBps", lambda device: 1e-4)
     rows = []
     e2e_bench.run(quick=True, emit=rows.append)
     long = []
@@ -37,8 +42,10 @@ def test_e2e_family_runs(monkeypatch):
     got = {(r["op"], r["impl"]) for r in rows}
     assert got >= {
         ("e2e.rollout.padded", "hf-generate"),
+        ("e2e.rollout.padded", "hf-generate-static"),
         ("e2e.rollout.padded", "rlk"),
         ("e2e.rollout.paged", "hf-generate"),
+        ("e2e.rollout.paged", "hf-generate-static"),
         ("e2e.rollout.paged", "rlk"),
         ("e2e.train", "stock"),
         ("e2e.train", "rlk"),
@@ -46,11 +53,24 @@ def test_e2e_family_runs(monkeypatch):
         ("e2e.grpo_step", "rlk"),
     }
     assert all(r["tok_s"] > 0 for r in rows + long)
-    # The e2e-long family: the long setting, the paged engine and its hf-generate peer only.
+    # The static-cache peer: its own run (transformers compiles no decode step on a CPU), the
+    # other op's row a copy of it; the paged rows alone give the roofline share.
+    static = [r for r in rows + long if r["impl"] == "hf-generate-static"]
+    assert {(r["cache"], r["decode_compiled"]) for r in static} == {("static", False)}
+    assert all(r["first_run_ms"] > 0 for r in static)
+    assert sum("same_run_as" not in r for r in static) == 2  # one run per shape
+    for r in rows + long:
+        paged = (r["op"], r["impl"]) == ("e2e.rollout.paged", "rlk")
+        assert ("hbm_roofline" in r) == paged, r
+        if paged:
+            share = r["decode_bytes"] / 1e5 / (r["ms"] / 1e3)
+            assert r["hbm_roofline"] == round(share, 3) and r["hbm_roofline"] > 0
+    # The e2e-long family: the long setting, the paged engine and its hf-generate peers only.
     assert not any("prompt=6-8 new=3" in r["shape"] for r in rows)
     assert all("prompt=6-8 new=3" in r["shape"] for r in long)
     assert {(r["op"], r["impl"]) for r in long} == {
         ("e2e.rollout.paged", "hf-generate"),
+        ("e2e.rollout.paged", "hf-generate-static"),
         ("e2e.rollout.paged", "rlk"),
     }
     # A GRPO step samples every completion of every group in full.
@@ -85,3 +105,55 @@ def test_heldout_shapes():
     assert llama.rope_parameters["rope_type"] == "llama3"
     assert qwen.model_type == "qwen2" and qwen.num_attention_heads // qwen.num_key_value_heads == 6
     assert llama.num_hidden_layers == qwen.num_hidden_layers == 4
+
+
+def test_decode_bytes_count_every_weight_per_step_and_the_context():
+    # tiny-llama (untied embeddings: the input embedding counts nothing): 2 layers of q, k, v,
+    # o (64x64, 64x32, 64x32, 64x64), gate, up, down (64x128 each), two norms; the final norm
+    # and the 512x64 head; bf16. Keys and values: 2 layers x 2 heads x 16 x 2 (K, V) x 2 bytes
+    # a token. Prompts of 3 and 5 tokens, 4 steps: (3 + 5) x 4 + 2 x (0 + 1 + 2 + 3) tokens.
+    from rlk_integrations.models import load_model
+
+    model = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu", seed=0)
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
+    weights = 2 * (2 * layer + 64 + 512 * 64)
+    tokens = 8 * 4 + 2 * 6
+    got = e2e_bench._decode_bytes(model, [[1, 2, 3], [1, 2, 3, 4, 5]], 4)
+    assert got == 4 * weights + tokens * 2 * 2 * 16 * 2 * 2
+    moe = load_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=0)
+    assert e2e_bench._decode_bytes(moe, [[1, 2]], 4) is None  # routed: no fixed bytes
+
+
+def test_static_peer_that_does_not_compile_or_fails_is_left_out(monkeypatch):
+    # On CUDA the static-cache row claims a compiled decode step: generate not compiling it
+    # (here: the run stubbed, no compiled call on the model) gives a left_out record, as a
+    # run that raises does; neither gives a row.
+    model = torch.nn.Linear(1, 1)
+    stub = {"op": "e2e.rollout.paged", "impl": "hf-generate-static", "ms": 1.0}
+    monkeypatch.setattr(e2e_bench, "_rollout_row", lambda *a: dict(stub))
+    monkeypatch.setattr(e2e_bench, "_free", lambda device: None)
+    args = ("e2e.rollout.paged", model, [[1]], 1, "s")
+    r = e2e_bench._hf_static_row(*args, torch.device("cuda"))
+    assert r["left_out"] == (
+        "RuntimeError: generate with the static cache did not compile its decode step"
+    )
+    assert "ms" not in r
+    r = e2e_bench._hf_static_row(*args, torch.device("cpu"))
+    assert (r["ms"], r["decode_compiled"], r["cache"]) == (1.0, False, "static")
+
+    def compiled(*a):  # what generate leaves on the model when it compiles
+        model.__dict__.update(_compiled_call=print, _previous_max_cache_length=9)
+        return dict(stub)
+
+    monkeypatch.setattr(e2e_bench, "_rollout_row", compiled)
+    r = e2e_bench._hf_static_row(*args, torch.device("cuda"))
+    assert r["decode_compiled"] and "left_out" not in r
+    # Gone after the row: the next shape compiles and sizes its cache afresh.
+    assert not {"_compiled_call", "_previous_max_cache_length"} & set(vars(model))
+
+    def fail(*a):
+        raise MemoryError("out of memory\nmore")
+
+    monkeypatch.setattr(e2e_bench, "_rollout_row", fail)
+    r = e2e_bench._hf_static_row(*args, torch.device("cpu"))
+    assert r["left_out"] == "MemoryError: out of memory" and r["impl"] == "hf-generate-static"

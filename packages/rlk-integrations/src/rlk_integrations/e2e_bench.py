@@ -19,9 +19,19 @@ here (one that cannot is named on stderr with the reason), run through the engin
   the warm-up and the timed run, as a serving engine serves calls after start-up: ``paged``
   builds its KV cache and captures its decode CUDA graphs in the warm-up (the row's
   ``first_run_ms``) and keeps them for the timed run.
-- impl ``hf-generate``: ``model.generate(do_sample=True)`` on the left-padded batch, run once
-  per shape, under the first engine's op; transformers has no other engine, so each other
-  op's peer row is that run emitted again, marked ``same_run_as`` the first op.
+  The ``paged`` rows add their share of the decode HBM roofline (``hbm_roofline``: every
+  weight read once per step plus each request's keys and values, ``decode_bytes`` in all, at the
+  copy bandwidth of the report's ceilings, over the row's time; see :func:`_decode_bytes`),
+  on CUDA and for dense models.
+- impl ``hf-generate``: ``model.generate(do_sample=True)`` on the left-padded batch with
+  transformers' default dynamic cache (``cache: "dynamic"``), and impl
+  ``hf-generate-static``: the same with ``cache_implementation="static"`` (``cache:
+  "static"``), for which ``generate`` compiles the decode step itself on CUDA (transformers'
+  default ``CompileConfig``: inductor, ``mode="reduce-overhead"``, i.e. CUDA graphs; the
+  warm-up compiles and records, ``first_run_ms``; on a CPU it does not compile, and the row
+  says ``decode_compiled: false``; see :func:`_hf_static_row`). Each runs once per shape,
+  under the first engine's op; transformers has no other engine, so each other op's peer rows
+  are those runs emitted again, marked ``same_run_as`` the first op.
 
 Each engine first makes the very same run untimed (same prompts, same number of new tokens), so
 that whatever is built per shape stays out of the timed run: Triton compiles rlk's kernels per
@@ -89,7 +99,7 @@ from typing import Any
 
 import torch
 
-from rlk.bench import _timing
+from rlk.bench import _peers, _timing
 from rlk_integrations import engines, rollout, training
 from rlk_integrations.consistency import _sync, random_prompts
 from rlk_integrations.models import HELDOUT, load_model
@@ -189,12 +199,88 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], new: int, **extr
 
 
 @torch.no_grad()
-def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
-    ids, out = _generate(model, prompts, new)
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int, **extra: Any) -> int:
+    ids, out = _generate(model, prompts, new, **extra)
     made = out.shape[1] - ids.shape[1]
     if made != new:
         raise RuntimeError(f"hf generate made {made} new tokens per row, not {new}")
     return len(prompts) * made
+
+
+def _hf_generate_static(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    """``generate`` with transformers' static cache, which compiles the decode step itself on a
+    CUDA device (and not on a CPU)."""
+    return _hf_generate(model, prompts, new, cache_implementation="static")
+
+
+def _hf_static_row(op, model, prompts, new, shape, device) -> dict[str, Any]:
+    """The ``hf-generate-static`` row: ``generate(cache_implementation="static")``, whose decode
+    step transformers compiles with its default ``CompileConfig`` (inductor,
+    ``mode="reduce-overhead"``: CUDA graphs) on CUDA; the warm-up compiles and records
+    (``first_run_ms``). Dynamo starts afresh for each row, so that no earlier model's or
+    batch's compiled code, recompile count or CUDA graph pool reaches it, and ends afresh, so
+    that its memory is free for the engines after it. On a CPU transformers does not compile
+    (``decode_compiled`` false). A peer that fails, or on CUDA did not compile its decode step,
+    gives instead a record of why under ``left_out`` (the report's ``left_out``), not a row."""
+    torch._dynamo.reset()
+    try:
+        r = _rollout_row(op, "hf-generate-static", _hf_generate_static, model, prompts, new,
+                         shape, device)  # fmt: skip
+        # generate keeps its compiled call on the model (transformers' get_compiled_call).
+        compiled = getattr(model, "_compiled_call", None) is not None
+        if device.type == "cuda" and not compiled:
+            raise RuntimeError("generate with the static cache did not compile its decode step")
+    except Exception as e:
+        _say(f"e2e: hf-generate-static failed, row left out ({type(e).__name__}: {e})")
+        return _peers.left_out(op, shape, "bf16", "hf-generate-static", e)
+    finally:
+        # The compiled call, and the cache length generate keeps to size the next static
+        # cache: each shape's run is sized and compiled for its own prompts.
+        for attr in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+            model.__dict__.pop(attr, None)
+        torch._dynamo.reset()
+        _free(device)
+    return dict(r, cache="static", decode_compiled=compiled)
+
+
+def _copy_GBps(device: torch.device) -> float | None:
+    """The copy bandwidth of the report's ceilings (GB/s, read + write; measured once per
+    process); None off CUDA."""
+    return _timing.copy_GBps() if device.type == "cuda" else None
+
+
+def _decode_bytes(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int | None:
+    """The bytes a rollout of ``new`` tokens per prompt must read from HBM at the least, one
+    step per token: every weight once per step (an input embedding not tied to the output
+    head counts nothing: a step reads a row of it per request) and each request's keys and
+    values over its context (the prompt and the tokens made before the step's), in the
+    model's dtype. None for a mixture-of-experts model: which expert weights a step reads
+    depends on the routing."""
+    params = dict(model.named_parameters())  # a tied weight once
+    if any(".experts." in name for name in params):
+        return None
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    emb = model.get_input_embeddings().weight
+    if emb is not model.get_output_embeddings().weight:
+        weights -= emb.numel() * emb.element_size()
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * emb.element_size()
+    # Step t (0-based) of a request with a prompt of n tokens reads n + t tokens' keys/values.
+    tokens = new * sum(len(p) for p in prompts) + len(prompts) * new * (new - 1) // 2
+    return new * weights + tokens * per_token
+
+
+def _roofline(model, prompts, new, ms: float, device) -> dict[str, Any]:
+    """A paged row's share of the decode HBM roofline: the time :func:`_decode_bytes` take at
+    the copy bandwidth over the row's ``ms`` (``hbm_roofline``; the row's time includes the
+    prefill, which the bytes leave out) and those bytes (``decode_bytes``); nothing where either
+    is unknown (off CUDA, a mixture of experts)."""
+    nbytes, copy = _decode_bytes(model, prompts, new), _copy_GBps(device)
+    if nbytes is None or copy is None:
+        return {}
+    return {"decode_bytes": nbytes, "hbm_roofline": round(nbytes / copy / 1e6 / ms, 3)}
 
 
 def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[str, Any]:
@@ -229,8 +315,9 @@ def _engines(device: torch.device, skip: tuple[str, ...] = ()) -> list[engines.R
 
 
 def _rollouts(model, name: str, b: int, new: int, prompt_len, device, emit, long: bool) -> None:
-    """The rollout rows of one shape: hf-generate once, then every engine (``long``: but those
-    of :data:`LONG_SKIP`), each op after the first with a copy of the hf-generate row."""
+    """The rollout rows of one shape: hf-generate and hf-generate-static once, then every
+    engine (``long``: but those of :data:`LONG_SKIP`), each op after the first with copies of
+    the hf-generate rows."""
     prompts = random_prompts(b, model.config.vocab_size, *prompt_len, seed=SEED + b)
     seeds = list(range(b))
     shape = f"{name} B={b} prompt={prompt_len[0]}-{prompt_len[1]} new={new}"
@@ -240,16 +327,24 @@ def _rollouts(model, name: str, b: int, new: int, prompt_len, device, emit, long
     ops = [f"e2e.rollout.{e.name}" for e in found]
     unpatch_model(model)
     hf = _rollout_row(ops[0], "hf-generate", _hf_generate, model, prompts, new, shape, device)
+    hf = dict(hf, cache="dynamic")
     emit(hf)
+    static = _hf_static_row(ops[0], model, prompts, new, shape, device)
+    emit(static)
     patch_model(model)
     for op, engine in zip(ops, found):
-        if op != ops[0]:  # transformers has one engine: this op's peer is the same run
+        if op != ops[0]:  # transformers has one engine: this op's peers are the same runs
             emit(dict(hf, op=op, same_run_as=ops[0]))
+            if "left_out" not in static:
+                emit(dict(static, op=op, same_run_as=ops[0]))
 
         def run(model, prompts, new, engine=engine) -> int:
             return engine.generate(model, prompts, new, seeds).new_tokens
 
-        emit(_rollout_row(op, "rlk", run, model, prompts, new, shape, device))
+        r = _rollout_row(op, "rlk", run, model, prompts, new, shape, device)
+        if engine.name == "paged":
+            r.update(_roofline(model, prompts, new, r["ms"], device))
+        emit(r)
 
 
 # --------------------------------------------------------------------------------------------

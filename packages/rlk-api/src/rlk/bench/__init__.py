@@ -6,11 +6,13 @@ training engines, ``e2e-long``, their rollouts at long prompts and outputs, and
 ``e2e-heldout``, the training rows on held-out model shapes) has
 ``run(quick, emit)``, which times rlk's public op and its peers on the same random inputs, in
 this process, and passes each result row to ``emit`` as soon as it is measured.
-A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s], [extra_GiB]}`` (the last:
-the peak memory one call allocates, its outputs included, where a family measures it);
+A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s], [extra_GiB],
+[hbm_roofline]}`` (``extra_GiB``: the peak memory one call allocates, its outputs included,
+where a family measures it; ``hbm_roofline``: the share of the HBM roofline, where a family
+gives it, e.g. the paged rollout's);
 ``impl`` is ``rlk`` or
 the peer's name (``cublas``, ``sdpa``, ``sdpa-flash``, ``liger``, ``compile``, ``torch``,
-``hf-generate``, ``stock``, ``stock+liger``).
+``hf-generate``, ``hf-generate-static``, ``stock``, ``stock+liger``).
 
 The report (``--json``) holds ``meta`` (commit, GPU, versions, the copy-bandwidth and cuBLAS
 ceilings measured in the same run), ``rows``, ``failed`` (families that raised) and
@@ -153,7 +155,11 @@ def run(
         if on_row is not None:
             on_row(rows, failed)
         if progress is not None:
-            extra = "".join(f"  {k} {r[k]:g}" for k in ("GB/s", "TFLOP/s", "extra_GiB") if k in r)
+            extra = "".join(
+                f"  {k} {r[k]:g}"
+                for k in ("GB/s", "TFLOP/s", "extra_GiB", "hbm_roofline")
+                if k in r
+            )
             progress(
                 f"  {r['op']:<24} {r['shape']:<34} {r['dtype']:<5} {r['impl']:<12} "
                 f"{r['ms']:9.4f} ms{extra}  ({r['timing']})"
@@ -223,8 +229,7 @@ def format_family(rows: list[dict], family: str) -> str:
     """The rows of one family, then its ``peer_ms / rlk_ms`` table."""
     fam_rows = [r for r in rows if r.get("family") == family]
     cols = ["op", "shape", "dtype", "impl", "ms", "GB/s", "TFLOP/s", "timing"]
-    if any("extra_GiB" in r for r in fam_rows):
-        cols.append("extra_GiB")
+    cols += [c for c in ("extra_GiB", "hbm_roofline") if any(c in r for r in fam_rows)]
     body = [[_fmt(r.get(c, "")) for c in cols] for r in fam_rows]
     text = _table(cols, body)
     rat = ratios(fam_rows)

@@ -104,12 +104,18 @@ def measure(
     except Exception as e:
         if impl == "rlk":
             raise
-        first = (str(e).splitlines() or [""])[0][:200]
         # Recorded in the report's left_out, so that a missing peer row says why.
-        emit({"op": op, "shape": shape, "dtype": dtype, "impl": impl,
-              "left_out": f"{type(e).__name__}: {first}"})  # fmt: skip
+        emit(left_out(op, shape, dtype, impl, e))
         return
     emit(row)
+
+
+def left_out(op: str, shape: str, dtype: str, impl: str, error: Exception) -> dict[str, str]:
+    """The record of a peer that raised ``error`` (its type and first line), which a family
+    emits instead of the peer's row (it goes to the report's ``left_out``)."""
+    first = (str(error).splitlines() or [""])[0][:200]
+    return {"op": op, "shape": shape, "dtype": dtype, "impl": impl,
+            "left_out": f"{type(error).__name__}: {first}"}  # fmt: skip
 
 
 def time_op(

@@ -12,6 +12,7 @@ such a call is shorter than :data:`MIN_US`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -104,10 +105,17 @@ def _cublas_tflops() -> float:
     return 2 * 8192**3 / median_ms(lambda: a @ b) / 1e9
 
 
+@functools.cache
+def copy_GBps() -> float:
+    """Device-to-device copy bandwidth (GB/s, read + write), measured once per process: the
+    report's ceiling, and what rows that give a share of the HBM roofline divide by."""
+    return round(_copy_gbs(), 1)
+
+
 def ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (GB/s, read + write) and cuBLAS bf16 TFLOP/s, measured
     in the same process as the rows so each table can be read against them."""
-    return {"copy_GBps": round(_copy_gbs(), 1), "cublas_bf16_TFLOPs": round(_cublas_tflops(), 1)}
+    return {"copy_GBps": copy_GBps(), "cublas_bf16_TFLOPs": round(_cublas_tflops(), 1)}
 
 
 def row(
