@@ -44,23 +44,23 @@ def test_reference_passes_accuracy_and_skips_what_it_does_not_claim(reference_re
             assert (row.status, row.detail) == ("skip", "not claimed by backend")
     lin = r.row("linear", "accuracy")
     assert 0 < lin.max_err < 0.1 and 0 < lin.rel_rms < 1e-2  # errors are measured, not zero
-    assert r.counts() == {"pass": 14, "fail": 0, "skip": 56}
+    assert r.counts() == {"pass": 16, "fail": 0, "skip": 64}
     assert r.seconds < 30
 
 
 def test_table_and_dict(reference_report):
     table = testing.format_table(reference_report)
     assert "backend 'reference'" in table
-    assert table.splitlines()[-1].startswith("14 passed, 0 failed, 56 skipped")
-    assert "not claimed by backend: 56 checks" in table
+    assert table.splitlines()[-1].startswith("16 passed, 0 failed, 64 skipped")
+    assert "not claimed by backend: 64 checks" in table
     d = reference_report.to_dict()
     json.dumps(d)  # serialisable
-    assert d["ok"] and d["summary"] == {"pass": 14, "fail": 0, "skip": 56}
-    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 70
+    assert d["ok"] and d["summary"] == {"pass": 16, "fail": 0, "skip": 64}
+    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 80
 
 
 def test_batch_dependent_backend_fails_batch_invariance_only(fakes):
-    ops = ["linear", "rms_norm", "logprobs", "kl_penalty"]
+    ops = ["linear", "rms_norm", "logprobs", "kl_penalty", "gae_advantages"]
     r = testing.run_conformance(backend="fake_batchdep", ops=ops, device="cpu")
     assert not r.ok
     for op in ops:
@@ -91,6 +91,13 @@ def test_tuning_dependent_backend_fails_tuning_invariance(fakes):
     assert _status(r, "rms_norm", "tuning_invariance") == "pass"  # harmless configs pass
     row = r.row("silu_and_mul", "tuning_invariance")
     assert (row.status, row.detail) == ("skip", "no tunable kernels")
+
+
+def test_tuning_dependent_value_loss_fails_tuning_invariance(fakes):
+    r = testing.run_conformance(backend="fake_tuning", ops=["value_loss"], device="cpu")
+    assert _status(r, "value_loss", "accuracy") == "pass"
+    row = r.row("value_loss", "tuning_invariance")
+    assert row.status == "fail" and "BLOCK_M': 32" in row.detail
 
 
 def test_path_dependent_backend_fails_path_invariance(fakes):
@@ -140,7 +147,7 @@ def test_cli_reference_passes_with_json(tmp_path, capsys):
     code = cli.main(["conformance", "--backend", "reference", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.out
-    assert "14 passed, 0 failed, 56 skipped" in captured.out
+    assert "16 passed, 0 failed, 64 skipped" in captured.out
     assert "linear: accuracy pass" in captured.err  # progress, one line per op
     d = json.loads(out.read_text())
     assert d["ok"] and d["backend"] == "reference" and d["mode"] == "quick"

@@ -43,6 +43,15 @@ def _policy():
     return (lp, old, _t(2, seed=4), mask), kw
 
 
+_HOLEY = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+
+
+def _value():
+    v, old, ret = (_t(2, 5, grad=i == 0, seed=i) for i in range(3))
+    kw = dict(clip=0.2, agg="seq-mean-token-sum-norm", num_seqs=torch.tensor(3.0))
+    return (v, old, ret, _HOLEY), kw
+
+
 def _paged():
     q, kc, vc = _t(2, 2, 8), _t(3, 4, 1, 8), _t(3, 4, 1, 8)
     table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
@@ -92,6 +101,11 @@ CASES = {
         {"kind": "k3", "old_logprobs": _t(2, 5, seed=2)},
     ),
     "grpo_advantages": lambda: ((_t(6),), {"group_size": 3, "norm_std": "batch"}),
+    "gae_advantages": lambda: (
+        (_t(2, 5, dtype=BF), _t(2, 5, seed=1), _HOLEY),
+        {"gamma": 0.99, "lam": 0.95},
+    ),
+    "value_loss": _value,
     "sample": lambda: (
         (_t(3, 16), torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9])),
         {"temperature": 0.8, "top_k": torch.tensor([0, 4, 8]), "top_p": 0.9},
@@ -130,7 +144,7 @@ def test_opcheck(label):
 
 def _outputs(out):
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return [out[0], *out[1].values()]  # policy_loss: the loss and its metrics
+        return [out[0], *out[1].values()]  # a loss and its metrics
     return list(out) if isinstance(out, tuple) else [out]
 
 

@@ -108,6 +108,20 @@ def _pl(**over):
     )
 
 
+def _gae(**over):
+    a = dict(rewards=r(2, 5), values=r(2, 5), mask=torch.ones(2, 5, dtype=torch.bool))
+    kw = {k: v for k, v in over.items() if k not in a}
+    a.update({k: v for k, v in over.items() if k in a})
+    return lambda: rlk.gae_advantages(a["rewards"], a["values"], a["mask"], **kw)
+
+
+def _vl(**over):
+    a = dict(values=r(2, 5), old_values=r(2, 5), returns=r(2, 5), mask=torch.ones(2, 5))
+    kw = {k: v for k, v in over.items() if k not in a}
+    a.update({k: v for k, v in over.items() if k in a})
+    return lambda: rlk.value_loss(a["values"], a["old_values"], a["returns"], a["mask"], **kw)
+
+
 def _sample(**over):
     a = dict(logits=r(3, 10), seeds=torch.arange(3), offsets=torch.zeros(3, dtype=torch.int64))
     kw = {k: v for k, v in over.items() if k not in a}
@@ -330,6 +344,28 @@ CASES = {
     # kl / grpo
     "kl kind": (lambda: rlk.kl_penalty(r(2, 3), r(2, 3), "k4"), ValueError, "kind"),
     "kl shape": (lambda: rlk.kl_penalty(r(2, 3), r(2, 4), "k1"), ValueError, "ref_logprobs"),
+    # gae_advantages / value_loss
+    "gae 1-D rewards": (_gae(rewards=r(10)), ValueError, "rewards"),
+    "gae int rewards": (_gae(rewards=torch.ones(2, 5, dtype=i32)), TypeError, "rewards"),
+    "gae values shape": (_gae(values=r(2, 4)), ValueError, "values"),
+    "gae mask shape": (_gae(mask=torch.ones(3, 5, dtype=torch.bool)), ValueError, "mask"),
+    "gae mask values": (_gae(mask=torch.full((2, 5), 0.5)), ValueError, "mask"),
+    "gae gamma > 1": (_gae(gamma=1.5), ValueError, "gamma"),
+    "gae lam negative": (_gae(lam=-0.1), ValueError, "lam"),
+    "gae lam nan": (_gae(lam=float("nan")), ValueError, "lam"),
+    "gae whiten str": (_gae(whiten="False"), TypeError, "whiten"),
+    "value old_values shape": (_vl(old_values=r(2, 6)), ValueError, "old_values"),
+    "value returns dtype": (_vl(returns=torch.ones(2, 5, dtype=i32)), TypeError, "returns"),
+    "value mask shape": (_vl(mask=torch.ones(2, 4)), ValueError, "mask"),
+    "value clip zero": (_vl(clip=0.0), ValueError, "clip"),
+    "value agg": (_vl(agg="seq-mean"), ValueError, "agg"),
+    "value num_seqs with token-mean": (_vl(num_seqs=3.0), ValueError, "num_seqs"),
+    "value num_tokens negative": (_vl(num_tokens=-1.0), ValueError, "num_tokens"),
+    "value norm_length with token-sum": (
+        _vl(agg="token-sum", norm_length=4.0),
+        ValueError,
+        "norm_length",
+    ),  # fmt: skip
     "grpo divisibility": (lambda: rlk.grpo_advantages(r(10), 4), ValueError, "group_size"),
     "grpo size one": (lambda: rlk.grpo_advantages(r(10), 1), ValueError, "group_size"),
     "grpo float size": (lambda: rlk.grpo_advantages(r(10), 2.0), TypeError, "group_size"),

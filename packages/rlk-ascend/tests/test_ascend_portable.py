@@ -151,7 +151,7 @@ def test_conformance_quick_on_cpu(ascend_on_cpu):
     for op in rlk.OPS:
         assert status[(op, "accuracy")] == "pass", op
         assert status[(op, "determinism")] == "pass", op
-        if op != "policy_loss":
+        if op not in ("policy_loss", "value_loss"):  # losses of the whole batch
             assert status[(op, "batch_invariance")] == "pass", op
     # ... the tunable ops prove their configs give the same bits, and every second path is
     # bitwise equal (attention: training/prefill/chunked/decode; paged; fused logprobs).

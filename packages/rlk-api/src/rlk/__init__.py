@@ -41,8 +41,9 @@ from rlk.batch_invariant import batch_invariant  # noqa: E402
 from rlk.ops.attention import attention, paged_attention  # noqa: E402
 from rlk.ops.dense import apply_rotary, linear, rms_norm, silu_and_mul  # noqa: E402
 from rlk.ops.logprobs import linear_logprobs, logprobs  # noqa: E402
-from rlk.ops.moe import moe_experts, moe_route  # noqa: E402
 from rlk.ops.losses import grpo_advantages, kl_penalty, policy_loss  # noqa: E402
+from rlk.ops.moe import moe_experts, moe_route  # noqa: E402
+from rlk.ops.ppo import gae_advantages, value_loss  # noqa: E402
 from rlk.ops.sampling import sample  # noqa: E402
 
 __version__ = "0.1.0"
@@ -70,5 +71,7 @@ __all__ = [
     "policy_loss",
     "kl_penalty",
     "grpo_advantages",
+    "gae_advantages",
+    "value_loss",
     "sample",
 ]

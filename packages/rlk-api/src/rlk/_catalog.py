@@ -113,6 +113,16 @@ CATALOG: tuple[OpSpec, ...] = (
         kwonly=("norm_std", "eps", "group_ids", "estimator", "mask"),
         out_dtype="float32",
     ),
+    # PPO's critic side: GAE (not differentiable) and the clipped value loss, which aggregates
+    # over the batch (its gradient is checked for determinism only).
+    OpSpec("gae_advantages", "ppo", kwonly=("gamma", "lam", "whiten"), out_dtype="float32"),
+    OpSpec(
+        "value_loss",
+        "ppo",
+        kwonly=("clip", "agg", "num_tokens", "num_seqs", "norm_length"),
+        grad_args=("values",),
+        out_dtype="float32",
+    ),
     OpSpec("sample", "sampling", kwonly=("temperature", "top_k", "top_p"), out_dtype="int64"),
     # Tree-ordered linears (rlk.parallel): K (tree_linear) or dX's N (column_tree_linear)
     # reduced by a fixed tree of leaves; ``exchange`` tops the tree over tensor-parallel ranks.

@@ -50,7 +50,7 @@ LIB = "rlk"
 GRADS = {**GRAD_ARGS, "apply_rotary": ("x", "cos", "sin", "k")}
 
 #: policy_loss's operator arguments after its four tensors: its keywords, with the ones that
-#: take several kinds of value given as several arguments (see :func:`_encode_policy`).
+#: take several kinds of value given as several arguments (see :func:`_encode`).
 POLICY_KWONLY = (
     "clip_low",
     "clip_high",
@@ -72,6 +72,21 @@ POLICY_KWONLY = (
     "num_seqs_tensor",
     "norm_length",
 )
+
+#: value_loss's operator arguments after its four tensors (its counts as in policy_loss's).
+VALUE_KWONLY = (
+    "clip",
+    "agg",
+    "num_tokens",
+    "num_tokens_tensor",
+    "num_seqs",
+    "num_seqs_tensor",
+    "norm_length",
+)
+
+#: Ops whose keywords are encoded as operator arguments (:func:`_encode`), and the number of
+#: their leading positional tensors.
+ENCODED = {"policy_loss": 4, "value_loss": 4}
 
 #: Per op: the backend's arguments in order, each ``(name, kind)``: ``"pos"`` positional,
 #: ``"opt"`` positional and left out of the backend call when None (a one-tensor
@@ -129,6 +144,14 @@ ARGS: dict[str, tuple[tuple[str, str], ...]] = {
         *((n, "pos") for n in ("logprobs", "old_logprobs", "advantages", "mask")),
         *((n, "kw") for n in POLICY_KWONLY),
     ),
+    "gae_advantages": (
+        *((n, "pos") for n in ("rewards", "values", "mask")),
+        *((n, "kw") for n in ("gamma", "lam", "whiten")),
+    ),
+    "value_loss": (
+        *((n, "pos") for n in ("values", "old_values", "returns", "mask")),
+        *((n, "kw") for n in VALUE_KWONLY),
+    ),
     "sample": (
         ("logits", "pos"),
         ("seeds", "pos"),
@@ -163,6 +186,11 @@ SCHEMAS: dict[str, str] = {
     "str is_normalize, float is_normalize_value, Tensor? is_normalize_tensor, float[] reject, "
     "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
     "float? norm_length",
+    "gae_advantages": "Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, "
+    "bool whiten",
+    "value_loss": "Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
+    "str agg, float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, "
+    "Tensor? num_seqs_tensor, float? norm_length",
     "sample": "Tensor logits, Tensor seeds, Tensor offsets, Tensor temperature, Tensor? top_k, "
     "Tensor? top_p",
 }
@@ -207,6 +235,11 @@ OUTPUTS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
         _f32(like=a["logprobs"]),
         _f32(len(policy_metrics(a)), like=a["logprobs"]),
     ],
+    "gae_advantages": lambda a: [
+        torch.empty(a["rewards"].shape, dtype=torch.float32, device=a["rewards"].device)
+        for _ in range(2)
+    ],
+    "value_loss": lambda a: [_f32(like=a["values"]), _f32(1, like=a["values"])],
     "sample": lambda a: [
         torch.empty(a["logits"].shape[0], dtype=torch.int64, device=a["logits"].device)
     ],
@@ -269,10 +302,23 @@ def policy_metrics(a: Mapping[str, Any]) -> list[str]:
     return names
 
 
-def _encode_policy(a: dict[str, Any]) -> None:
-    """policy_loss's keywords (as a backend gets them) as operator arguments, in place: a
-    number-or-tensor as two arguments, ``is_normalize`` as a kind and a value, ``reject`` as
-    ``[lower, upper]`` per option of ``REJECT_OPTIONS`` (NaN: no bound; empty: no rejection)."""
+#: Per op returning ``(loss, metrics)``: the names of its metrics for its operator arguments.
+METRICS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    "policy_loss": policy_metrics,
+    "value_loss": lambda a: ["clip_fraction"],
+}
+
+
+def _encode(op: str, a: dict[str, Any]) -> None:
+    """An op's keywords (as a backend gets them) as operator arguments, in place: a
+    number-or-tensor count as two arguments; policy_loss's ``is_normalize`` as a kind and a
+    value, ``reject`` as ``[lower, upper]`` per option of ``REJECT_OPTIONS`` (NaN: no bound;
+    empty: no rejection)."""
+    for n in ("num_tokens", "num_seqs"):
+        v = a[n]
+        a[n], a[f"{n}_tensor"] = (None, v) if isinstance(v, torch.Tensor) else (v, None)
+    if op != "policy_loss":
+        return
     norm = a["is_normalize"]
     a["is_normalize_value"], a["is_normalize_tensor"] = 0.0, None
     if isinstance(norm, bool):
@@ -288,13 +334,16 @@ def _encode_policy(a: dict[str, Any]) -> None:
             lo, hi = reject.get(option, (math.nan, math.nan))
             flat += [math.nan if lo is None else lo, hi]
     a["reject"] = flat
+
+
+def _decode(op: str, a: dict[str, Any]) -> None:
+    """The inverse of :func:`_encode`, in place."""
     for n in ("num_tokens", "num_seqs"):
-        v = a[n]
-        a[n], a[f"{n}_tensor"] = (None, v) if isinstance(v, torch.Tensor) else (v, None)
-
-
-def _decode_policy(a: dict[str, Any]) -> None:
-    """The inverse of :func:`_encode_policy`, in place."""
+        t = a.pop(f"{n}_tensor")
+        if t is not None:
+            a[n] = t
+    if op != "policy_loss":
+        return
     kind = a.pop("is_normalize")
     value, tensor = a.pop("is_normalize_value"), a.pop("is_normalize_tensor")
     a["is_normalize"] = {"off": False, "mean": True, "value": value, "tensor": tensor}[kind]
@@ -304,10 +353,6 @@ def _decode_policy(a: dict[str, Any]) -> None:
         if not math.isnan(hi):
             reject[option] = (None if math.isnan(lo) else lo, hi)
     a["reject"] = reject or None
-    for n in ("num_tokens", "num_seqs"):
-        t = a.pop(f"{n}_tensor")
-        if t is not None:
-            a[n] = t
 
 
 def n_outputs(op: str, a: Mapping[str, Any]) -> int:
@@ -318,16 +363,16 @@ def n_outputs(op: str, a: Mapping[str, Any]) -> int:
         return 1 + (a["k"] is not None)
     if op in ("logprobs", "linear_logprobs"):
         return 1 + bool(a["return_entropy"])
-    return 2 if op == "policy_loss" else 1
+    return 2 if op in ("policy_loss", "value_loss", "gae_advantages") else 1
 
 
 def backend_call(op: str, values: tuple) -> tuple[tuple, dict[str, Any]]:
     """The backend's ``(args, kwargs)`` from the operator's arguments, in the catalog's way."""
     args, kwargs = [], {}
-    if op == "policy_loss":
+    if op in ENCODED:
         a = dict(zip(_names(op), values))
-        _decode_policy(a)
-        return tuple(a.pop(n) for n in _names(op)[:4]), a
+        _decode(op, a)
+        return tuple(a.pop(n) for n in _names(op)[: ENCODED[op]]), a
     for (name, kind), v in zip(ARGS[op], values):
         if kind == "pos" or (kind == "opt" and v is not None):
             args.append(v)
@@ -419,10 +464,10 @@ def _recompute_grads(impl_, op: str, grads, needs, args, kwargs) -> tuple:
 
 
 def op_outputs(op: str, out: Any) -> Any:
-    """A backend's outputs as the operator returns them: policy_loss's metrics as one tensor
-    (the operator's outputs may not alias one another, and a backend's metrics may be views of
-    one buffer)."""
-    if op != "policy_loss":
+    """A backend's outputs as the operator returns them: the metrics of an op of
+    :data:`METRICS` as one tensor (the operator's outputs may not alias one another, and a
+    backend's metrics may be views of one buffer)."""
+    if op not in METRICS:
         return out
     loss, metrics = out
     return loss, torch.stack([m.reshape(()).float() for m in metrics.values()])
@@ -614,8 +659,8 @@ def operator_args(op: str, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
     positional = [n for n, k in ARGS[op] if k in ("pos", "opt")]
     a = dict(zip(positional, args))
     a.update(kwargs)
-    if op == "policy_loss":
-        _encode_policy(a)
+    if op in ENCODED:
+        _encode(op, a)
     return [a.get(n) for n in _names(op)]
 
 
@@ -625,7 +670,7 @@ def call(op: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
     values = operator_args(op, args, kwargs)
     outs = getattr(getattr(torch.ops, LIB), op)(*values)
     a = dict(zip(_names(op), values))
-    if op == "policy_loss":
-        return outs[0], {n: outs[1][i] for i, n in enumerate(policy_metrics(a))}
+    if op in METRICS:
+        return outs[0], {n: outs[1][i] for i, n in enumerate(METRICS[op](a))}
     n = n_outputs(op, a)
     return outs[0] if n == 1 else tuple(outs[:n])

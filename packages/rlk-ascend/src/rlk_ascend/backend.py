@@ -7,7 +7,7 @@ from typing import Any
 
 from rlk import OPS, BackendImpl
 from rlk_ascend import npu as _npu
-from rlk_ascend import portable, portable_losses
+from rlk_ascend import portable, portable_losses, portable_ppo
 
 #: What the portable code has been checked for, on CPU, by the conformance kit and the tests of
 #: this package. On an Ascend NPU nothing has been run yet (see docs/backends.md).
@@ -42,7 +42,7 @@ def make_impl(npu: Any = None, fused: tuple[str, ...] | None = None) -> BackendI
                 f"torch_npu.{_npu.FUSED[op]} (opt-in RLK_ASCEND_FUSED; never checked on an NPU)"
             )
         else:
-            mod = portable_losses if hasattr(portable_losses, op) else portable
+            mod = next(m for m in (portable_ppo, portable_losses, portable) if hasattr(m, op))
             ops[op] = getattr(mod, op)
             delegated[op] = f"portable PyTorch, fixed order ({mod.__name__}.{op})"
     return BackendImpl(

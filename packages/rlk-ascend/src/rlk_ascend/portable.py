@@ -1,5 +1,6 @@
 """Portable PyTorch implementations of every rlk op with fixed-order reductions (the RL
-objectives are in :mod:`rlk_ascend.portable_losses`, on the primitives here).
+objectives are in :mod:`rlk_ascend.portable_losses` and :mod:`rlk_ascend.portable_ppo`, on the
+primitives here).
 
 These run on any torch device (CPU in CI, an Ascend NPU through torch-npu) and never import
 torch_npu. Every op computes in fp32 and rounds once to its output dtype.

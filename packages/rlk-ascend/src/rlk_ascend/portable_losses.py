@@ -62,6 +62,24 @@ def _reject_keep(delta, mask, reject) -> torch.Tensor:
     return keep
 
 
+def aggregate(terms, mask, agg, num_tokens=None, num_seqs=None, norm_length=None):
+    """The ``agg`` aggregation of the per-token ``terms [B, L]`` over ``mask`` (see
+    ``rlk.policy_loss``): each sequence's tokens by :func:`fixed_sum`, then the sequences."""
+    tokens = mask.sum(-1)
+    per_seq = fixed_sum(torch.where(mask, terms, 0.0), ROW_CHUNK)
+    if agg == "token-sum":
+        return fixed_sum(per_seq, ROW_CHUNK)
+    if agg == "token-mean":
+        return _div(fixed_sum(per_seq, ROW_CHUNK), _value(num_tokens, tokens.sum()))
+    if agg.endswith("-token-mean"):
+        per_seq = _div(per_seq, tokens)
+    rows = torch.tensor(mask.shape[0], device=terms.device)
+    count = _value(num_seqs, rows if agg.startswith("row") else (tokens > 0).sum())
+    if agg.endswith("-norm"):
+        count = count * (terms.shape[1] if norm_length is None else norm_length)
+    return _div(fixed_sum(per_seq, ROW_CHUNK), count)
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
@@ -145,20 +163,7 @@ def policy_loss(
         elif is_normalize is not False:
             scale = _value(is_normalize, w_mean)
         pg = pg * w
-    pg = torch.where(mask, pg, 0.0)
-    per_seq = fixed_sum(pg, ROW_CHUNK)
-    if agg == "token-sum":
-        loss = fixed_sum(per_seq, ROW_CHUNK)
-    elif agg == "token-mean":
-        loss = _div(fixed_sum(per_seq, ROW_CHUNK), _value(num_tokens, tokens.sum()))
-    else:
-        if agg.endswith("-token-mean"):
-            per_seq = _div(per_seq, tokens)
-        rows = torch.tensor(mask.shape[0], device=pg.device)
-        count = _value(num_seqs, rows if agg.startswith("row") else (tokens > 0).sum())
-        if agg.endswith("-norm"):
-            count = count * (pg.shape[1] if norm_length is None else norm_length)
-        loss = _div(fixed_sum(per_seq, ROW_CHUNK), count)
+    loss = aggregate(pg, mask, agg, num_tokens, num_seqs, norm_length)
     if scale is not None:
         loss = loss / scale
     ratio_d = ratio.detach()

@@ -16,13 +16,14 @@ The random numbers of :func:`sample` are specified bit-exactly in :mod:`rlk_refe
 from rlk_reference._attention import attention, paged_attention
 from rlk_reference._dense import apply_rotary, linear, rms_norm, silu_and_mul
 from rlk_reference._logprobs import linear_logprobs, logprobs
-from rlk_reference._moe import moe_experts, moe_route
 from rlk_reference._losses import grpo_advantages, kl_penalty, policy_loss
+from rlk_reference._moe import moe_experts, moe_route
 from rlk_reference._parallel import (
     column_tree_linear,
     tree_linear,
     vocab_parallel_linear_logprobs,
 )
+from rlk_reference._ppo import gae_advantages, value_loss
 from rlk_reference._sampling import sample
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "policy_loss",
     "kl_penalty",
     "grpo_advantages",
+    "gae_advantages",
+    "value_loss",
     "sample",
     "tree_linear",
     "column_tree_linear",

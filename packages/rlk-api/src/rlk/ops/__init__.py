@@ -17,8 +17,9 @@ The families (:data:`FAMILIES`): :mod:`rlk.ops.dense` (``linear``, ``rms_norm``,
 ``silu_and_mul``, ``apply_rotary``), :mod:`rlk.ops.attention` (``attention``,
 ``paged_attention``), :mod:`rlk.ops.logprobs` (``logprobs``, ``linear_logprobs``),
 :mod:`rlk.ops.losses` (``policy_loss``, ``kl_penalty``, ``grpo_advantages``),
-:mod:`rlk.ops.sampling` (``sample``). The op functions are reached through ``rlk`` or their
-family module (``rlk.ops.attention`` is the module, ``rlk.attention`` the op).
+:mod:`rlk.ops.ppo` (``gae_advantages``, ``value_loss``), :mod:`rlk.ops.sampling`
+(``sample``). The op functions are reached through ``rlk`` or their family module
+(``rlk.ops.attention`` is the module, ``rlk.attention`` the op).
 
 Public names for other distributions (backends, ``rlk.parallel``, the conformance kit):
 
@@ -52,7 +53,7 @@ from rlk.ops.losses import (
 )
 
 #: The op families, each a module of this package holding its ops' public functions.
-FAMILIES = ("dense", "attention", "logprobs", "losses", "sampling")
+FAMILIES = ("dense", "attention", "logprobs", "losses", "ppo", "sampling")
 
 __all__ = [
     "CATALOG",

@@ -110,6 +110,32 @@ def _count(name: str, v: object, device: torch.device) -> float | torch.Tensor |
     return v
 
 
+def _agg_args(
+    agg: str,
+    num_tokens: object,
+    num_seqs: object,
+    norm_length: object,
+    device: torch.device,
+    length: int,
+) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None, float | None]:
+    """The counts and scale of an aggregation ``agg`` (see :func:`policy_loss`), checked
+    against it; ``norm_length`` of a ``-norm`` mode defaults to ``length`` (L)."""
+    for name, v, modes in (
+        ("num_tokens", num_tokens, ("token-mean",)),
+        ("num_seqs", num_seqs, tuple(m for m in AGG_MODES if m.startswith(("seq", "row")))),
+        ("norm_length", norm_length, tuple(m for m in AGG_MODES if m.endswith("-norm"))),
+    ):
+        if v is not None and agg not in modes:
+            raise ValueError(f"{name} applies to agg {', '.join(modes)}, not {agg!r}")
+    num_tokens = _count("num_tokens", num_tokens, device)
+    num_seqs = _count("num_seqs", num_seqs, device)
+    if norm_length is not None:
+        norm_length = chk.positive_float("norm_length", norm_length)
+    elif agg.endswith("-norm"):
+        norm_length = float(length)
+    return num_tokens, num_seqs, norm_length
+
+
 def _reject(reject: object) -> dict[str, tuple[float | None, float]] | None:
     """verl's rejection options -> ``{option: (lower, upper)}`` in :data:`REJECT_OPTIONS` order.
 
@@ -300,19 +326,9 @@ def policy_loss(
         is_min is not None or is_max is not None or is_normalize is not False
     ):
         raise ValueError("is_min/is_max/tis_cap/is_normalize weigh tokens: is_level is None")
-    for name, v, modes in (
-        ("num_tokens", num_tokens, ("token-mean",)),
-        ("num_seqs", num_seqs, tuple(m for m in AGG_MODES if m.startswith(("seq", "row")))),
-        ("norm_length", norm_length, tuple(m for m in AGG_MODES if m.endswith("-norm"))),
-    ):
-        if v is not None and agg not in modes:
-            raise ValueError(f"{name} applies to agg {', '.join(modes)}, not {agg!r}")
-    num_tokens = _count("num_tokens", num_tokens, device)
-    num_seqs = _count("num_seqs", num_seqs, device)
-    if norm_length is not None:
-        norm_length = chk.positive_float("norm_length", norm_length)
-    elif agg.endswith("-norm"):
-        norm_length = float(shape[1])
+    num_tokens, num_seqs, norm_length = _agg_args(
+        agg, num_tokens, num_seqs, norm_length, device, shape[1]
+    )
     return _call(
         "policy_loss",
         device,

@@ -54,6 +54,7 @@ CHECKS = GUARANTEES
 #: Why a check does not apply to an op.
 NOT_APPLICABLE = {
     ("policy_loss", "batch_invariance"): "the loss aggregates over the whole batch",
+    ("value_loss", "batch_invariance"): "the loss aggregates over the whole batch",
     ("logprobs", "path_invariance"): "fused == unfused is checked under linear_logprobs",
 }
 NO_SECOND_PATH = "no second path for this op"

@@ -40,6 +40,9 @@ from rlk.testing.case_tools import (  # noqa: F401
     select,
 )
 
+# PPO's critic side, built in their own module; listed in BUILDERS below with the others.
+from rlk.testing.ppo_cases import gae_advantages, value_loss  # noqa: F401
+
 # --------------------------------------------------------------------------------------------
 # Builders, one per op. Each returns OpCases(accuracy, invariance, path).
 # --------------------------------------------------------------------------------------------

@@ -337,6 +337,8 @@ def batch_invariance(fn: Callable, cases: list[Case], rnd: random.Random) -> Out
     """A unit's outputs (and input gradients) computed in the batch == alone == elsewhere."""
     diffs = _Diffs()
     for case in cases:
+        if not case.batch:  # no units (a batch statistic: whitened GAE): not this check's
+            continue
         full_case, full_spans = select(case, range(case.batch))
         full = run_case(fn, full_case)
         keys = _unit_keys(case, full)
