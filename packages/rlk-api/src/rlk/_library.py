@@ -249,7 +249,10 @@ OUTPUTS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
 #: as a backend's :class:`OpAutograd` forward must return them: ``rms_norm``: each row's
 #: ``1 / rms`` (fp32 ``[T]``); ``attention``: each query row's log-sum-exp (fp32 ``[Tq, Hq]``,
 #: natural log, of the scaled scores); ``logprobs``, ``linear_logprobs``: each row's log-sum-exp
-#: of the logits over the temperature (fp32 ``[T]``).
+#: of the logits over the temperature (fp32 ``[T]``); ``policy_loss``: the per-sequence
+#: statistics of its forward (fp32 ``[B, 7]`` and int32 ``[B, 5]``, the layout of rlk-triton's
+#: kernels, :data:`POLICY_SEQ_STATS`), the gradient's scale (fp32 ``[1]``) and the rejection
+#: thresholds (fp32 ``[2 * len(REJECT_OPTIONS)]``).
 EXTRAS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
     "linear": lambda a: [],
     "rms_norm": lambda a: [_f32(a["x"].shape[0], like=a["x"])],
@@ -259,7 +262,19 @@ EXTRAS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
     "logprobs": lambda a: [_f32(a["logits"].shape[0], like=a["logits"])],
     "linear_logprobs": lambda a: [_f32(a["hidden"].shape[0], like=a["hidden"])],
     "kl_penalty": lambda a: [],
+    "policy_loss": lambda a: _policy_extras(a["logprobs"]),
 }
+
+#: policy_loss's per-sequence statistics: floats and integers per sequence.
+POLICY_SEQ_STATS = (7, 5)
+
+
+def _policy_extras(lp: torch.Tensor) -> list[torch.Tensor]:
+    b = lp.shape[0]
+    nf, ni = POLICY_SEQ_STATS
+    seqi = torch.empty(b, ni, dtype=torch.int32, device=lp.device)
+    return [_f32(b, nf, like=lp), seqi, _f32(1, like=lp), _f32(2 * len(_reject_options()), like=lp)]
+
 
 #: The outputs a differentiable op's backward reads (indices into its outputs): the others
 #: are not kept for it.

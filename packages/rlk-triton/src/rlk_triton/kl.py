@@ -133,41 +133,75 @@ TUNING = {
 # --------------------------------------------------------------------------------------------
 
 
+def _kl_operands(lp, ref, old, kind, clamp):
+    """``((lp, ref, old), flags)``: the kernels' operands, contiguous (``old``: ``lp`` itself
+    when not given), and their flags."""
+    lp, ref = lp.contiguous(), ref.contiguous()
+    old = lp if old is None else old.contiguous()
+    flags = dict(
+        KIND=KL_CODES[kind.rstrip("+")],
+        CLAMP=clamp is not None,
+        ST=kind.endswith("+"),
+        BIAS=old is not lp,
+    )
+    return (lp, ref, old), flags
+
+
+def _kl_forward(lp, ref, old, kind, clamp, table):
+    """``(out, operands, flags)``: the forward launch, and what the backward reads
+    (:func:`_kl_operands`)."""
+    (lp, ref, old), flags = _kl_operands(lp, ref, old, kind, clamp)
+    out = torch.empty(lp.shape, dtype=torch.float32, device=lp.device)
+    n = lp.numel()
+    if n:
+        cfg = dict(tuning.config(table, "kl_penalty.fwd", N=n))
+        block = cfg.pop("BLOCK")
+        _kl_fwd_kernel[(cdiv(n, block),)](
+            lp, ref, old, out, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
+        )
+    return out, (lp, ref, old), flags
+
+
+def _kl_backward(g, lp, ref, old, flags, clamp, table):
+    """d loss / d logprobs from the output's gradient ``g`` (the backward launch)."""
+    dlp = torch.empty_like(lp)
+    n = lp.numel()
+    if n:
+        cfg = dict(tuning.config(table, "kl_penalty.bwd", N=n))
+        block = cfg.pop("BLOCK")
+        _kl_bwd_kernel[(cdiv(n, block),)](
+            lp, ref, old, g.contiguous(), dlp, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
+        )
+    return dlp
+
+
 class KLPenaltyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, ref, old, kind, clamp, table):
-        lp, ref = lp.contiguous(), ref.contiguous()
-        old = lp if old is None else old.contiguous()
-        flags = dict(
-            KIND=KL_CODES[kind.rstrip("+")],
-            CLAMP=clamp is not None,
-            ST=kind.endswith("+"),
-            BIAS=old is not lp,
-        )
-        out = torch.empty(lp.shape, dtype=torch.float32, device=lp.device)
-        n = lp.numel()
-        if n:
-            cfg = dict(tuning.config(table, "kl_penalty.fwd", N=n))
-            block = cfg.pop("BLOCK")
-            _kl_fwd_kernel[(cdiv(n, block),)](
-                lp, ref, old, out, n, float(clamp or 0.0), BLOCK=block, **flags, **cfg
-            )
-        ctx.save_for_backward(lp, ref, old)
-        ctx.flags, ctx.clamp, ctx.table = flags, float(clamp or 0.0), table
+        out, saved, flags = _kl_forward(lp, ref, old, kind, clamp, table)
+        ctx.save_for_backward(*saved)
+        ctx.flags, ctx.clamp, ctx.table = flags, clamp, table
         return out
 
     @staticmethod
     def backward(ctx, g):
-        lp, ref, old = ctx.saved_tensors
-        dlp = torch.empty_like(lp)
-        n = lp.numel()
-        if n:
-            cfg = dict(tuning.config(ctx.table, "kl_penalty.bwd", N=n))
-            block = cfg.pop("BLOCK")
-            _kl_bwd_kernel[(cdiv(n, block),)](
-                lp, ref, old, g.contiguous(), dlp, n, ctx.clamp, BLOCK=block, **ctx.flags, **cfg
-            )
+        dlp = _kl_backward(g, *ctx.saved_tensors, ctx.flags, ctx.clamp, ctx.table)
         return dlp, None, None, None, None, None
+
+
+def _split_forward(logprobs, ref_logprobs, kind, *, clamp, old_logprobs, table):
+    out, _, _ = _kl_forward(logprobs, ref_logprobs, old_logprobs, kind, clamp, table)
+    return (out,), ()
+
+
+def _split_backward(grads, outs, extras, needs, logprobs, ref_logprobs, kind, *, clamp,
+                    old_logprobs, table):  # fmt: skip
+    # The forward's inputs give the launch the forward's operands again.
+    operands, flags = _kl_operands(logprobs, ref_logprobs, old_logprobs, kind, clamp)
+    g = grads[0]
+    if g is None:
+        g = torch.zeros(logprobs.shape, dtype=torch.float32, device=logprobs.device)
+    return (_kl_backward(g, *operands, flags, clamp, table),)
 
 
 def kl_penalty(
@@ -189,3 +223,8 @@ def kl_penalty(
     """
     old = None if old_logprobs is None else old_logprobs.detach()
     return KLPenaltyFunction.apply(logprobs, ref_logprobs.detach(), old, kind, clamp, table)
+
+
+#: Forward and backward as two calls, for the torch.compile path (rlk._library): the
+#: backward launches its kernel alone, on the inputs, as KLPenaltyFunction's does.
+AUTOGRAD = {"kl_penalty": (_split_forward, _split_backward)}

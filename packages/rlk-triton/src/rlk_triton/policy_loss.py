@@ -377,8 +377,8 @@ def _policy_inputs(lp, old, adv, mask, rollout):
     return lp, old, adv, mask, rollout, strides
 
 
-def _reject_table(reject, device) -> tuple[int, torch.Tensor]:
-    """``(RS bit flags, thresholds [22] fp32)``: k1 bounds as logs, the others as given."""
+def _reject_table(reject) -> tuple[int, list[float]]:
+    """``(RS bit flags, thresholds [22])``: k1 bounds as logs, the others as given."""
     thr = [0.0] * (2 * len(REJECT_OPTIONS))
     flags = 0
     for option, spec in (reject or {}).items():
@@ -390,7 +390,7 @@ def _reject_table(reject, device) -> tuple[int, torch.Tensor]:
             lo, hi = math.log(lo), math.log(hi)
         flags |= 1 << i
         thr[2 * i], thr[2 * i + 1] = (lo or 0.0), hi
-    return flags, _host_floats(thr, device)
+    return flags, thr
 
 
 def _host_floats(values: list[float], device) -> torch.Tensor:
@@ -418,82 +418,136 @@ def _norms(device, num_tokens, num_seqs, norm_length, is_normalize) -> torch.Ten
     return norms
 
 
+def _forward(lp, old, adv, mask, rollout, norms, thr, plan, table):
+    """The forward launches: ``(loss, metrics [len(METRICS)], saved)``, ``saved`` the tensors
+    :func:`_backward` reads (the operands, ``thr``, the per-sequence statistics, the gradient's
+    scale)."""
+    B, L = lp.shape
+    _, flags, batch_flags = plan
+    lp, old, adv, mask, roll, strides = _policy_inputs(lp, old, adv, mask, rollout)
+    pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8
+    seqf = torch.empty(B, NF, dtype=torch.float32, device=lp.device)
+    seqi = torch.empty(B, NI, dtype=torch.int32, device=lp.device)
+    if B:
+        cfg = dict(tuning.config(table, "policy_loss.seq", B=B, L=L))
+        seqs = cfg.pop("SEQS")
+        _policy_seq_kernel[(cdiv(B, seqs),)](
+            lp,
+            old,
+            adv,
+            roll,
+            mask,
+            thr,
+            seqf,
+            seqi,
+            B,
+            L,
+            *strides,
+            *plan[0],
+            BLOCK_L=BLOCK_L,
+            LOG2_BLOCK_L=_log2(BLOCK_L),
+            SEQS=seqs,
+            PRE=pre,
+            **flags,
+            **cfg,
+        )
+    loss, metrics, coef = aggregate(seqf, seqi, norms, batch_flags, table, "policy_loss.batch", L)
+    return loss, metrics, (lp, old, adv, mask, roll, thr, seqf, seqi, coef)
+
+
+def _backward(g_loss, lp, old, adv, mask, roll, thr, seqf, seqi, coef, plan, table, lp_dtype):
+    """d loss / d logprobs (the backward launch) from what :func:`_forward` saved."""
+    B, L = lp.shape
+    scalars, flags, batch_flags = plan
+    *_, strides = _policy_inputs(lp, old, adv, mask, roll)
+    dlp = torch.empty(B, L, dtype=lp_dtype, device=lp.device)
+    if B and L:
+        cfg = dict(tuning.config(table, "policy_loss.bwd", B=B, L=L))
+        seqs, block = cfg.pop("SEQS"), cfg.pop("BLOCK")
+        g = g_loss.detach().float().reshape(1).contiguous()
+        _policy_bwd_kernel[(cdiv(B, seqs), cdiv(L, block))](
+            g,
+            lp,
+            old,
+            adv,
+            roll,
+            mask,
+            thr,
+            seqf,
+            seqi,
+            coef,
+            dlp,
+            B,
+            L,
+            *strides,
+            dlp.stride(0),
+            *scalars,
+            PER_SEQ_MEAN=batch_flags["PER_SEQ_MEAN"],
+            SEQS=seqs,
+            BLOCK=block,
+            **flags,
+            **cfg,
+        )
+    return dlp
+
+
 class PolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lp, old, adv, mask, rollout, norms, thr, plan, table):
-        """``plan``: ``(scalars, flags, batch_flags)`` of the kernels (see :func:`policy_loss`)."""
-        B, L = lp.shape
-        scalars, flags, batch_flags = plan
-        lp, old, adv, mask, roll, strides = _policy_inputs(lp, old, adv, mask, rollout)
-        pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8
-        seqf = torch.empty(B, NF, dtype=torch.float32, device=lp.device)
-        seqi = torch.empty(B, NI, dtype=torch.int32, device=lp.device)
-        if B:
-            cfg = dict(tuning.config(table, "policy_loss.seq", B=B, L=L))
-            seqs = cfg.pop("SEQS")
-            _policy_seq_kernel[(cdiv(B, seqs),)](
-                lp,
-                old,
-                adv,
-                roll,
-                mask,
-                thr,
-                seqf,
-                seqi,
-                B,
-                L,
-                *strides,
-                *scalars,
-                BLOCK_L=BLOCK_L,
-                LOG2_BLOCK_L=_log2(BLOCK_L),
-                SEQS=seqs,
-                PRE=pre,
-                **flags,
-                **cfg,
-            )
-        loss, metrics, coef = aggregate(
-            seqf, seqi, norms, batch_flags, table, "policy_loss.batch", L
-        )
-        ctx.save_for_backward(lp, old, adv, mask, roll, thr, seqf, seqi, coef)
-        ctx.strides, ctx.scalars, ctx.flags = strides, scalars, flags
-        ctx.per_seq_mean = batch_flags["PER_SEQ_MEAN"]
-        ctx.table, ctx.lp_dtype = table, lp.dtype
+        """``plan``: ``(scalars, flags, batch_flags)`` of the kernels (see :func:`_plan`)."""
+        loss, metrics, saved = _forward(lp, old, adv, mask, rollout, norms, thr, plan, table)
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.table, ctx.lp_dtype = plan, table, lp.dtype
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
-        lp, old, adv, mask, roll, thr, seqf, seqi, coef = ctx.saved_tensors
-        B, L = lp.shape
-        dlp = torch.empty(B, L, dtype=ctx.lp_dtype, device=lp.device)
-        if B and L:
-            cfg = dict(tuning.config(ctx.table, "policy_loss.bwd", B=B, L=L))
-            seqs, block = cfg.pop("SEQS"), cfg.pop("BLOCK")
-            g = g_loss.detach().float().reshape(1).contiguous()
-            _policy_bwd_kernel[(cdiv(B, seqs), cdiv(L, block))](
-                g,
-                lp,
-                old,
-                adv,
-                roll,
-                mask,
-                thr,
-                seqf,
-                seqi,
-                coef,
-                dlp,
-                B,
-                L,
-                *ctx.strides,
-                dlp.stride(0),
-                *ctx.scalars,
-                PER_SEQ_MEAN=ctx.per_seq_mean,
-                SEQS=seqs,
-                BLOCK=block,
-                **ctx.flags,
-                **cfg,
-            )
+        dlp = _backward(g_loss, *ctx.saved_tensors, ctx.plan, ctx.table, ctx.lp_dtype)
         return (dlp,) + (None,) * 8
+
+
+def _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level, is_level, is_mode,
+          is_min, is_max, is_normalize, reject, num_tokens, num_seqs, norm_length=None):  # fmt: skip
+    """The host side of a call (no device work): the kernels' ``(scalars, flags,
+    batch_flags)``, the rejection thresholds (:func:`_reject_table`) and the names of the
+    metrics returned. ``norm_length`` is :func:`_norms`'."""
+    weigh = rollout_logprobs is not None and is_level is not None
+    is_code = 0 if not weigh else (1 if is_level == "token" else 2)
+    rs, thr = _reject_table(reject if rollout_logprobs is not None else None)
+    bound = (0.0 if is_min is None else float(is_min), 0.0 if is_max is None else float(is_max))
+    scalars = (float(clip_low), float(clip_high), float(clip_c or 0.0), *bound)
+    flags = dict(
+        DUAL=clip_c is not None,
+        ROLL=rollout_logprobs is not None,
+        SEQ_RATIO=ratio_level == "sequence",
+        IS=is_code,
+        IS_MODE=0 if is_mode == "truncate" else 1,
+        HAS_MIN=is_min is not None,
+        HAS_MAX=is_max is not None,
+        RS=rs,
+    )
+    batch_flags = dict(
+        agg_flags(agg, num_tokens, num_seqs),
+        IS=is_code,
+        IS_NORM=0 if not weigh or is_normalize is False else (1 if is_normalize is True else 2),
+    )
+    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if clip_c is not None:
+        names.append("dual_clip_fraction")
+    if weigh:
+        names.append("is_weight_mean")
+    if rs:
+        names.append("reject_fraction")
+    return (scalars, flags, batch_flags), thr, names
+
+
+def _device_inputs(logprobs, thr, num_tokens, num_seqs, norm_length, is_normalize):
+    """The forward's small device inputs: ``(norms, thresholds)`` fp32, no host sync."""
+    if norm_length is None:
+        norm_length = logprobs.shape[1]
+    norms = _norms(logprobs.device, num_tokens, num_seqs, norm_length, is_normalize)
+    return norms, _host_floats(thr, logprobs.device)
 
 
 def policy_loss(
@@ -529,30 +583,10 @@ def policy_loss(
 
         loss, m = policy_loss(lp, old, adv, mask, agg="token-mean", table=table)
     """
-    device = logprobs.device
-    weigh = rollout_logprobs is not None and is_level is not None
-    is_code = 0 if not weigh else (1 if is_level == "token" else 2)
-    rs, thr = _reject_table(reject if rollout_logprobs is not None else None, device)
-    if norm_length is None:
-        norm_length = logprobs.shape[1]
-    norms = _norms(device, num_tokens, num_seqs, norm_length, is_normalize)
-    bound = (0.0 if is_min is None else float(is_min), 0.0 if is_max is None else float(is_max))
-    scalars = (float(clip_low), float(clip_high), float(clip_c or 0.0), *bound)
-    flags = dict(
-        DUAL=clip_c is not None,
-        ROLL=rollout_logprobs is not None,
-        SEQ_RATIO=ratio_level == "sequence",
-        IS=is_code,
-        IS_MODE=0 if is_mode == "truncate" else 1,
-        HAS_MIN=is_min is not None,
-        HAS_MAX=is_max is not None,
-        RS=rs,
-    )
-    batch_flags = dict(
-        agg_flags(agg, num_tokens, num_seqs),
-        IS=is_code,
-        IS_NORM=0 if not weigh or is_normalize is False else (1 if is_normalize is True else 2),
-    )
+    plan, thr, names = _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level,
+                             is_level, is_mode, is_min, is_max, is_normalize, reject,
+                             num_tokens, num_seqs)  # fmt: skip
+    norms, thr = _device_inputs(logprobs, thr, num_tokens, num_seqs, norm_length, is_normalize)
     loss, buf = PolicyLossFunction.apply(
         logprobs,
         old_logprobs.detach(),
@@ -561,14 +595,42 @@ def policy_loss(
         None if rollout_logprobs is None else rollout_logprobs.detach(),
         norms,
         thr,
-        (scalars, flags, batch_flags),
+        plan,
         table,
     )
-    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
-    if clip_c is not None:
-        names.append("dual_clip_fraction")
-    if weigh:
-        names.append("is_weight_mean")
-    if rs:
-        names.append("reject_fraction")
     return loss, {name: buf[METRICS.index(name)] for name in names}
+
+
+def _split_forward(logprobs, old_logprobs, advantages, mask, *, table, **kw):
+    """policy_loss's forward for the torch.compile path (rlk._library): the outputs (the loss,
+    the metrics it returns, stacked) and the extras its backward reads (``rlk._library``'s
+    ``EXTRAS``: the per-sequence statistics, the gradient's scale, the thresholds)."""
+    plan, thr, names = _plan(**kw)
+    norms, thr = _device_inputs(logprobs, thr, kw["num_tokens"], kw["num_seqs"],
+                                kw["norm_length"], kw["is_normalize"])  # fmt: skip
+    loss, buf, saved = _forward(
+        logprobs, old_logprobs, advantages, mask, kw["rollout_logprobs"], norms, thr, plan, table
+    )
+    *_, seqf, seqi, coef = saved
+    return (loss, torch.stack([buf[METRICS.index(n)] for n in names])), (seqf, seqi, coef, thr)
+
+
+def _split_backward(grads, outs, extras, needs, logprobs, old_logprobs, advantages, mask, *,
+                    table, **kw):  # fmt: skip
+    """policy_loss's backward for the torch.compile path: its one launch, on the forward's
+    inputs and extras, as PolicyLossFunction's (the metrics have no gradient)."""
+    plan, _, _ = _plan(**kw)
+    seqf, seqi, coef, thr = extras
+    lp, old, adv, mask_, roll, _ = _policy_inputs(
+        logprobs, old_logprobs, advantages, mask, kw["rollout_logprobs"]
+    )
+    g = grads[0]
+    if g is None:
+        g = torch.zeros((), dtype=torch.float32, device=lp.device)
+    dlp = _backward(g, lp, old, adv, mask_, roll, thr, seqf, seqi, coef, plan, table, lp.dtype)
+    return (dlp,)
+
+
+#: Forward and backward as two calls, for the torch.compile path (rlk._library): the
+#: backward launches its kernel alone, on what the forward returned, as the Function's does.
+AUTOGRAD = {"policy_loss": (_split_forward, _split_backward)}
