@@ -35,6 +35,7 @@ from profile_training import kernel_times  # scripts/ is on sys.path when run as
 
 from rlk.bench._timing import ceilings
 from rlk_integrations import e2e_bench as e2e
+from rlk_integrations import engines
 from rlk_integrations.consistency import random_prompts
 from rlk_integrations.models import load_model
 from rlk_integrations.transformers import patch_model, unpatch_model
@@ -56,10 +57,10 @@ def main() -> None:
         padded(model, prompts, a.new, a.top)
         return
 
-    engine = e2e._paged_engine(model, prompts, a.new)
+    engine, seeds = engines.create("paged"), list(range(a.batch))
 
-    def run():
-        return engine.generate(prompts, a.new, progress=False)
+    def run():  # the engine keeps its KV cache and CUDA graphs for the same model
+        return engine.generate(model, prompts, a.new, seeds)
 
     run()  # compile, capture the graphs
     torch.cuda.synchronize()
@@ -109,8 +110,10 @@ def padded(model, prompts, new: int, top: int) -> None:
     times come before any profiler runs in the process (``generate`` timed after them took
     2.5x its time in ``rlk bench``)."""
 
+    engine, seeds = engines.create("padded"), list(range(len(prompts)))
+
     def rlk_run():
-        return e2e._rlk_padded(model, prompts, new)
+        return engine.generate(model, prompts, new, seeds)
 
     def hf_run():
         return e2e._hf_generate(model, prompts, new)
