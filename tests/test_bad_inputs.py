@@ -156,3 +156,41 @@ def test_script_runs_every_case_on_cpu(tmp_path):
     rows = script.summarize(tmp_path)
     assert len(rows) == len(bad_inputs.CASES)
     assert all(r["verdict"] == "pass" for r in rows), script.table(rows)
+
+
+def _loss_and_grad(backend, lp, old, adv, mask):
+    lp = lp.detach().requires_grad_()
+    with rlk.use_backend(backend):
+        loss, metrics = rlk.policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean")
+    loss.backward()
+    return loss, lp.grad
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), 2.0, -1.0])
+def test_a_loss_mask_value_not_0_or_1_counts_as_a_nan_log_prob(value):
+    # As in the reference: the loss is NaN, the gradient NaN at that token (and where a NaN
+    # log-prob there would make it NaN), the rest of the gradient as with a valid mask.
+    g = torch.Generator().manual_seed(3)
+    lp, old = torch.randn(3, 7, generator=g) - 1, torch.randn(3, 7, generator=g) - 1
+    adv = torch.randn(3, generator=g)
+    mask = torch.ones(3, 7)
+    mask[:, 5:] = 0
+    mask[1, 2] = value
+    with bad_inputs.default_mode():
+        loss, grad = _loss_and_grad("triton", lp, old, adv, mask)
+        want_loss, want_grad = _loss_and_grad("reference", lp, old, adv, mask)
+    assert loss.isnan() and want_loss.isnan()
+    assert torch.equal(grad.isnan(), want_grad.isnan()) and grad[1, 2].isnan()
+    finite = ~want_grad.isnan()
+    torch.testing.assert_close(grad[finite], want_grad[finite].float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("name", list(bad_inputs.VALUE_CASES))
+def test_gpu_bad_value_gives_the_required_outcome(name):
+    # Default mode on the GPU (no host read of the values): each in this process, since none
+    # of them ends the CUDA context.
+    want = bad_inputs.CASES[name][1]
+    got, detail = bad_inputs.run(name, "cuda")
+    assert got == want, f"{name}: {detail}"

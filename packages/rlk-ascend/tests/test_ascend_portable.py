@@ -12,7 +12,8 @@ import torch
 import rlk
 import rlk_reference
 from rlk import _plugins
-from rlk_ascend import portable
+from rlk.testing import bad_inputs
+from rlk_ascend import portable, portable_losses
 from rlk_ascend.backend import make_impl
 
 TEST_NAME = "ascend_cpu_test"
@@ -174,3 +175,28 @@ def test_logprobs_with_masked_logits_are_finite():
     (grad,) = torch.autograd.grad((lp.sum() + ent.sum(),), (logits,))
     assert torch.isfinite(grad).all()
     assert (grad[:, 10:20] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(bad_inputs.VALUE_CASES))
+def test_bad_per_row_value_gives_the_required_outcome(ascend_on_cpu, name):
+    # With the host's value checks off (as on an NPU without RLK_VALIDATE): a row with an
+    # invalid sampling parameter draws -1, a loss mask value other than 0 or 1 gives NaN.
+    with rlk.use_backend(ascend_on_cpu):
+        got, detail = bad_inputs.run(name, "cpu")
+    assert got == bad_inputs.CASES[name][1], f"{name}: {detail}"
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), 2.0])
+def test_a_loss_mask_value_not_0_or_1_is_a_nan_log_prob(value):
+    g = torch.Generator().manual_seed(3)
+    lp = (torch.randn(3, 7, generator=g) - 1).requires_grad_()
+    old, adv = torch.randn(3, 7, generator=g) - 1, torch.randn(3, generator=g)
+    mask = torch.ones(3, 7)
+    mask[1, 2] = value
+    loss, _ = portable_losses.policy_loss(lp, old, adv, mask)
+    loss.backward()
+    want = lp.detach().double().requires_grad_()
+    want_loss, _ = rlk_reference.policy_loss(want, old, adv, mask)
+    want_loss.backward()
+    assert loss.isnan() and want_loss.isnan()
+    assert torch.equal(lp.grad.isnan(), want.grad.isnan()) and lp.grad[1, 2].isnan()

@@ -368,3 +368,13 @@ def test_policy_loss_mask_value_not_0_or_1_gives_nan(bad):
     loss, _ = ref.policy_loss(new, old, adv, mask)
     loss.backward()
     assert loss.isnan() and new.grad.isnan().any()
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan")])
+def test_reinforce_plus_plus_mask_value_not_0_or_1_gives_nan(bad):
+    # Reachable with the value checks off: every advantage is NaN, never whitened as if 1.
+    rewards = torch.randn(3, dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.float64)
+    assert ref.grpo_advantages(rewards, estimator="reinforce++", mask=mask).isfinite().all()
+    mask[2, 1] = bad
+    assert ref.grpo_advantages(rewards, estimator="reinforce++", mask=mask).isnan().all()

@@ -148,7 +148,8 @@ def test_top_k_frequencies():
 
 
 @pytest.mark.parametrize(
-    "which, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
+    "which, value", [("temperature", -1.0), ("temperature", float("nan")),
+                     ("temperature", float("inf")), ("top_k", -1),
                      ("top_p", 1.5), ("top_p", 0.0), ("top_p", float("nan"))],
 )  # fmt: skip
 def test_an_invalid_per_row_value_draws_no_token(which, value):

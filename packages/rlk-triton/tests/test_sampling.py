@@ -457,3 +457,60 @@ def test_top_p_beyond_exact_int64_masses_is_an_error():
     one = torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="logits: a vocabulary of 4194305"):
         _sample(logits, one, one, temperature=torch.ones(1), top_k=None, top_p=torch.full([1], 0.9))
+
+
+#: Row -> (temperature, top_k, top_p): valid rows around rows whose parameters are invalid
+#: (reachable without host value checks: a GPU without RLK_VALIDATE).
+_INVALID_ROWS = [
+    (0.8, 5, 0.9),
+    (-1.0, 5, 0.9),
+    (float("nan"), 5, 0.9),
+    (float("inf"), 5, 0.9),
+    (0.8, -1, 0.9),
+    (0.8, 5, 1.5),
+    (0.8, 5, 0.0),
+    (0.8, 5, float("nan")),
+    (0.0, 0, 1.0),
+    (0.0, 0, 1.5),
+    (0.7, 0, 0.9),
+]
+_BAD = [1, 2, 3, 4, 5, 6, 7, 9]
+
+
+def _invalid_rows(v, device="cpu"):
+    b = len(_INVALID_ROWS)
+    logits, seeds, offsets = _rows(b, v, torch.bfloat16, seed=21)
+    t, k, p = (torch.tensor(c) for c in zip(*_INVALID_ROWS, strict=True))
+    p = dict(temperature=t.float(), top_k=k.long(), top_p=p.float())
+    args = (logits, seeds, offsets)
+    return tuple(a.to(device) for a in args), {n: x.to(device) for n, x in p.items()}
+
+
+def _check_invalid_rows(got, args, p):
+    """Invalid rows give -1, as in the reference; the valid rows their own tokens."""
+    good = [i for i in range(len(_INVALID_ROWS)) if i not in _BAD]
+    assert got[_BAD].tolist() == [-1] * len(_BAD)
+    want = ref.sample(*(a.cpu() for a in args), **{n: x.cpu() for n, x in p.items()})
+    assert torch.equal(want[_BAD], got[_BAD].cpu())
+    sub = _sample(*(a[good] for a in args), **{n: x[good] for n, x in p.items()})
+    assert torch.equal(got[good], sub) and (sub >= 0).all()
+
+
+@pytest.mark.parametrize("programs", [0, 2048])
+def test_invalid_per_row_parameters_draw_no_token(programs):
+    args, p = _invalid_rows(300)
+    cfg = next(c for c in TABLE["sample.fwd"].configs if c["programs"] == programs)
+    with tuning.force("sample", {"sample.fwd": cfg}):
+        _check_invalid_rows(_sample(*args, **p), args, p)
+        # Without filters (None: no threshold pass), temperature alone decides.
+        got = _sample(*args, temperature=p["temperature"], top_k=None, top_p=None)
+    assert got[[1, 2, 3]].tolist() == [-1] * 3 and (got[[0, 4, 5, 6, 7, 8, 9, 10]] >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_gpu_invalid_per_row_parameters_draw_no_token():
+    args, p = _invalid_rows(151936, "cuda")
+    for cfg in tuning.op_configs(TABLE, "sample"):
+        with tuning.force("sample", cfg):
+            _check_invalid_rows(_sample(*args, **p), args, p)

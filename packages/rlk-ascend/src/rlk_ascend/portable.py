@@ -500,7 +500,8 @@ def linear_logprobs(
 def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> torch.Tensor:
     """Seeded per-row sampling (temperature, top-k, top-p, Gumbel-max with Philox uniforms of
     :mod:`rlk_reference.philox`) -> int64 ``[B]``; every row is computed on its own. A row with
-    a NaN logit draws no token: -1."""
+    a NaN logit, or an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside
+    (0, 1]), draws no token: -1."""
     from rlk_reference.philox import philox_uniform
 
     with torch.no_grad():
@@ -534,4 +535,7 @@ def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> 
         u = philox_uniform(seeds, offsets, vocab).to(x.device)
         score = torch.where(keep, z - torch.log(-torch.log(u)), -math.inf)
         token = torch.where(greedy, x.argmax(-1), score.argmax(-1))
-        return torch.where(x.isnan().any(-1), -1, token)
+        # Invalid per-row values (reachable where the host does not check them) draw no token.
+        t = temperature.float()
+        valid = (t >= 0) & (t < math.inf) & (top_k >= 0) & (top_p > 0) & (top_p <= 1)
+        return torch.where(x.isnan().any(-1) | ~valid, -1, token)

@@ -108,6 +108,11 @@ def policy_loss(
     them (a sum's gradient is a broadcast)."""
     given = mask.bool()
     lp = torch.where(given, logprobs.float(), 0.0)
+    if mask.dtype != torch.bool:
+        # A mask value other than 0 or 1 (0.5, NaN; reachable where the host does not check
+        # it) counts as a token whose log-prob is NaN: the loss and that token's gradient are
+        # NaN (as in the reference). ``lp + nan``: the gradient flows.
+        lp = torch.where((mask == 0) | (mask == 1), lp, lp + math.nan)
     old = torch.where(given, old_logprobs.detach().float(), 0.0)
     adv = advantages.detach().float()
     if adv.dim() == 1:
@@ -276,6 +281,9 @@ def grpo_advantages(
             elif estimator == "rloo":
                 v = torch.where(single, r, v * size / (size - 1).clamp(min=1))
     if estimator.startswith("reinforce++"):
-        mu, var = _weighted_stats(v, mask.bool().sum(-1).float())
+        weight = mask.bool().sum(-1).float()
+        if mask.dtype != torch.bool:  # a row holding a value other than 0 or 1 weighs NaN
+            weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
+        mu, var = _weighted_stats(v, weight)
         v = (v - mu) / torch.sqrt(var + 1e-8)
     return v

@@ -138,13 +138,15 @@ def policy_loss(
         loss, m = policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean")
     """
     out_dtype = result_dtype(logprobs)
-    # A mask value other than 0 or 1 (0.5, NaN) makes the loss and its gradient NaN, as the
-    # kernels do where the host does not read the mask (a GPU without RLK_VALIDATE).
-    valid = mask.dtype == torch.bool or ((mask == 0) | (mask == 1)).all()
     given = mask.bool()
     # Padding may hold anything (even inf); zero it first so that neither the loss nor the
     # gradient can pick up a NaN from a masked-out position.
     lp = torch.where(given, logprobs.double(), 0.0)
+    if mask.dtype != torch.bool:
+        # A mask value other than 0 or 1 (0.5, NaN) counts as a token whose log-prob is NaN:
+        # the loss and that token's gradient are NaN, as in the kernels, where the host does
+        # not read the mask (a GPU without RLK_VALIDATE). ``lp + nan``: the gradient flows.
+        lp = torch.where((mask == 0) | (mask == 1), lp, lp + math.nan)
     old = torch.where(given, old_logprobs.detach().double(), 0.0)
     adv = advantages.detach().double()
     if adv.dim() == 1:
@@ -193,8 +195,6 @@ def policy_loss(
     loss = _aggregate(pg, mask, agg, num_tokens, num_seqs, norm_length)
     if scale is not None:
         loss = loss / scale
-    if valid is not True:
-        loss = loss * torch.where(valid, 1.0, math.nan)
 
     ratio_d = ratio.detach()
     metrics["approx_kl"] = _masked_mean(old - lp.detach(), mask)
@@ -314,5 +314,8 @@ def grpo_advantages(
         else:  # reinforce++-baseline
             v = centred
     if estimator.startswith("reinforce++"):
-        v = _whiten(v, mask.bool().sum(-1).double())
+        weight = mask.bool().sum(-1).double()
+        if mask.dtype != torch.bool:  # a row holding a value other than 0 or 1 weighs NaN
+            weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
+        v = _whiten(v, weight)
     return v.to(result_dtype(rewards))

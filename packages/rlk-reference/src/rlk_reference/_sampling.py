@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_reference.philox import philox_uniform
@@ -47,8 +49,8 @@ def sample(
     Row ``b``: ``z = logits / temperature``; filter by top-k, then top-p; pick
     ``argmax(z + g)`` over the kept tokens with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
     :func:`rlk_reference.philox.philox_uniform` (lowest index on ties). A row with a NaN logit,
-    or an invalid temperature (< 0, NaN), top-k (< 0) or top-p (outside (0, 1]), draws no token:
-    -1.
+    or an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside (0, 1]), draws
+    no token: -1.
     """
     with torch.no_grad():
         b, vocab = logits.shape
@@ -61,7 +63,7 @@ def sample(
             k = int(top_k[row]) if top_k is not None else 0
             p = float(top_p[row]) if top_p is not None else 1.0
             # Invalid per-row values (reachable with the value checks off) draw no token either.
-            if bool(x.isnan().any()) or not (temp >= 0.0 and k >= 0 and 0.0 < p <= 1.0):
+            if bool(x.isnan().any()) or not (0.0 <= temp < math.inf and k >= 0 and 0.0 < p <= 1.0):
                 out[row] = -1
                 continue
             if temp == 0.0:

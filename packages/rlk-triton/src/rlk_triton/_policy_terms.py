@@ -110,11 +110,17 @@ def _load_tokens(
     s_mask,
     ROLL: tl.constexpr,
 ):
-    """A block of tokens: ``(mask, lp, old, adv, old - rollout)`` (0 where masked out)."""
+    """A block of tokens: ``(mask, lp, old, adv, old - rollout)`` (0 where masked out).
+
+    A mask value other than 0 or 1 (0.5, NaN: the host reads the mask only where value checks
+    run) counts as a token whose log-prob is NaN, so the loss and that token's gradient are NaN
+    rather than those of a mask of 1 (as in the reference)."""
     b = seqs.to(tl.int64)[:, None]
     l = offs[None, :]
-    m = ok & (tl.load(mask_ptr + b * s_mask + l, mask=ok, other=0).to(tl.float32) != 0)
+    given = tl.load(mask_ptr + b * s_mask + l, mask=ok, other=0).to(tl.float32)
+    m = ok & (given != 0)
     lp = tl.load(lp_ptr + b * s_lp + l, mask=m, other=0.0).to(tl.float32)
+    lp = tl.where(m & (given != 1), float("nan"), lp)
     old = tl.load(old_ptr + b * s_old + l, mask=m, other=0.0).to(tl.float32)
     adv = tl.load(adv_ptr + b * s_adv_b + l * s_adv_l, mask=m, other=0.0).to(tl.float32)
     if ROLL:

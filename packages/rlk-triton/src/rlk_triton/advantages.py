@@ -8,6 +8,8 @@ the batch in blocks of ``BLOCK_B`` by one program, each by the fixed tree of
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_triton import tuning
@@ -140,6 +142,8 @@ def _batch_norm_kernel(
         acc_w += w
     total = tree_sum(acc_w, LOG2_BLOCK_B)
     mu = _safe_div(tree_sum(acc, LOG2_BLOCK_B), total)
+    if WHITEN:
+        mu = tl.where(total == total, mu, total)  # a NaN weight: NaN (_safe_div would give 0)
     acc = tl.zeros([1, BLOCK_B], tl.float32)
     for i0 in range(0, N, BLOCK_B):
         ok = (i0 + lanes) < N
@@ -269,6 +273,10 @@ def grpo_advantages(
         return v
     whiten = est >= 2
     weights = mask.bool().sum(-1, dtype=torch.int32) if whiten else v
+    if whiten and mask.dtype != torch.bool:
+        # A row of mask holding a value other than 0 or 1 (the host reads mask only where value
+        # checks run) weighs NaN, and so every advantage is NaN, as in the reference.
+        weights = torch.where(((mask == 0) | (mask == 1)).all(-1), weights.float(), math.nan)
     cfg = tuning.config(table, "grpo_advantages.batch", N=n)
     _batch_norm_kernel[(1,)](
         v if whiten else rewards,

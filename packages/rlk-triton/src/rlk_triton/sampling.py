@@ -28,7 +28,9 @@ ranges of whole blocks, merged as one pass over the row would: the same token ei
   passes over the row, :data:`RADIX_BITS` bits of the key a pass, then the pick.
 - A row with a NaN logit draws no token: its result is -1 (as on every backend). Nothing is
   synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
-  run (CPU, or ``RLK_VALIDATE``).
+  run (CPU, or ``RLK_VALIDATE``). So does a row whose parameters are invalid (a temperature
+  negative, infinite or NaN, a negative top-k, a top-p outside (0, 1]), which ``rlk.sample``
+  checks on the host only where value checks run (:func:`~rlk_triton.sampling_filters._valid`).
 
 The filters' keys, block maxima and threshold passes are in :mod:`rlk_triton.sampling_filters`;
 the pick, the candidate step, the kernels that run a whole row and the launchers are here.
@@ -57,6 +59,7 @@ from rlk_triton.sampling_filters import (
     _row_z_max,
     _topk_kept,
     _undecided,
+    _valid,
 )
 
 #: Vocabulary block of a pass (the unit that block maxima skip; no bit depends on it).
@@ -331,7 +334,8 @@ def _sample_kernel(
                          BLOCK, RADIX_BITS, PART_BLOCKS, MAX_BLOCKS)  # fmt: skip
         best, best_i, n_nan = _pick_range(row_ptr, V, 0, V, temperature, kept, seed, offset,
                                           maxima_ptr, BLOCK)  # fmt: skip
-        tl.store(out_ptr + pid, tl.where(n_nan > 0, -1, best_i).to(tl.int64))
+        draws = (n_nan == 0) & _valid(temperature, k, p)
+        tl.store(out_ptr + pid, tl.where(draws, best_i, -1).to(tl.int64))
 
 
 @jit
@@ -345,15 +349,21 @@ def _pick_kernel(logits_ptr, seeds_ptr, offsets_ptr, temp_ptr, kept_ptr, maxima_
     if _undecided(done_ptr, pid, FEW):
         lo = part * SPAN
         hi = tl.minimum(lo + SPAN, V)
+        temperature = tl.load(temp_ptr + pid)
+        kept = tl.load(kept_ptr + pid)  # -1: invalid top-k / top-p (the threshold's finish)
         best, best_i, n_nan = _pick_range(
-            logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, tl.load(temp_ptr + pid),
-            tl.load(kept_ptr + pid).to(tl.uint32), tl.load(seeds_ptr + pid),
-            tl.load(offsets_ptr + pid), maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK,
+            logits_ptr + pid.to(tl.int64) * stride, V, lo, hi, temperature, kept.to(tl.uint32),
+            tl.load(seeds_ptr + pid), tl.load(offsets_ptr + pid),
+            maxima_ptr + pid.to(tl.int64) * tl.cdiv(V, BLOCK), BLOCK,
         )  # fmt: skip
+        # A row with invalid parameters draws no token: counted as a NaN, the merge gives -1.
+        draws = (kept >= 0) & _valid(
+            temperature, tl.zeros([], tl.int64), tl.full([], 1.0, tl.float32)
+        )
         at = pid * tl.num_programs(1) + part
         tl.store(best_ptr + at, best)
         tl.store(index_ptr + at, best_i)
-        tl.store(nan_ptr + at, n_nan)
+        tl.store(nan_ptr + at, tl.where(draws, n_nan, 1))
 
 
 @jit

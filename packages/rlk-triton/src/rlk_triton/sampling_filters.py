@@ -258,10 +258,18 @@ def _topp_key(row_ptr, V, temperature, p, kept, n_blocks, maxima_ptr, BLOCK: tl.
 
 
 @jit
-def _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK: tl.constexpr,
-             HAS_TOPP: tl.constexpr):  # fmt: skip
-    """``(temperature, k, p, topk_on, topp_on)`` of a row; a filter the host passed as None is
-    off for every row (its pointer is not read). Greedy rows filter nothing."""
+def _valid(temperature, k, p):
+    """Whether a row's parameters are valid: ``temperature`` finite and >= 0, ``top_k >= 0``,
+    ``top_p`` in (0, 1] (false for NaN). ``rlk.sample`` checks them on the host only where that
+    costs no device read; elsewhere a row failing this draws no token (-1), as one with a NaN
+    logit does, instead of sampling from a distribution nobody asked for."""
+    return (temperature >= 0.0) & (temperature < float("inf")) & (k >= 0) & (p > 0.0) & (p <= 1.0)
+
+
+@jit
+def _params(temp_ptr, topk_ptr, topp_ptr, row, HAS_TOPK: tl.constexpr, HAS_TOPP: tl.constexpr):
+    """``(temperature, k, p)`` of a row; a filter the host passed as None reads as off (its
+    pointer is not read)."""
     temperature = tl.load(temp_ptr + row)
     k = tl.zeros([], tl.int64)
     p = tl.full([], 1.0, tl.float32)
@@ -269,7 +277,16 @@ def _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK: tl.constexpr,
         k = tl.load(topk_ptr + row)
     if HAS_TOPP:
         p = tl.load(topp_ptr + row)
-    sampled = temperature != 0.0
+    return temperature, k, p
+
+
+@jit
+def _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK: tl.constexpr,
+             HAS_TOPP: tl.constexpr):  # fmt: skip
+    """``(temperature, k, p, topk_on, topp_on)`` of a row (:func:`_params`). Greedy rows, and
+    rows whose parameters are invalid (:func:`_valid`: they draw no token), filter nothing."""
+    temperature, k, p = _params(temp_ptr, topk_ptr, topp_ptr, row, HAS_TOPK, HAS_TOPP)
+    sampled = (temperature != 0.0) & _valid(temperature, k, p)
     return temperature, k, p, sampled & (k > 0) & (k < V), sampled & (p < 1.0)
 
 
@@ -453,4 +470,6 @@ def _finish_kernel(temp_ptr, topk_ptr, topp_ptr, prefix_ptr, count_ptr, mass_ptr
         prev = _sum_parts(mass_ptr + last, n_parts, NCAND, MAX_PARTS)
         top_p_key = _top_p_digit(prev, tl.load(need_ptr + row), start, 0, NCAND)
         kept = tl.maximum(kept, top_p_key)
-    tl.store(kept_ptr + row, kept.to(tl.int64))
+    # -1, outside the keys' uint32 range: the row's parameters are invalid, it draws no token.
+    kept64 = tl.where(_valid(temperature, k, p), kept.to(tl.int64), -1)
+    tl.store(kept_ptr + row, kept64)

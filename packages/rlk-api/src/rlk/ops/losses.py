@@ -201,7 +201,8 @@ def policy_loss(
     """PPO/GRPO/GSPO clipped policy-gradient loss on padded ``[B, L]`` tensors.
 
     Shapes: ``logprobs`` (differentiable), ``old_logprobs``, ``mask`` (bool or 0/1: response
-    tokens), ``rollout_logprobs`` ``[B, L]``; ``advantages`` ``[B, L]`` or ``[B]`` (one per
+    tokens; another value is a ``ValueError`` where value checks run, and elsewhere counts as a
+    token whose log-prob is NaN, so the loss is NaN), ``rollout_logprobs`` ``[B, L]``; ``advantages`` ``[B, L]`` or ``[B]`` (one per
     sequence). Dtypes bf16/fp16/fp32; the loss and metrics are 0-d fp32 and every sum runs in
     fp32 in a fixed order. Only ``logprobs`` gets a gradient. Mapping of every verl 0.9.1 / TRL
     1.16 setting to these arguments: ``docs/objectives.md``.
@@ -429,7 +430,8 @@ def grpo_advantages(
 
     verl's names ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline`` are accepted.
     ``mask`` (``[N, L]`` bool or 0/1) is required by, and only allowed with, the two
-    ``reinforce++`` estimators. ``norm_std`` and ``eps`` apply to ``grpo`` only. Not
+    ``reinforce++`` estimators (another value: a ``ValueError`` where value checks run, and
+    elsewhere every advantage is NaN). ``norm_std`` and ``eps`` apply to ``grpo`` only. Not
     differentiable.
 
     Example::

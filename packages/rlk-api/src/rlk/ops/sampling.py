@@ -67,7 +67,9 @@ def sample(
     ``argmax(logit/temperature + gumbel)`` (lowest index on ties). ``temperature == 0`` is greedy.
     Each parameter is a number or a per-row ``[B]`` tensor. Numbers are checked always, on the
     host; tensors' values when value checks are on (on CPU, or with ``RLK_VALIDATE``): NaN, a
-    negative ``temperature``/``top_k``/``offsets`` and ``top_p`` outside (0, 1] are errors.
+    negative ``temperature``/``top_k``/``offsets``, an infinite ``temperature`` and ``top_p``
+    outside (0, 1] are errors. Without value checks a row with such a ``temperature``,
+    ``top_k`` or ``top_p`` draws no token: ``-1``, as a row with a NaN logit does.
     A row of ``logits`` with a NaN has no token to draw: a ``ValueError`` where value checks
     run, and the token ``-1`` for that row otherwise (every backend; no host synchronisation).
     The Triton backends add the top-p masses as exact int64 fixed-point sums, so with ``top_p``

@@ -1,4 +1,5 @@
-"""Bad index inputs as a careless caller passes them, in default mode (no host value checks).
+"""Bad index and per-row value inputs as a careless caller passes them, in default mode (no
+host value checks).
 
 On a GPU without ``RLK_VALIDATE`` the ops do not read index values on the host (that would
 synchronise the device), so these inputs reach the kernels; the kernels must then touch no
@@ -8,10 +9,12 @@ Triton interpreter.
 
 Each case returns a function that runs the op (forward, and backward where there is one) and
 the outcome the contract requires: ``"error"`` (a ``ValueError`` on CPU; on a GPU an error at
-the next synchronisation, a device-side assertion) or ``"-1"`` (``sample``'s token for a row it
-cannot draw from). ``scripts/bad_inputs.py`` runs them one per process, under
-``compute-sanitizer`` on a GPU (``scripts/gpu_sanitize.sh``); ``tests/test_bad_inputs.py``
-runs them on CPU.
+the next synchronisation, a device-side assertion), ``"-1"`` (``sample``'s token for a row it
+cannot draw from) or ``"nan"`` (a loss or advantages of NaN). Besides the indices, the per-row
+values that the host checks only with value checks on are here too: ``sample``'s temperature,
+top-k and top-p, and a loss mask holding a value other than 0 or 1 (:data:`VALUE_CASES`).
+``scripts/bad_inputs.py`` runs them one per process, under ``compute-sanitizer`` on a GPU
+(``scripts/gpu_sanitize.sh``); ``tests/test_bad_inputs.py`` runs them on CPU.
 """
 
 from __future__ import annotations
@@ -107,6 +110,50 @@ def _sample_nan(device):
     return lambda: rlk.sample(logits, seeds, torch.zeros_like(seeds), temperature=0.7)
 
 
+def _sample_param(which: str, value: float, filters: bool = True) -> Callable:
+    """Three rows of 1100 logits (three vocabulary blocks: the filters' split threshold on a
+    GPU, and under the interpreter), row 1's ``which`` set to ``value``; with ``filters``,
+    per-row top-k 5 and top-p 0.9 (else temperature alone)."""
+
+    def build(device):
+        logits = _randn(3, 1100, device=device)
+        seeds = torch.arange(3, device=device)
+        kw = {"temperature": torch.full((3,), 0.8, device=device)}
+        if filters:
+            kw["top_k"] = torch.full((3,), 5, dtype=torch.int64, device=device)
+            kw["top_p"] = torch.full((3,), 0.9, device=device)
+        kw[which][1] = value
+        return lambda: rlk.sample(logits, seeds, torch.zeros_like(seeds), **kw)
+
+    return build
+
+
+def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
+    """A ``[2, 5]`` float mask of ones but ``value`` at ``[1, 2]``: ``policy_loss`` (with the
+    backward) or the REINFORCE++ ``grpo_advantages``."""
+
+    def build(device):
+        mask = torch.ones(2, 5, device=device)
+        mask[1, 2] = value
+        if op == "grpo_advantages":
+            rewards = _randn(2, device=device)
+            return lambda: rlk.grpo_advantages(rewards, estimator="reinforce++", mask=mask)
+        lp = _randn(2, 5, device=device, grad=True)
+        old, adv = _randn(2, 5, device=device) - 0.1, _randn(2, device=device)
+
+        def run():
+            loss, _ = rlk.policy_loss(lp, old, adv, mask)
+            loss.backward()
+            return loss
+
+        return run
+
+    return build
+
+
+NAN = float("nan")
+
+
 #: name -> (builder(device) -> run(), required outcome).
 CASES: dict[str, tuple[Callable, str]] = {
     "control: valid attention": (_attention((0, 2, 5), (0, 3, 7), train=True), "ok"),
@@ -148,12 +195,32 @@ CASES: dict[str, tuple[Callable, str]] = {
     "linear_logprobs target -5": (_logprobs([-5, 2], fused=True), "error"),
     "sample NaN logits": (_sample_nan, "-1"),
 }
+#: The per-row values that the host checks only with value checks on (a row with a bad one
+#: draws no token, a loss mask with one gives NaN): no CUDA context is lost on them, so they
+#: can run in one process, on any backend.
+VALUE_CASES: dict[str, tuple[Callable, str]] = {
+    "control: valid sample parameters": (_sample_param("temperature", 0.5), "ok"),
+    "sample temperature -1": (_sample_param("temperature", -1.0), "-1"),
+    "sample temperature NaN": (_sample_param("temperature", NAN), "-1"),
+    "sample temperature inf": (_sample_param("temperature", float("inf")), "-1"),
+    "sample temperature -1 (no filter)": (_sample_param("temperature", -1.0, False), "-1"),
+    "sample top_k -1": (_sample_param("top_k", -1), "-1"),
+    "sample top_p 1.5": (_sample_param("top_p", 1.5), "-1"),
+    "sample top_p 0": (_sample_param("top_p", 0.0), "-1"),
+    "sample top_p NaN": (_sample_param("top_p", NAN), "-1"),
+    "control: valid policy_loss mask": (_loss_mask(0.0), "ok"),
+    "policy_loss mask 0.5": (_loss_mask(0.5), "nan"),
+    "policy_loss mask NaN": (_loss_mask(NAN), "nan"),
+    "policy_loss mask 2": (_loss_mask(2.0), "nan"),
+    "grpo_advantages (reinforce++) mask 0.5": (_loss_mask(0.5, "grpo_advantages"), "nan"),
+}
+CASES.update(VALUE_CASES)
 
 
 def run(name: str, device: str | torch.device) -> tuple[str, str]:
-    """Run case ``name`` in default mode: ``(outcome, detail)``, outcome ``"ok"``, ``"error"``
-    or ``"-1"`` (a row of -1 tokens). On a GPU the device is synchronised before returning, so
-    that an asynchronous error surfaces here."""
+    """Run case ``name`` in default mode: ``(outcome, detail)``, outcome ``"ok"``, ``"error"``,
+    ``"-1"`` (a row of -1 tokens) or ``"nan"`` (every value NaN). On a GPU the device is
+    synchronised before returning, so that an asynchronous error surfaces here."""
     device = torch.device(device)
     build, _ = CASES[name]
     try:
@@ -166,4 +233,5 @@ def run(name: str, device: str | torch.device) -> tuple[str, str]:
     if out.dtype == torch.int64 and bool((out == -1).any()):
         return "-1", f"tokens {out.tolist()}"
     nan = int(out.isnan().sum()) if out.is_floating_point() else 0
-    return "ok", f"returned {tuple(out.shape)}, {nan} NaN"
+    outcome = "nan" if nan and nan == out.numel() else "ok"
+    return outcome, f"returned {tuple(out.shape)}, {nan} NaN"
