@@ -187,10 +187,12 @@ def test_a_loss_mask_value_not_0_or_1_counts_as_a_nan_log_prob(value):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("name", list(bad_inputs.VALUE_CASES))
-def test_gpu_bad_value_gives_the_required_outcome(name):
+def test_gpu_bad_value_gives_the_required_outcome(name, backend):
     # Default mode on the GPU (no host read of the values): each in this process, since none
     # of them ends the CUDA context.
     want = bad_inputs.CASES[name][1]
-    got, detail = bad_inputs.run(name, "cuda")
+    with rlk.use_backend(backend):
+        got, detail = bad_inputs.run(name, "cuda")
     assert got == want, f"{name}: {detail}"
