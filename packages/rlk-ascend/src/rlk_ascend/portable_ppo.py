@@ -9,6 +9,8 @@ whitening statistics and the value loss's sums go through :func:`fixed_sum`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_ascend.portable_losses import _div, _masked_mean, _total, aggregate
@@ -17,10 +19,19 @@ from rlk_ascend.portable_losses import _div, _masked_mean, _total, aggregate
 WHITEN_EPS = 1e-8
 
 
+def _nan_where_not_0_or_1(x, mask):
+    """``x`` plus NaN where ``mask`` holds a value other than 0 or 1 (reachable where the host
+    does not check it): NaN results there, as on the other backends. ``x + nan``: the gradient
+    flows."""
+    if mask.dtype == torch.bool:
+        return x
+    return torch.where((mask == 0) | (mask == 1), x, x + math.nan)
+
+
 def gae_advantages(rewards, values, mask, *, gamma=1.0, lam=1.0, whiten=True, table=None):
     """GAE ``(advantages, returns)``, fp32 ``[B, L]``, 0 outside ``mask``."""
     m = mask.bool()
-    r = torch.where(m, rewards.float(), 0.0)
+    r = _nan_where_not_0_or_1(torch.where(m, rewards.float(), 0.0), mask)
     v = torch.where(m, values.float(), 0.0)
     adv = torch.zeros_like(r)
     v_next = r.new_zeros(r.shape[0])
@@ -58,7 +69,7 @@ def value_loss(
     """The clipped value loss: ``(loss, {"clip_fraction"})``; autograd gives the backward
     (elementwise, then a broadcast of the sums)."""
     m = mask.bool()
-    v = torch.where(m, values.float(), 0.0)
+    v = _nan_where_not_0_or_1(torch.where(m, values.float(), 0.0), mask)
     old = torch.where(m, old_values.detach().float(), 0.0)
     ret = torch.where(m, returns.detach().float(), 0.0)
     d1 = v - ret

@@ -7,6 +7,8 @@ the backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlk_reference._logprobs import result_dtype
@@ -14,6 +16,15 @@ from rlk_reference._losses import _aggregate, _div, _masked_mean
 
 #: The variance floor of the advantages' whitening (verl's ``masked_whiten``).
 WHITEN_EPS = 1e-8
+
+
+def _nan_where_not_0_or_1(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` plus NaN where ``mask`` holds a value other than 0 or 1 (reachable without the
+    host's value checks: a GPU without RLK_VALIDATE), so the results are NaN there, as in the
+    kernels, never those of a mask of 1. ``x + nan``: a gradient still flows."""
+    if mask.dtype == torch.bool:
+        return x
+    return torch.where((mask == 0) | (mask == 1), x, x + math.nan)
 
 
 def gae_advantages(
@@ -40,7 +51,7 @@ def gae_advantages(
         adv, ret = gae_advantages(token_rewards, values, mask, gamma=1.0, lam=0.95)
     """
     m = mask.bool()
-    r = torch.where(m, rewards.double(), 0.0)
+    r = _nan_where_not_0_or_1(torch.where(m, rewards.double(), 0.0), mask)
     v = torch.where(m, values.double(), 0.0)
     a = torch.zeros_like(r)
     v_next = r.new_zeros(r.shape[0])
@@ -88,7 +99,7 @@ def value_loss(
     """
     out = result_dtype(values)
     m = mask.bool()
-    v = torch.where(m, values.double(), 0.0)
+    v = _nan_where_not_0_or_1(torch.where(m, values.double(), 0.0), mask)
     old = torch.where(m, old_values.detach().double(), 0.0)
     ret = torch.where(m, returns.detach().double(), 0.0)
     unclipped = (v - ret).square()

@@ -69,8 +69,12 @@ def _gae_kernel(
     a_next = tl.zeros([SEQS], tl.float32)
     for i in range(0, L):
         t = L - 1 - i
-        here = ok & (tl.load(m_ptr + b * s_m + t, mask=ok, other=0).to(tl.float32) != 0)
+        given = tl.load(m_ptr + b * s_m + t, mask=ok, other=0).to(tl.float32)
+        here = ok & (given != 0)
         r = tl.load(r_ptr + b * s_r + t, mask=here, other=0.0).to(tl.float32)
+        # A mask value other than 0 or 1 (read on the host only with value checks on) is a
+        # token of NaN reward: NaN advantages, never those of a mask of 1 (as the reference).
+        r = tl.where(here & (given != 1), float("nan"), r)
         v = tl.load(v_ptr + b * s_v + t, mask=here, other=0.0).to(tl.float32)
         a_t = r + gamma * v_next - v + gamma_lam * a_next
         v_next = tl.where(here, v, v_next)
@@ -214,8 +218,11 @@ def _value_terms(v, old, ret, clip, CLIP: tl.constexpr):
 
 @jit
 def _value_load(v_ptr, old_ptr, ret_ptr, m_ptr, b, l, ok, s_v, s_old, s_ret, s_m):
-    m = ok & (tl.load(m_ptr + b * s_m + l, mask=ok, other=0).to(tl.float32) != 0)
+    given = tl.load(m_ptr + b * s_m + l, mask=ok, other=0).to(tl.float32)
+    m = ok & (given != 0)
     v = tl.load(v_ptr + b * s_v + l, mask=m, other=0.0).to(tl.float32)
+    # A mask value other than 0 or 1: a token of NaN value, so the loss is NaN (as the reference).
+    v = tl.where(m & (given != 1), float("nan"), v)
     old = tl.load(old_ptr + b * s_old + l, mask=m, other=0.0).to(tl.float32)
     ret = tl.load(ret_ptr + b * s_ret + l, mask=m, other=0.0).to(tl.float32)
     return m, v, old, ret

@@ -48,7 +48,8 @@ def gae_advantages(
     ``values`` (the critic's, at the rollout), ``mask`` (bool or 0/1: the tokens the policy
     generated; it may have holes, such as a tool's output inside a multi-turn response) are
     ``[B, L]``. Dtypes bf16/fp16/fp32; both outputs are fp32 ``[B, L]``, 0 outside ``mask``.
-    Not differentiable.
+    Not differentiable. A ``mask`` value other than 0 or 1 is a ``ValueError`` where value
+    checks run, and elsewhere a token of NaN reward (NaN advantages, all of them whitened).
 
     Each row is scanned backwards over its tokens of ``mask`` only (the tokens outside it are
     skipped, as verl skips observation tokens): ``delta = r + gamma * v_next - v`` and ``a =
@@ -93,7 +94,8 @@ def value_loss(
     """PPO's clipped value loss (verl's ``compute_value_loss``): ``(loss, metrics)``.
 
     Shapes: ``values`` (the critic's now; differentiable), ``old_values`` (at the rollout),
-    ``returns`` (from :func:`gae_advantages`), ``mask`` (bool or 0/1) ``[B, L]``; dtypes
+    ``returns`` (from :func:`gae_advantages`), ``mask`` (bool or 0/1; another value: a
+    ``ValueError`` where value checks run, elsewhere a token of NaN value) ``[B, L]``; dtypes
     bf16/fp16/fp32. Per token of ``mask``: ``0.5 * max((v - R)^2, (clamp(v, v_old - clip,
     v_old + clip) - R)^2)`` (verl's ``cliprange_value``, default 0.5), or ``0.5 * (v - R)^2``
     with ``clip=None``; then aggregated as :func:`rlk.policy_loss` aggregates, with the same

@@ -129,8 +129,9 @@ def _sample_param(which: str, value: float, filters: bool = True) -> Callable:
 
 
 def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
-    """A ``[2, 5]`` float mask of ones but ``value`` at ``[1, 2]``: ``policy_loss`` (with the
-    backward) or the REINFORCE++ ``grpo_advantages``."""
+    """A ``[2, 5]`` float mask of ones but ``value`` at ``[1, 2]``: ``policy_loss`` or
+    ``value_loss`` (with the backward), the REINFORCE++ ``grpo_advantages`` or the whitened
+    ``gae_advantages``."""
 
     def build(device):
         mask = torch.ones(2, 5, device=device)
@@ -138,11 +139,16 @@ def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
         if op == "grpo_advantages":
             rewards = _randn(2, device=device)
             return lambda: rlk.grpo_advantages(rewards, estimator="reinforce++", mask=mask)
-        lp = _randn(2, 5, device=device, grad=True)
-        old, adv = _randn(2, 5, device=device) - 0.1, _randn(2, device=device)
+        x = _randn(2, 5, device=device, grad=True)
+        old, other = _randn(2, 5, device=device) - 0.1, _randn(2, 5, device=device)
+        if op == "gae_advantages":
+            return lambda: rlk.gae_advantages(other, old, mask, lam=0.9)[0]
 
         def run():
-            loss, _ = rlk.policy_loss(lp, old, adv, mask)
+            if op == "value_loss":
+                loss, _ = rlk.value_loss(x, old, other, mask)
+            else:
+                loss, _ = rlk.policy_loss(x, old, other[:, 0].contiguous(), mask)
             loss.backward()
             return loss
 
@@ -213,6 +219,9 @@ VALUE_CASES: dict[str, tuple[Callable, str]] = {
     "policy_loss mask NaN": (_loss_mask(NAN), "nan"),
     "policy_loss mask 2": (_loss_mask(2.0), "nan"),
     "grpo_advantages (reinforce++) mask 0.5": (_loss_mask(0.5, "grpo_advantages"), "nan"),
+    "value_loss mask 0.5": (_loss_mask(0.5, "value_loss"), "nan"),
+    "gae_advantages mask NaN": (_loss_mask(NAN, "gae_advantages"), "nan"),
+    "control: valid gae_advantages mask": (_loss_mask(0.0, "gae_advantages"), "ok"),
 }
 CASES.update(VALUE_CASES)
 
