@@ -1,4 +1,5 @@
-"""Training side: recompute the rollout's log-probabilities in packed micro-batches.
+"""Training side: recompute the rollout's log-probabilities in packed micro-batches, and the
+GRPO and PPO updates on them (:func:`grpo_step`, :func:`ppo_step`).
 
 A micro-batch packs whole sequences (prompt + response) into one ``[1, T]`` row whose
 ``position_ids`` restart at 0 for each sequence (no padding). With a model patched by
@@ -615,6 +616,89 @@ def grpo_step(
         loss_sum += float(loss.detach()) * share
     optimizer.step()
     return {"loss": loss_sum, "max_abs_dlogp": max_d}
+
+
+def ppo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    rewards: torch.Tensor,
+    micro_batch_size: int,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    clip: float = 0.2,
+    value_clip: float | None = 0.5,
+    value_coef: float = 0.5,
+    epochs: int = 1,
+    order: list[int] | None = None,
+    temperature: float = 1.0,
+    logits_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """One PPO update on rlk, with a critic that is a value head on ``model``
+    (:func:`rlk_integrations.critic.add_value_head`) and samples from
+    ``rollout.generate(..., value_head=model.rlk_value_head)``.
+
+    ``rewards [N]``: one outcome reward per sample, put on its response's last token (verl's
+    token-level rewards of an outcome reward). :func:`rlk.gae_advantages` turns them and the
+    rollout's values into whitened advantages and returns, once, over the whole batch. Then
+    ``epochs`` times: recompute log-probabilities and values in packed micro-batches of
+    ``micro_batch_size`` samples taken in ``order`` (with grad), ``rlk.policy_loss`` (the ratio
+    to the rollout's log-probabilities clipped to ``1 -/+ clip``) plus ``value_coef`` times
+    ``rlk.value_loss`` (clipped at ``value_clip`` around the rollout's values), both token
+    means over the whole batch (``num_tokens``: the micro-batches' losses add up to the
+    batch's), backward, one optimizer step per epoch.
+
+    Returns ``loss``, ``policy_loss``, ``value_loss`` and ``value_clip_fraction`` of the first
+    epoch, and ``max_abs_dlogp`` / ``max_abs_dvalue``: rollout vs the first epoch's recompute
+    (0 with rlk: the first ratio is exactly 1, the critic's old values are its values).
+    """
+    from rlk_integrations.critic import packed_logprobs_and_values
+
+    if any(s.values is None for s in samples):
+        raise ValueError("every sample needs its rollout values: generate(..., value_head=)")
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1, got {epochs!r}")
+    if tuple(rewards.shape) != (len(samples),):
+        raise ValueError(f"rewards must be [N] = [{len(samples)}], got {tuple(rewards.shape)}")
+    device = next(model.parameters()).device
+    width = max(len(s.response) for s in samples)
+    old_v, mask = pad_rows([s.values.to(device) for s in samples], width)
+    old_p, _ = pad_rows([s.logprobs.to(device) for s in samples], width)
+    token_r = torch.zeros_like(old_v)
+    for i, s in enumerate(samples):
+        if s.response:
+            token_r[i, len(s.response) - 1] = rewards[i].float()
+    adv, ret = rlk.gae_advantages(token_r, old_v, mask, gamma=gamma, lam=lam)
+    total = float(max(int(mask.sum()), 1))
+    first: dict[str, float] = {}
+    for epoch in range(epochs):
+        optimizer.zero_grad(set_to_none=True)
+        out = dict.fromkeys(("loss", "policy_loss", "value_loss", "value_clip_fraction"), 0.0)
+        max_p = max_v = 0.0
+        for group in micro_batches(len(samples), micro_batch_size, order):
+            lps, vals = packed_logprobs_and_values(
+                model, [samples[i] for i in group], temperature=temperature,
+                logits_dtype=logits_dtype,
+            )  # fmt: skip
+            new_p, m = pad_rows(lps, width)
+            new_v, _ = pad_rows(vals, width)
+            max_p = max(max_p, float(((new_p.detach() - old_p[group]).abs() * m).max()))
+            max_v = max(max_v, float(((new_v.detach() - old_v[group]).abs() * m).max()))
+            pg, _ = rlk.policy_loss(new_p, old_p[group], adv[group], m, clip_low=clip,
+                                    clip_high=clip, num_tokens=total)  # fmt: skip
+            vf, vm = rlk.value_loss(new_v, old_v[group], ret[group], m, clip=value_clip,
+                                    num_tokens=total)  # fmt: skip
+            loss = pg + value_coef * vf
+            loss.backward()
+            share = float(m.sum()) / total
+            for k, v in (("loss", loss), ("policy_loss", pg), ("value_loss", vf)):
+                out[k] += float(v.detach())
+            out["value_clip_fraction"] += float(vm["clip_fraction"]) * share
+        optimizer.step()
+        if epoch == 0:
+            first = {**out, "max_abs_dlogp": max_p, "max_abs_dvalue": max_v}
+    return first
 
 
 # --------------------------------------------------------------------------------------------
