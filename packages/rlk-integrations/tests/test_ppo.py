@@ -44,10 +44,12 @@ def test_ppo_step_refuses_samples_without_values_and_bad_arguments():
 
 @pytest.mark.slow
 def test_ppo_toy_trains_with_exact_logprobs_and_values():
-    records = _example().train(steps=5, prompts=8, new_tokens=4, micro_batch=4, log=lambda s: None)
+    records = _example().train(steps=8, prompts=8, new_tokens=4, micro_batch=4, log=lambda s: None)
     for step, r in enumerate(records):
         assert r["max_abs_dlogp"] == 0, step
         assert r["max_abs_dvalue"] == 0, step
         assert r["value_loss"] > 0, step  # the critic is trained
+    # One response per prompt, 4 tokens: a step's mean reward is noisy; compare 3-step means
+    # (on the CPU, 0.51 over the first three steps and 0.65 over the last three).
     rewards = [r["reward"] for r in records]
-    assert max(rewards[-2:]) > rewards[0], rewards
+    assert sum(rewards[-3:]) > sum(rewards[:3]) + 0.15, rewards
