@@ -9,6 +9,7 @@ import fake_backends
 import pytest
 import torch
 
+import rlk
 from rlk import _plugins, cli, testing
 from rlk.testing import cases, checks
 
@@ -196,7 +197,7 @@ def test_accuracy_check_catches_a_real_error():
 
 def test_quick_shapes_are_small():
     dev = torch.device("cpu")
-    for op in _plugins.OPS:
+    for op in rlk.OPS:
         oc = cases.build(op, True, dev)
         for case in oc.accuracy + oc.invariance:
             for v in case.args.values():

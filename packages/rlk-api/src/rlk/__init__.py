@@ -23,55 +23,54 @@ def _choose_triton_mode() -> None:
 
 _choose_triton_mode()
 
-# The ops (from their family modules in rlk.ops) are imported by name and listed in __all__
-# (spelled out for static tools: type checkers, IDEs, the API docs); a test checks both against
-# the catalog.
+# The ops: each family module of rlk.ops declares its ops (the catalog, rlk.ops.CATALOG) and
+# lists them in its __all__, which is star-imported here and added to rlk's (static tools, the
+# API docs among them, read both); a test checks them against the catalog.
 from rlk import _library  # noqa: E402, F401  (defines the torch.ops.rlk operators)
 from rlk._plugins import (  # noqa: E402
     GUARANTEES,
-    OPS,
     BackendError,
     BackendImpl,
     BackendSpec,
+    OpAutograd,
     current_backend,
     hookimpl,
     use_backend,
 )
 from rlk.batch_invariant import batch_invariant  # noqa: E402
-from rlk.ops.attention import attention, paged_attention  # noqa: E402
-from rlk.ops.dense import apply_rotary, linear, rms_norm, silu_and_mul  # noqa: E402
-from rlk.ops.logprobs import linear_logprobs, logprobs  # noqa: E402
-from rlk.ops.losses import grpo_advantages, kl_penalty, policy_loss  # noqa: E402
-from rlk.ops.moe import moe_experts, moe_route  # noqa: E402
-from rlk.ops.ppo import gae_advantages, value_loss  # noqa: E402
-from rlk.ops.sampling import sample  # noqa: E402
+from rlk.ops import OPS  # noqa: E402
+from rlk.ops import attention as _attention  # noqa: E402
+from rlk.ops import dense as _dense  # noqa: E402
+from rlk.ops import logprobs as _logprobs  # noqa: E402
+from rlk.ops import losses as _losses  # noqa: E402
+from rlk.ops import ppo as _ppo  # noqa: E402
+from rlk.ops import sampling as _sampling  # noqa: E402
+from rlk.ops.attention import *  # noqa: E402, F403
+from rlk.ops.dense import *  # noqa: E402, F403
+from rlk.ops.logprobs import *  # noqa: E402, F403
+from rlk.ops.losses import *  # noqa: E402, F403
+from rlk.ops.moe import *  # noqa: E402, F403  (optional ops: reachable here, not in __all__)
+from rlk.ops.ppo import *  # noqa: E402, F403
+from rlk.ops.sampling import *  # noqa: E402, F403
 
 __version__ = "0.1.0"
 
-#: The public names: the API, then every required op of the catalog (``rlk/_catalog.py``).
+#: The public names: the API, then every required op of the catalog, in ``rlk.OPS`` order.
 __all__ = [
     "GUARANTEES",
     "OPS",
     "BackendError",
     "BackendImpl",
     "BackendSpec",
+    "OpAutograd",
     "batch_invariant",
     "current_backend",
     "hookimpl",
     "use_backend",
-    # the ops, in the catalog's order (written out: documentation tools read __all__ statically)
-    "linear",
-    "rms_norm",
-    "silu_and_mul",
-    "apply_rotary",
-    "attention",
-    "paged_attention",
-    "logprobs",
-    "linear_logprobs",
-    "policy_loss",
-    "kl_penalty",
-    "grpo_advantages",
-    "gae_advantages",
-    "value_loss",
-    "sample",
 ]
+__all__ += _dense.__all__
+__all__ += _attention.__all__
+__all__ += _logprobs.__all__
+__all__ += _losses.__all__
+__all__ += _ppo.__all__
+__all__ += _sampling.__all__

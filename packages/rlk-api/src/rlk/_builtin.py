@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from rlk._catalog import CATALOG
 from rlk._plugins import BackendImpl, BackendSpec, hookimpl
 
 
 def _load_reference() -> BackendImpl:
     import rlk_reference
+    from rlk.ops import CATALOG
 
     # Every op of the catalog that the oracle implements (all of them; a missing required op
     # makes the backend incomplete, which rlk reports by name).

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from rlk._catalog import GRAD_ARGS
 from rlk._plugins import BackendImpl, resolved_impl
+from rlk.ops import GRAD_ARGS, SPECS
 
 LIB = "rlk"
 
@@ -49,118 +49,9 @@ LIB = "rlk"
 #: cos and sin (its eager backward differentiates them too).
 GRADS = {**GRAD_ARGS, "apply_rotary": ("x", "cos", "sin", "k")}
 
-#: policy_loss's operator arguments after its four tensors: its keywords, with the ones that
-#: take several kinds of value given as several arguments (see :func:`_encode`).
-POLICY_KWONLY = (
-    "clip_low",
-    "clip_high",
-    "clip_c",
-    "agg",
-    "ratio_level",
-    "rollout_logprobs",
-    "is_level",
-    "is_mode",
-    "is_min",
-    "is_max",
-    "is_normalize",
-    "is_normalize_value",
-    "is_normalize_tensor",
-    "reject",
-    "num_tokens",
-    "num_tokens_tensor",
-    "num_seqs",
-    "num_seqs_tensor",
-    "norm_length",
-)
-
-#: value_loss's operator arguments after its four tensors (its counts as in policy_loss's).
-VALUE_KWONLY = (
-    "clip",
-    "agg",
-    "num_tokens",
-    "num_tokens_tensor",
-    "num_seqs",
-    "num_seqs_tensor",
-    "norm_length",
-)
-
 #: Ops whose keywords are encoded as operator arguments (:func:`_encode`), and the number of
 #: their leading positional tensors.
 ENCODED = {"policy_loss": 4, "value_loss": 4}
-
-#: Per op: the backend's arguments in order, each ``(name, kind)``: ``"pos"`` positional,
-#: ``"opt"`` positional and left out of the backend call when None (a one-tensor
-#: silu_and_mul / apply_rotary), ``"kw"`` by keyword, ``"kw?"`` by keyword only when not None.
-ARGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "linear": (("x", "pos"), ("weight", "pos"), ("bias", "pos")),
-    "rms_norm": (("x", "pos"), ("weight", "pos"), ("eps", "pos"), ("residual", "pos")),
-    "silu_and_mul": (("x", "pos"), ("up", "opt")),
-    "apply_rotary": (("x", "pos"), ("cos", "pos"), ("sin", "pos"), ("k", "opt")),
-    "attention": (
-        ("q", "pos"),
-        ("k", "pos"),
-        ("v", "pos"),
-        ("cu_seqlens_q", "pos"),
-        ("cu_seqlens_k", "pos"),
-        ("causal", "pos"),
-        ("scale", "pos"),
-        ("max_seqlen_q", "kw?"),
-        ("max_seqlen_k", "kw?"),
-    ),
-    "paged_attention": tuple(
-        (n, "pos")
-        for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q", "scale")
-    ),
-    "logprobs": tuple((n, "pos") for n in ("logits", "targets", "temperature", "return_entropy")),
-    "linear_logprobs": tuple(
-        (n, "pos")
-        for n in (
-            "hidden",
-            "weight",
-            "targets",
-            "bias",
-            "temperature",
-            "return_entropy",
-            "logits_dtype",
-        )
-    ),
-    "kl_penalty": (
-        ("logprobs", "pos"),
-        ("ref_logprobs", "pos"),
-        ("kind", "pos"),
-        ("clamp", "kw"),
-        ("old_logprobs", "kw"),
-    ),
-    "grpo_advantages": (
-        ("rewards", "pos"),
-        ("group_size", "pos"),
-        ("norm_std", "kw"),
-        ("eps", "kw"),
-        ("group_ids", "kw"),
-        ("estimator", "kw"),
-        ("mask", "kw"),
-    ),
-    "policy_loss": (
-        *((n, "pos") for n in ("logprobs", "old_logprobs", "advantages", "mask")),
-        *((n, "kw") for n in POLICY_KWONLY),
-    ),
-    "gae_advantages": (
-        *((n, "pos") for n in ("rewards", "values", "mask")),
-        *((n, "kw") for n in ("gamma", "lam", "whiten")),
-    ),
-    "value_loss": (
-        *((n, "pos") for n in ("values", "old_values", "returns", "mask")),
-        *((n, "kw") for n in VALUE_KWONLY),
-    ),
-    "sample": (
-        ("logits", "pos"),
-        ("seeds", "pos"),
-        ("offsets", "pos"),
-        ("temperature", "kw"),
-        ("top_k", "kw"),
-        ("top_p", "kw"),
-    ),
-}
 
 #: The operators' schemas (their arguments; every forward returns ``Tensor[]``: the outputs,
 #: then the :data:`EXTRAS`).
@@ -194,6 +85,44 @@ SCHEMAS: dict[str, str] = {
     "sample": "Tensor logits, Tensor seeds, Tensor offsets, Tensor temperature, Tensor? top_k, "
     "Tensor? top_p",
 }
+
+
+#: The keywords of the :data:`ENCODED` ops that take several kinds of value, and the operator
+#: arguments that follow each to carry them (see :func:`_encode`).
+SPLIT = {
+    "is_normalize": ("is_normalize_value", "is_normalize_tensor"),
+    "num_tokens": ("num_tokens_tensor",),
+    "num_seqs": ("num_seqs_tensor",),
+}
+
+#: Arguments a backend call leaves out when they are None: a one-tensor silu_and_mul /
+#: apply_rotary passes no ``up`` / ``k``, an attention call without bounds no ``max_seqlen_*``.
+OMITTED_IF_NONE = {
+    "silu_and_mul": ("up",),
+    "apply_rotary": ("k",),
+    "attention": ("max_seqlen_q", "max_seqlen_k"),
+}
+
+
+def _arg_kinds(op: str) -> tuple[tuple[str, str], ...]:
+    """The operator's arguments (its schema's names) with how the backend gets each:
+    ``"pos"`` by position, ``"kw"`` by keyword (the catalog's ``kwonly``), ``"pos?"`` / ``"kw?"``
+    the same, left out when None (:data:`OMITTED_IF_NONE`)."""
+    names = tuple(arg.split()[-1] for arg in SCHEMAS[op].split(","))
+    kwonly = [*SPECS[op].kwonly]
+    for name, extra in SPLIT.items() if op in ENCODED else ():
+        if name in kwonly:
+            kwonly[kwonly.index(name) + 1 : kwonly.index(name) + 1] = extra
+    if names[len(names) - len(kwonly) :] != tuple(kwonly):
+        raise RuntimeError(f"rlk::{op}'s schema ends in {names}, not the catalog's {kwonly}")
+    omitted = OMITTED_IF_NONE.get(op, ())
+    return tuple(
+        (n, ("kw" if n in kwonly else "pos") + ("?" if n in omitted else "")) for n in names
+    )
+
+
+#: Per op: the backend's arguments in order, each ``(name, kind)`` (:func:`_arg_kinds`).
+ARGS: dict[str, tuple[tuple[str, str], ...]] = {op: _arg_kinds(op) for op in SCHEMAS}
 
 
 def _f32(*shape: int, like: torch.Tensor) -> torch.Tensor:
@@ -389,7 +318,7 @@ def backend_call(op: str, values: tuple) -> tuple[tuple, dict[str, Any]]:
         _decode(op, a)
         return tuple(a.pop(n) for n in _names(op)[: ENCODED[op]]), a
     for (name, kind), v in zip(ARGS[op], values):
-        if kind == "pos" or (kind == "opt" and v is not None):
+        if kind == "pos" or (kind == "pos?" and v is not None):
             args.append(v)
         elif kind == "kw" or (kind == "kw?" and v is not None):
             kwargs[name] = v
@@ -458,7 +387,7 @@ def _autograd_inside_op():
 
 def _recompute_grads(impl_, op: str, grads, needs, args, kwargs) -> tuple:
     """The backend's own op run again under autograd, differentiated: ``needs``' gradients."""
-    names = [n for n, k in ARGS[op] if k in ("pos", "opt")]
+    names = [n for n, k in ARGS[op] if k in ("pos", "pos?")]
     args = list(args)
     leaves = {}
     for want, name in zip(needs, GRADS[op]):
@@ -671,7 +600,7 @@ def traced_impl(device: Any) -> BackendImpl:
 
 def operator_args(op: str, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:
     """``torch.ops.rlk.<op>``'s arguments for a backend call's ``(args, kwargs)``."""
-    positional = [n for n, k in ARGS[op] if k in ("pos", "opt")]
+    positional = [n for n, k in ARGS[op] if k in ("pos", "pos?")]
     a = dict(zip(positional, args))
     a.update(kwargs)
     if op in ENCODED:

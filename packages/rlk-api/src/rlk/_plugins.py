@@ -21,8 +21,6 @@ from typing import Any
 import pluggy
 import torch
 
-from rlk._catalog import OPS, OPTIONAL_OPS
-
 log = logging.getLogger("rlk")
 
 PROJECT = "rlk"
@@ -100,6 +98,9 @@ class BackendImpl:
     use_config: Callable[[str, Mapping[str, Any]], contextlib.AbstractContextManager] | None = None
 
     def missing(self) -> list[str]:
+        """The required ops (``rlk.OPS``) this implementation lacks."""
+        from rlk.ops import OPS  # (rlk.ops imports this module: its families dispatch here)
+
         return [op for op in OPS if op not in self.ops]
 
 
@@ -336,7 +337,9 @@ class Registry:
                 if not isinstance(impl.ops, Mapping):
                     what = type(impl.ops).__name__
                     raise BackendError(f"backend {name!r} loader returned ops as a {what}")
-                unknown = set(impl.ops) - set(OPS) - set(OPTIONAL_OPS)
+                from rlk.ops import SPECS
+
+                unknown = set(impl.ops) - set(SPECS)
                 if unknown:
                     raise BackendError(f"backend {name!r} provides unknown ops {sorted(unknown)}")
                 bad = [op for op, fn in impl.ops.items() if not callable(fn)]

@@ -40,7 +40,9 @@ import torch
 
 from rlk import _plugins
 from rlk import _validate as chk
-from rlk.ops import check_linear, check_linear_logprobs
+from rlk._catalog import op
+from rlk.ops.dense import check_linear
+from rlk.ops.logprobs import check_linear_logprobs
 
 
 def __getattr__(name: str) -> Any:
@@ -265,6 +267,18 @@ def _op(device: torch.device, op: str, caller: str):
 # --------------------------------------------------------------------------------------------
 
 
+# The tree-ordered linears: K (tree_linear) or dX's N (column_tree_linear) reduced by a fixed
+# tree of leaves; the backend's ``exchange`` tops the tree over tensor-parallel ranks.
+_TREE_OP = op(
+    "tree_gemm",
+    kwonly=("exchange",),
+    grad_args=("x", "weight", "bias"),
+    unit_grads=("x",),
+    optional=True,
+)
+
+
+@_TREE_OP
 def tree_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, leaves: int = 8
 ) -> torch.Tensor:
@@ -291,6 +305,7 @@ def tree_linear(
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@_TREE_OP
 def column_tree_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, leaves: int = 8
 ) -> torch.Tensor:
@@ -409,6 +424,13 @@ class _GatherColumns(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
+@op(
+    "vocab_parallel",
+    kwonly=("exchange",),
+    grad_args=("hidden", "weight", "bias"),
+    out_dtype="float32",
+    optional=True,
+)
 def vocab_parallel_linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rlk import OPS, BackendImpl
+from rlk import BackendImpl
+from rlk.ops import CATALOG
 from rlk_ascend import npu as _npu
 from rlk_ascend import portable, portable_losses, portable_ppo
 
@@ -35,14 +36,18 @@ def make_impl(npu: Any = None, fused: tuple[str, ...] | None = None) -> BackendI
             "(RLK_ASCEND_FUSED), but torch_npu is not loaded"
         )
     ops, delegated = {}, {}
-    for op in OPS:
+    # Every op of the catalog that the portable code (or a fused operator) has: a required op
+    # it lacks makes the backend incomplete, which rlk reports by name; an optional one is left
+    # out.
+    for op in (s.name for s in CATALOG):
+        found = (m for m in (portable_ppo, portable_losses, portable) if hasattr(m, op))
+        mod = next(found, None)
         if op in fused:
             ops[op] = _npu.fused_op(op, npu)
             delegated[op] = (
                 f"torch_npu.{_npu.FUSED[op]} (opt-in RLK_ASCEND_FUSED; never checked on an NPU)"
             )
-        else:
-            mod = next(m for m in (portable_ppo, portable_losses, portable) if hasattr(m, op))
+        elif mod is not None:
             ops[op] = getattr(mod, op)
             delegated[op] = f"portable PyTorch, fixed order ({mod.__name__}.{op})"
     return BackendImpl(

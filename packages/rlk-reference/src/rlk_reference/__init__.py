@@ -13,37 +13,24 @@ float64 partial values through the ``exchange`` that ``rlk.parallel`` passes.
 The random numbers of :func:`sample` are specified bit-exactly in :mod:`rlk_reference.philox`.
 """
 
-from rlk_reference._attention import attention, paged_attention
-from rlk_reference._dense import apply_rotary, linear, rms_norm, silu_and_mul
-from rlk_reference._logprobs import linear_logprobs, logprobs
-from rlk_reference._losses import grpo_advantages, kl_penalty, policy_loss
-from rlk_reference._moe import moe_experts, moe_route
-from rlk_reference._parallel import (
-    column_tree_linear,
-    tree_linear,
-    vocab_parallel_linear_logprobs,
-)
-from rlk_reference._ppo import gae_advantages, value_loss
-from rlk_reference._sampling import sample
+# Each module lists its ops in __all__ (static tools read the star imports and the sums);
+# rlk-api's test_catalog.py checks that they are the ops of rlk's catalog.
+from rlk_reference import _attention, _dense, _logprobs, _losses, _moe, _parallel, _ppo, _sampling
+from rlk_reference._attention import *  # noqa: F403
+from rlk_reference._dense import *  # noqa: F403
+from rlk_reference._logprobs import *  # noqa: F403
+from rlk_reference._losses import *  # noqa: F403
+from rlk_reference._moe import *  # noqa: F403
+from rlk_reference._parallel import *  # noqa: F403
+from rlk_reference._ppo import *  # noqa: F403
+from rlk_reference._sampling import *  # noqa: F403
 
-__all__ = [
-    "linear",
-    "rms_norm",
-    "silu_and_mul",
-    "apply_rotary",
-    "attention",
-    "paged_attention",
-    "logprobs",
-    "linear_logprobs",
-    "policy_loss",
-    "kl_penalty",
-    "grpo_advantages",
-    "gae_advantages",
-    "value_loss",
-    "sample",
-    "tree_linear",
-    "column_tree_linear",
-    "vocab_parallel_linear_logprobs",
-    "moe_route",
-    "moe_experts",
-]
+__all__: list[str] = []
+__all__ += _dense.__all__
+__all__ += _attention.__all__
+__all__ += _logprobs.__all__
+__all__ += _losses.__all__
+__all__ += _ppo.__all__
+__all__ += _sampling.__all__
+__all__ += _parallel.__all__
+__all__ += _moe.__all__

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["attention", "paged_attention"]
+
 # Scores of one query chunk are [Hq, chunk, nk] float64; this bounds them to ~128 MiB.
 _MAX_SCORE_ELEMENTS = 1 << 24
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["linear", "rms_norm", "silu_and_mul", "apply_rotary"]
+
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, table=None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["logprobs", "linear_logprobs"]
+
 
 def result_dtype(t: torch.Tensor) -> torch.dtype:
     """float32 results, except float64 inputs, which give exact float64 results."""

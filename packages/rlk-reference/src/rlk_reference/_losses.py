@@ -13,6 +13,9 @@ import torch
 
 from rlk_reference._logprobs import result_dtype
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["policy_loss", "kl_penalty", "grpo_advantages"]
+
 #: Log importance ratios are clamped to this bound before ``exp`` (verl's safety bound).
 LOG_RATIO_BOUND = 20.0
 #: The variance floor of REINFORCE++'s whitening (verl's ``masked_whiten``).

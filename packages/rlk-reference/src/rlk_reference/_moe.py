@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["moe_route", "moe_experts"]
+
 
 def route_order(logits: torch.Tensor) -> torch.Tensor:
     """The experts of each row of ``logits [T, E]`` by decreasing logit, int64 ``[T, E]``.

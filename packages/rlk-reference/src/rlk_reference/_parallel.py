@@ -15,6 +15,9 @@ import torch
 from rlk_reference._dense import linear
 from rlk_reference._logprobs import result_dtype
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["tree_linear", "column_tree_linear", "vocab_parallel_linear_logprobs"]
+
 
 class _SumOverRanks(torch.autograd.Function):
     """Forward: the sum of the ranks' ``partial`` (replicated result). Backward: the identity,

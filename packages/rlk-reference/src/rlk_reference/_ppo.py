@@ -14,6 +14,9 @@ import torch
 from rlk_reference._logprobs import result_dtype
 from rlk_reference._losses import _aggregate, _div, _masked_mean
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["gae_advantages", "value_loss"]
+
 #: The variance floor of the advantages' whitening (verl's ``masked_whiten``).
 WHITEN_EPS = 1e-8
 

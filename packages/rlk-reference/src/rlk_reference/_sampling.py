@@ -8,6 +8,9 @@ import torch
 
 from rlk_reference.philox import philox_uniform
 
+#: The ops this module holds (``rlk_reference`` exports them).
+__all__ = ["sample"]
+
 
 def _first_argmax(x: torch.Tensor) -> int:
     """Index of the maximum of a 1-D tensor, the lowest one among ties."""

@@ -17,15 +17,21 @@ The families (:data:`FAMILIES`): :mod:`rlk.ops.dense` (``linear``, ``rms_norm``,
 ``silu_and_mul``, ``apply_rotary``), :mod:`rlk.ops.attention` (``attention``,
 ``paged_attention``), :mod:`rlk.ops.logprobs` (``logprobs``, ``linear_logprobs``),
 :mod:`rlk.ops.losses` (``policy_loss``, ``kl_penalty``, ``grpo_advantages``),
-:mod:`rlk.ops.ppo` (``gae_advantages``, ``value_loss``), :mod:`rlk.ops.sampling`
-(``sample``). The op functions are reached through ``rlk`` or their family module
-(``rlk.ops.attention`` is the module, ``rlk.attention`` the op).
+:mod:`rlk.ops.ppo` (``gae_advantages``, ``value_loss``), :mod:`rlk.ops.sampling` (``sample``),
+:mod:`rlk.ops.moe` (the optional ``moe_route``, ``moe_experts``). The op functions are reached
+through ``rlk`` or their family module (``rlk.ops.attention`` is the module, ``rlk.attention``
+the op).
+
+The op catalog is assembled here: each public function is declared an op by
+``rlk._catalog.op`` (its :class:`OpSpec`) in its family module, and this package imports the
+families and ``rlk.parallel`` (the tensor-parallel ops) and orders what they declared.
 
 Public names for other distributions (backends, ``rlk.parallel``, the conformance kit):
 
 - :data:`CATALOG` (one :class:`OpSpec` per op, required then optional), :data:`SPECS` (by
-  name): the op catalog (``rlk/_catalog.py``), from which backends map their ops (rlk-triton's
-  ``backend.OP_MODULES``);
+  name), :data:`OPS`, :data:`OPTIONAL_OPS` and the conformance kit's metadata
+  (:data:`KWONLY`, :data:`GRAD_ARGS`, :data:`UNIT_GRADS`, :data:`OUT_DTYPE`), from which
+  backends map their ops (rlk-triton's ``backend.OP_MODULES``);
 - :func:`check_linear`, :func:`check_linear_logprobs`: the argument checks of ``linear`` and
   ``linear_logprobs``, for ops that take the same arguments (the tensor-parallel linears);
 - the RL objectives' options: :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`IS_LEVELS`,
@@ -36,7 +42,9 @@ Public names for other distributions (backends, ``rlk.parallel``, the conformanc
 
 from __future__ import annotations
 
-from rlk._catalog import CATALOG, SPECS, OpSpec
+import importlib
+
+from rlk._catalog import DECLARED, OpSpec
 from rlk.ops.dense import check_linear
 from rlk.ops.logprobs import check_linear_logprobs
 from rlk.ops.losses import (
@@ -52,12 +60,44 @@ from rlk.ops.losses import (
     REJECT_OPTIONS,
 )
 
-#: The op families, each a module of this package holding its ops' public functions.
-FAMILIES = ("dense", "attention", "logprobs", "losses", "ppo", "sampling")
+#: The op families, each a module of this package holding its ops' public functions, in the
+#: order of ``rlk.OPS``.
+FAMILIES = ("dense", "attention", "logprobs", "losses", "ppo", "sampling", "moe")
+
+#: The modules that declare ops (``rlk._catalog.op``) as they are imported: the families, then
+#: ``rlk.parallel`` (the tensor-parallel ops).
+_DECLARING = (*(f"rlk.ops.{f}" for f in FAMILIES), "rlk.parallel")
+for _module in _DECLARING:
+    importlib.import_module(_module)
+
+#: Every op, required ones in the order of ``rlk.OPS``, then the optional ones (each group in
+#: the order of :data:`FAMILIES`, then of the definitions in the module).
+CATALOG: tuple[OpSpec, ...] = tuple(
+    sorted(DECLARED.values(), key=lambda s: (s.optional, _DECLARING.index(s.module)))
+)
+SPECS: dict[str, OpSpec] = {s.name: s for s in CATALOG}
+
+#: Every op a backend must serve. A backend missing one cannot be selected.
+OPS: tuple[str, ...] = tuple(s.name for s in CATALOG if not s.optional)
+
+#: Ops a backend may claim and leave out (``rlk.parallel``'s and the mixture of experts').
+OPTIONAL_OPS: tuple[str, ...] = tuple(s.name for s in CATALOG if s.optional)
+
+#: The conformance kit's metadata, per op (see :class:`OpSpec`).
+KWONLY: dict[str, tuple[str, ...]] = {s.name: s.kwonly for s in CATALOG if s.kwonly}
+GRAD_ARGS: dict[str, tuple[str, ...]] = {s.name: s.grad_args for s in CATALOG if s.grad_args}
+UNIT_GRADS: dict[str, tuple[str, ...]] = {s.name: s.unit_grads for s in CATALOG if s.unit_grads}
+OUT_DTYPE: dict[str, str] = {s.name: s.out_dtype for s in CATALOG}
 
 __all__ = [
     "CATALOG",
     "SPECS",
+    "OPS",
+    "OPTIONAL_OPS",
+    "KWONLY",
+    "GRAD_ARGS",
+    "UNIT_GRADS",
+    "OUT_DTYPE",
     "OpSpec",
     "ADV_ALIASES",
     "ADV_ESTIMATORS",

@@ -9,7 +9,11 @@ import math
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["attention", "paged_attention"]
 
 
 def _check_qkv_heads(q: torch.Tensor, hk: int, d: int, kname: str) -> None:
@@ -27,6 +31,7 @@ def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else chk.positive_float("scale", scale)
 
 
+@op("attention", grad_args=("q", "k", "v"), unit_grads=("q", "k", "v"))
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,6 +100,7 @@ def attention(
     return _call("attention", device, q, k, v, cu_q, cu_k, causal, scale, **bounds)
 
 
+@op("paged_attention")
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

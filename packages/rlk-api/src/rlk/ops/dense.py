@@ -11,7 +11,11 @@ import math
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call, _rows, _unrows
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["linear", "rms_norm", "silu_and_mul", "apply_rotary"]
 
 _FLOAT_DTYPES = frozenset(chk.FLOAT_DTYPES)
 
@@ -64,6 +68,7 @@ def check_linear(x: object, weight: object, bias: object) -> torch.device:
     return device
 
 
+@op("gemm", grad_args=("x", "weight", "bias"), unit_grads=("x",))
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``y = x @ weight.T + bias``.
 
@@ -114,6 +119,7 @@ def _plain_norm_args(x: object, weight: object, eps: object, residual: object) -
     )
 
 
+@op("norm", grad_args=("x", "weight", "residual"), unit_grads=("x", "residual"))
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -155,6 +161,7 @@ def rms_norm(
     return _unrows(y, *x.shape), _unrows(s, *x.shape)
 
 
+@op("activation", grad_args=("x", "up"), unit_grads=("x", "up"))
 def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU activation: ``silu(x[..., :I]) * x[..., I:]``, or ``silu(x) * up``.
 
@@ -183,6 +190,7 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
     return _unrows(y, *x.shape[:-1], x.shape[-1] // 2)
 
 
+@op("rotary", grad_args=("x", "k"), unit_grads=("x", "k"))
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["logprobs", "linear_logprobs"]
 
 
 def _check_targets(targets: object, t: int, vocab: int) -> torch.Tensor:
@@ -18,6 +22,7 @@ def _check_targets(targets: object, t: int, vocab: int) -> torch.Tensor:
     return targets
 
 
+@op("logprobs", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32")
 def logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -72,6 +77,12 @@ def check_linear_logprobs(hidden, weight, targets, bias, temperature, logits_dty
     return device, targets, temperature, logits_dtype
 
 
+@op(
+    "fused_logprobs",
+    grad_args=("hidden", "weight", "bias"),
+    unit_grads=("hidden",),
+    out_dtype="float32",
+)
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -12,7 +12,11 @@ from typing import Any
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["policy_loss", "kl_penalty", "grpo_advantages"]
 
 #: ``policy_loss`` aggregations (see its docstring; docs/objectives.md maps verl's and TRL's).
 AGG_MODES = (
@@ -175,6 +179,8 @@ def _reject(reject: object) -> dict[str, tuple[float | None, float]] | None:
     return out
 
 
+# policy_loss aggregates over the batch: its gradient is checked for determinism only.
+@op("policy_loss", grad_args=("logprobs",), out_dtype="float32", aliases=("tis_cap",))
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -355,6 +361,7 @@ def policy_loss(
     )
 
 
+@op("kl", grad_args=("logprobs",), unit_grads=("logprobs",), out_dtype="float32")
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -397,6 +404,7 @@ def kl_penalty(
     )
 
 
+@op("advantages", out_dtype="float32")
 def grpo_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,

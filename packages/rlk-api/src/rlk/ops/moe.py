@@ -14,10 +14,15 @@ import torch
 
 from rlk import _plugins
 from rlk import _validate as chk
+from rlk._catalog import op
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["moe_route", "moe_experts"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+@op("moe", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32,int64", optional=True)
 def moe_route(
     logits: torch.Tensor, top_k: int, normalize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +52,12 @@ def moe_route(
     return fn(logits, top_k, normalize)
 
 
+@op(
+    "moe",
+    grad_args=("x", "weights", "gate_up", "down"),
+    unit_grads=("x", "weights"),
+    optional=True,
+)
 def moe_experts(
     x: torch.Tensor,
     indices: torch.Tensor,

@@ -8,8 +8,12 @@ from __future__ import annotations
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call
 from rlk.ops.losses import AGG_MODES, _agg_args, _check_mask
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["gae_advantages", "value_loss"]
 
 
 def _padded(name: str, t: object, shape: tuple[int, ...] | None, of: str) -> torch.Tensor:
@@ -32,6 +36,9 @@ def _unit(name: str, v: object) -> float:
     return v
 
 
+# PPO's critic side: GAE (not differentiable) and the clipped value loss, which aggregates over
+# the batch (its gradient is checked for determinism only).
+@op("ppo", out_dtype="float32")
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -79,6 +86,7 @@ def gae_advantages(
                  whiten=whiten)  # fmt: skip
 
 
+@op("ppo", grad_args=("values",), out_dtype="float32")
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

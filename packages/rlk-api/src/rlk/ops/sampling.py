@@ -9,7 +9,11 @@ import math
 import torch
 
 from rlk import _validate as chk
+from rlk._catalog import op
 from rlk.ops._common import _call
+
+#: The ops declared here (``rlk`` exports them).
+__all__ = ["sample"]
 
 #: What a sampling parameter must be: in words, and as a test that works elementwise on a
 #: tensor and on a Python number alike. Each test is false for NaN.
@@ -48,6 +52,7 @@ def _per_row(
     return torch.full((b,), value, dtype=dtype, device=device)
 
 
+@op("sampling", out_dtype="int64")
 def sample(
     logits: torch.Tensor,
     seeds: torch.Tensor,

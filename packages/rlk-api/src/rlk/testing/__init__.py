@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from rlk import _plugins
-from rlk._catalog import OPTIONAL_OPS
-from rlk._plugins import GUARANTEES, OPS, BackendImpl
+from rlk._plugins import GUARANTEES, BackendImpl
+from rlk.ops import OPS, OPTIONAL_OPS
 from rlk.testing import cases as _cases
 from rlk.testing import checks as _checks
 from rlk.testing import moe_cases as _moe_cases

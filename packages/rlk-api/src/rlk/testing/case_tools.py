@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlk._catalog import KWONLY
+from rlk.ops import KWONLY
 
 SEED = 1234
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlk._catalog import OPS
+from rlk.ops import OPS
 
 # KWONLY, SEED, Case, Gen, OpCases, call, select and batch_of are also read through this module
 # (rlk.testing, the tests).

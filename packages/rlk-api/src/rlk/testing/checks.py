@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlk._catalog import GRAD_ARGS, OUT_DTYPE, UNIT_GRADS
+from rlk.ops import GRAD_ARGS, OUT_DTYPE, UNIT_GRADS
 from rlk.testing.case_tools import (
     Case,
     Gen,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlk._catalog import KWONLY
+from rlk.ops import KWONLY
 from rlk.testing.case_tools import FP32, Case, Gen, dtype_name
 from rlk.testing.checks import TOLERANCES, Outcome, float64, run_case
 
