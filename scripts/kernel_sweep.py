@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 import rlk
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 from rlk_triton import gemm, tuning
 from rlk_triton._triton import jit, tl, triton
 
@@ -73,7 +73,7 @@ DECODE: dict = {
 def graph_ms(fn, n_inner: int) -> float:
     """GPU time of one ``fn()`` from a CUDA graph of ``fn`` (which runs n_inner products).
 
-    Not ``rlk.bench._timing.time_call``: that one falls back to eager timing when capture
+    Not ``rlk.bench.timing.time_call``: that one falls back to eager timing when capture
     fails, and a sweep must see such a config fail (it is skipped) rather than time its host."""
     from triton.testing import do_bench
 
@@ -793,7 +793,7 @@ def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
     """linear_logprobs at one shape under other chunk constants (none changes a bit): the peak
     memory of the forward and of the backward beyond what is allocated before each (GiB, the
     gradients included), and their times (CUDA events over eager calls: host included)."""
-    from rlk.bench import _timing
+    from rlk.bench import timing as _timing
     from rlk_triton import fused_logprobs as fl
 
     hid = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ import time
 import torch
 from profile_training import kernel_times  # scripts/ is on sys.path when run as a script
 
-from rlk.bench._timing import ceilings
+from rlk.bench.timing import ceilings
 from rlk_integrations import e2e_bench as e2e
 from rlk_integrations import engines
 from rlk_integrations.consistency import random_prompts

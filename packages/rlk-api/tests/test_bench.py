@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlk import bench, cli
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 
 
 def _row(op, impl, ms, family="gemm", shape="s", dtype="bf16"):

@@ -98,19 +98,6 @@ def private_imports(source: str) -> list[tuple[int, str]]:
     return [(ln, n) for ln, n in found if any(p.startswith("_") for p in n.split(".")[1:])]
 
 
-#: Private crossings in files that are being reworked elsewhere (the rollout-engine interface,
-#: the custom-op registration):
-#: each has a public name to move to (``rlk.use_backend``, ``rlk.validate``); an entry goes
-#: when its file does. The list only shrinks.
-KNOWN_CROSSINGS = {
-    "rlk-integrations/src/rlk_integrations/consistency.py imports rlk._plugins",
-    "rlk-integrations/src/rlk_integrations/paged.py imports rlk._validate.validate_requested",
-    "rlk-integrations/src/rlk_integrations/e2e_bench.py imports rlk.bench._timing",
-    "rlk-integrations/src/rlk_integrations/e2e_compile.py imports rlk.bench._timing",
-    "rlk-triton/src/rlk_triton/backend.py imports rlk._plugins.OpAutograd",
-}
-
-
 def private_crossings() -> set[str]:
     owner = _distributions()
     bad = set()
@@ -126,7 +113,7 @@ def private_crossings() -> set[str]:
 def test_no_private_name_crosses_a_distribution():
     # What another distribution needs is a documented public name (rlk.ops.CATALOG,
     # rlk.ops.REJECT_OPTIONS, rlk_triton.gemm.gemm_config, rlk.validate, ...).
-    assert private_crossings() - KNOWN_CROSSINGS == set()
+    assert private_crossings() == set()
 
 
 def test_the_private_scan_sees_every_form():

@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlk.bench import _timing  # noqa: E402
+from rlk.bench import timing  # noqa: E402
 from rlk_integrations import e2e_bench  # noqa: E402
 
 
 def test_e2e_family_runs(monkeypatch):
-    monkeypatch.setattr(_timing, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
     shapes = dict(
         QUICK_MODELS=("tiny",),
         QUICK_BATCHES=(2,),
@@ -80,7 +80,7 @@ def test_e2e_family_runs(monkeypatch):
 def test_heldout_family_and_model_filter(monkeypatch):
     # The held-out family gives the training rows (every impl the CPU has) of its models, and
     # RLK_E2E_MODELS keeps only the models it names; a name the family lacks is an error.
-    monkeypatch.setattr(_timing, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
     for name, value in dict(
         HELDOUT_MODELS=("tiny", "tiny-llama"), QUICK_TRAIN_SEQS=2, QUICK_TRAIN_LEN=8, TRAIN_ITERS=1
     ).items():

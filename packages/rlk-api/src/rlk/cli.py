@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from rlk import _plugins
+from rlk.ops import CATALOG, OPTIONAL_OPS
 
 
 def _versions(*extra: str) -> dict[str, str]:
@@ -79,6 +80,9 @@ def info_dict() -> dict[str, Any]:
             try:
                 impl = reg.load(name, complete=False)
                 entry["missing_ops"] = impl.missing()
+                # Every op of the catalog it serves, and the optional ones it leaves out.
+                entry["ops"] = [s.name for s in CATALOG if s.name in impl.ops]
+                entry["missing_optional_ops"] = [op for op in OPTIONAL_OPS if op not in impl.ops]
                 entry["delegated"] = dict(impl.delegated)
                 entry["claims"] = sorted(impl.claims)
             except _plugins.BackendError as e:  # available, yet its loader failed
@@ -127,8 +131,17 @@ def _print_info(d: dict[str, Any]) -> None:
             f" {mark} {b['name']:<10} prio {prio:>3}  devices {devices:<10} "
             f"[{b['distribution']}] {state}"
         )
+        if "ops" in b:
+            required = sum(op not in OPTIONAL_OPS for op in b["ops"])
+            optional = [op for op in b["ops"] if op in OPTIONAL_OPS]
+            print(
+                f"      ops: {required} of the {len(CATALOG) - len(OPTIONAL_OPS)} required; "
+                f"optional: {', '.join(optional) or 'none'}"
+            )
         if b.get("missing_ops"):
             print(f"      not implemented (cannot be selected): {', '.join(b['missing_ops'])}")
+        if b.get("missing_optional_ops"):
+            print(f"      optional ops it lacks: {', '.join(b['missing_optional_ops'])}")
         for op, how in (b.get("delegated") or {}).items():
             print(f"      delegates {op}: {how}")
 

@@ -357,7 +357,7 @@ def check_args(
     cost the stock half of the run."""
     import os
 
-    from rlk import _plugins
+    import rlk
     from rlk_integrations import engines
     from rlk_integrations.models import CONFIGS
 
@@ -426,8 +426,8 @@ def check_args(
             f"{torch.cuda.device_count()}"
         )
     if backend is not None:
-        with _plugins.use_backend(backend):
-            _plugins.current_backend(dev)
+        with rlk.use_backend(backend):
+            rlk.current_backend(dev)
 
 
 def run(

@@ -1,7 +1,7 @@
 """End-to-end benchmarks: rollout and training tokens per second on whole models.
 
 Models: the built-in random-weight configs of :mod:`rlk_integrations.models` (:data:`MODELS`),
-bf16, on :data:`rlk.bench._timing.DEVICE`. Each model is loaded once; its stock rows run it
+bf16, on :data:`rlk.bench.timing.DEVICE`. Each model is loaded once; its stock rows run it
 unpatched (transformers as shipped, SDPA attention) and its rlk rows run the same weights under
 :func:`~rlk_integrations.transformers.patch_model`.
 
@@ -99,7 +99,7 @@ from typing import Any
 
 import torch
 
-from rlk.bench import _peers, _timing
+from rlk.bench import timing
 from rlk_integrations import engines, rollout, training
 from rlk_integrations.consistency import _sync, random_prompts
 from rlk_integrations.models import HELDOUT, load_model
@@ -232,7 +232,7 @@ def _hf_static_row(op, model, prompts, new, shape, device) -> dict[str, Any]:
             raise RuntimeError("generate with the static cache did not compile its decode step")
     except Exception as e:
         _say(f"e2e: hf-generate-static failed, row left out ({type(e).__name__}: {e})")
-        return _peers.left_out(op, shape, "bf16", "hf-generate-static", e)
+        return timing.left_out(op, shape, "bf16", "hf-generate-static", e)
     finally:
         # The compiled call, and the cache length generate keeps to size the next static
         # cache: each shape's run is sized and compiled for its own prompts.
@@ -246,7 +246,7 @@ def _hf_static_row(op, model, prompts, new, shape, device) -> dict[str, Any]:
 def _copy_GBps(device: torch.device) -> float | None:
     """The copy bandwidth of the report's ceilings (GB/s, read + write; measured once per
     process); None off CUDA."""
-    return _timing.copy_GBps() if device.type == "cuda" else None
+    return timing.copy_GBps() if device.type == "cuda" else None
 
 
 def _decode_bytes(model: torch.nn.Module, prompts: list[list[int]], new: int) -> int | None:
@@ -290,7 +290,7 @@ def _rollout_row(op, impl, engine, model, prompts, new, shape, device) -> dict[s
     tokens, seconds = _wall(lambda: engine(model, prompts, new), device)
     if tokens != len(prompts) * new:
         raise RuntimeError(f"{impl} {op} made {tokens} tokens, not {len(prompts)} x {new}")
-    return _timing.row(
+    return timing.row(
         op,
         shape,
         "bf16",
@@ -446,7 +446,7 @@ def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> Non
             _say(f"e2e: stock+liger failed, row skipped ({type(e).__name__}: {e})")
             continue
         emit(
-            _timing.row(
+            timing.row(
                 "e2e.train",
                 shape,
                 "bf16",
@@ -571,7 +571,7 @@ def _grpo(model, name: str, prompts_n: int, new: int, device, emit, flce) -> Non
         finally:
             model.zero_grad(set_to_none=True)
         emit(
-            _timing.row(
+            timing.row(
                 "e2e.grpo_step", shape, "bf16", impl, seconds * 1e3, timing="wall, 1 step",
                 tok_s=round(tokens / seconds, 1), new_tokens=tokens,
             )
@@ -633,7 +633,7 @@ def _selected(models) -> tuple[str, ...]:
 
 def _run(quick: bool, emit: Callable[[dict], None], long: bool) -> None:
     _T0[0] = time.perf_counter()
-    device = torch.device(_timing.DEVICE)
+    device = torch.device(timing.DEVICE)
     models, batches, new, n, length, grpo, long_setting = _settings(quick)
     flce = None if long else _liger()
     for name in _selected(models):
@@ -659,7 +659,7 @@ def run_heldout(quick: bool, emit: Callable[[dict], None]) -> None:
     """The ``e2e-heldout`` family: the training rows on the held-out shapes (``quick``: the
     quick run's training length)."""
     _T0[0] = time.perf_counter()
-    device = torch.device(_timing.DEVICE)
+    device = torch.device(timing.DEVICE)
     _, _, _, n, length, _, _ = _settings(quick)
     flce = _liger()
     for name in _selected(HELDOUT_MODELS):

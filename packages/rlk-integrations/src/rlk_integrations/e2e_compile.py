@@ -81,7 +81,7 @@ def _stock(model, flce, mode) -> Callable[[list[Sample]], torch.Tensor]:
 def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> None:
     """The ``e2e.train.compiled`` rows of model ``name`` on the training rows' ``n``
     sequences of ``length`` tokens, timed as they are."""
-    from rlk.bench import _timing
+    from rlk.bench import timing
     from rlk_integrations import e2e_bench as e2e
     from rlk_integrations.models import make_config
 
@@ -128,7 +128,7 @@ def compiled_trainings(name: str, n: int, length: int, device, emit, flce) -> No
             e2e._free(device)
             torch._dynamo.reset()
         emit(
-            _timing.row(
+            timing.row(
                 "e2e.train.compiled", shape, "bf16", impl, seconds * 1e3,
                 timing=f"wall, median of {e2e.TRAIN_ITERS}", tok_s=round(tokens / seconds, 1),
                 tokens=tokens, layout=f"packed 1x{tokens}",

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import rlk
-from rlk._validate import validate_requested
+from rlk.validate import validate_requested
 from rlk_integrations.paged_step import _DecodeGraphs, _eager_step, _Launched
 from rlk_integrations.rollout import RolloutResult, Sample
 from rlk_integrations.tp import local_kv_heads

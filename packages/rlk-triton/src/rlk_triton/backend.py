@@ -14,8 +14,7 @@ import importlib.metadata
 
 import torch
 
-from rlk import BackendImpl
-from rlk._plugins import OpAutograd
+from rlk import BackendImpl, OpAutograd
 from rlk.ops import CATALOG
 from rlk_triton import tuning
 from rlk_triton._triton import INTERPRET

@@ -86,7 +86,7 @@ def _commit() -> str:
 def meta(argv: list[str]) -> dict[str, Any]:
     import torch
 
-    from rlk.bench._timing import ceilings
+    from rlk.bench.timing import ceilings
     from rlk.cli import _versions
 
     m = {

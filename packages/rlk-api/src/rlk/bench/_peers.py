@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 
 #: One case of an op: (impl name, forward without arguments, the tensors it differentiates to).
 Case = tuple[str, Callable[[], Any], Sequence[torch.Tensor]]
@@ -105,17 +105,9 @@ def measure(
         if impl == "rlk":
             raise
         # Recorded in the report's left_out, so that a missing peer row says why.
-        emit(left_out(op, shape, dtype, impl, e))
+        emit(_timing.left_out(op, shape, dtype, impl, e))
         return
     emit(row)
-
-
-def left_out(op: str, shape: str, dtype: str, impl: str, error: Exception) -> dict[str, str]:
-    """The record of a peer that raised ``error`` (its type and first line), which a family
-    emits instead of the peer's row (it goes to the report's ``left_out``)."""
-    first = (str(error).splitlines() or [""])[0][:200]
-    return {"op": op, "shape": shape, "dtype": dtype, "impl": impl,
-            "left_out": f"{type(error).__name__}: {first}"}  # fmt: skip
 
 
 def time_op(

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 
 # (B, S, Hq, Hk, D)
 SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]

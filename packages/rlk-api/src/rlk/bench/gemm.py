@@ -7,7 +7,7 @@ over several distinct weights (their sum far above L2), so that W is read from m
 model, and ``ms`` is per product. Forward + backward (dX and dW) at M = 8192 for the two MLP
 projections.
 
-Rows are GPU time, timed as CUDA graphs (``rlk.bench._timing``), as a decode loop runs in a
+Rows are GPU time, timed as CUDA graphs (``rlk.bench.timing``), as a decode loop runs in a
 serving engine. The host's cost of a launch is its own row, ``linear.eager_call``: the wall time
 per call of back-to-back eager calls at M = 1 (the first shape), host and launch included.
 """
@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 
 # (name, K, N)
 SHAPES = [

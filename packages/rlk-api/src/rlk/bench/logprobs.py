@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 import rlk
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 from rlk.bench._peers import Case, compiled, liger, time_op
 
 #: Shapes per op (``quick`` takes the first of each): logprobs ``(T, V)``: Qwen2.5/3 and

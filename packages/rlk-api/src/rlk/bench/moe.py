@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 import rlk
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 from rlk.bench._peers import Case, time_op
 
 #: (name, hidden, experts, per token, intermediate): Qwen3-30B-A3B's MoE layer.

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 import rlk
-from rlk.bench import _timing
+from rlk.bench import timing as _timing
 from rlk.bench._peers import compiled, measure
 
 #: ``(B, V)``, quick takes the first: a rollout step of 256, 1024, 64 and 1 sequences, Qwen's

@@ -1,4 +1,6 @@
-"""Timing and result rows shared by the benchmark families (CUDA only).
+"""Timing and result rows shared by the benchmark families (CUDA only): rlk's own and
+rlk-integrations' e2e families (a public module for that reason: :data:`DEVICE`, :func:`row`,
+:func:`left_out`).
 
 Every figure is the median of ``triton.testing.do_bench`` (CUDA events) on random data. Calls
 are timed as a CUDA graph of as many calls as make one replay at least :data:`MIN_US` long
@@ -158,6 +160,14 @@ def extra_memory_gib(fn: Callable[[], Any]) -> float | None:
     peak = torch.cuda.max_memory_allocated()
     del out
     return (peak - base) / 2**30
+
+
+def left_out(op: str, shape: str, dtype: str, impl: str, error: Exception) -> dict[str, str]:
+    """The record of a peer that raised ``error`` (its type and first line), which a family
+    emits instead of the peer's row (it goes to the report's ``left_out``)."""
+    first = (str(error).splitlines() or [""])[0][:200]
+    return {"op": op, "shape": shape, "dtype": dtype, "impl": impl,
+            "left_out": f"{type(error).__name__}: {first}"}  # fmt: skip
 
 
 def timed(op: str, shape: str, dtype: str, impl: str, fn: Callable[[], Any], **kw) -> dict:
