@@ -97,6 +97,23 @@ def test_reference_takes_the_backend_arguments():
         assert kwonly == list(s.kwonly), s.name
 
 
+@pytest.mark.parametrize("backend", ["triton", "ascend"])
+def test_backends_take_the_catalog_keywords(backend):
+    # Each backend writes its ops' signatures itself; they must take the catalog's keywords.
+    if backend == "triton":
+        from rlk_triton import backend as b
+
+        impl = b.make_impl(b.default_table())
+    else:
+        from rlk_ascend import backend as b
+
+        impl = b.make_impl()
+    for name, fn in impl.ops.items():
+        params = inspect.signature(fn).parameters
+        kwonly = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n != "table"]
+        assert kwonly == list(SPECS[name].kwonly), (backend, name)
+
+
 def test_operator_schemas_end_in_the_catalog_keywords():
     # rlk._library derives how a backend is called from each schema and the catalog, and
     # refuses a schema whose keyword arguments are not the catalog's.

@@ -100,6 +100,36 @@ def test_an_engine_that_cannot_run_says_why(nolib, capsys, monkeypatch):
     )
 
 
+def test_an_engine_refuses_a_layout_it_cannot_sample_with(monkeypatch):
+    # The options carry the run's rlk layout; vllm runs unsharded rlk ops and says so, so that
+    # rlk consistency needs no rule of its own for it (by name: a usage error; all: skipped).
+    import rlk_integrations.vllm as rv
+
+    monkeypatch.setattr(rv, "check_vllm", lambda: rv.TESTED_VLLM)  # as if vLLM were installed
+    for options in (engines.RolloutOptions(leaves=8), engines.RolloutOptions(tp=2)):
+        assert "runs unsharded rlk ops" in engines.create("vllm", options).unavailable(CPU)
+        assert engines.create("paged", options).unavailable(CPU) is None
+    assert engines.create("vllm").unavailable(CPU) is None
+    monkeypatch.setattr(consistency, "_run", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(consistency.UsageError, match="'vllm' cannot run here: runs unsharded"):
+        consistency.run("tiny", rollout_modes=("vllm",), leaves=8)
+
+
+def test_stock_twins():
+    # The stock side runs an engine's stock counterpart beside the padded baseline: vLLM's own
+    # kernels for vllm, where its CPU attention takes the model's head_dim; none for the others.
+    from transformers import Qwen2Config
+
+    model = types.SimpleNamespace(config=Qwen2Config(hidden_size=64, num_attention_heads=4))
+    assert engines.create("vllm").stock_twin(model, CPU) == (
+        "vLLM's CPU attention takes head_dim >= 32, not 16"
+    )
+    twin = engines.create("vllm").stock_twin(model, torch.device("cuda"))
+    assert twin.name == "vllm-stock" and twin.stock
+    for name in ("padded", "paged"):
+        assert engines.create(name).stock_twin(model, CPU) is None
+
+
 @pytest.fixture(scope="module")
 def model():
     return rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16))

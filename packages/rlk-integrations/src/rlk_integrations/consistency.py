@@ -16,8 +16,9 @@ batch above; ``paged`` is :class:`rlk_integrations.paged.PagedRollout` (paged KV
 continuous batching, ``rlk.paged_attention``). The rlk side gets one row per engine, each with
 its own rollout and training recompute; by default every registered engine that can run here,
 and the report names the others with the reason. The stock side runs the padded batch with
-torch sampling (``PaddedRollout(sampler="torch")``), and with the ``vllm`` engine also stock
-vLLM (:class:`rlk_integrations.vllm.engine.VLLMRollout`, ``stock=True``).
+torch sampling (``PaddedRollout(sampler="torch")``), and beside it each rlk engine's stock
+counterpart where it has one (``RolloutEngine.stock_twin``: for ``vllm``, vLLM's own model
+classes and kernels).
 
 Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
 same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
@@ -382,8 +383,6 @@ def check_args(
         not rollout_modes or any(m not in engines.names() for m in rollout_modes)
     ):
         raise UsageError(f"rollout modes must be among {engines.names()}, got {rollout_modes!r}")
-    if rollout_modes and "vllm" in rollout_modes and (leaves or rollout_tp > 1):
-        raise UsageError("the vllm rollout runs unsharded rlk ops: no leaves, rollout_tp = 1")
     if train_engine not in TRAIN_ENGINES:
         raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
     if train_engine == "transformers-graphs" and train_tp > 1:
@@ -412,7 +411,9 @@ def check_args(
     if dev is not None and dev.type not in ("cpu", "cuda"):
         raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
     on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
-    options = engines.RolloutOptions(page_size=page_size, max_batch=max_batch)
+    options = engines.RolloutOptions(
+        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
+    )
     if rollout_modes is not None:  # asked for by name: each must run here
         _, skipped = engines.available(rollout_modes, torch.device("cuda" if on_gpu else "cpu"),
                                        options)  # fmt: skip
@@ -547,17 +548,19 @@ def _run(
     model = models.load_model(model_name, dtype=dtype, device=dev, seed=seed)
     vocab = model.config.vocab_size
     batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
-    options = engines.RolloutOptions(page_size=page_size, max_batch=max_batch)
+    options = engines.RolloutOptions(
+        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
+    )
     rlk_engines, skipped = engines.available(rollout_modes, dev, options)
     # (the warm-up engine, the timed one) per row: the stock row samples with torch.
     rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
-    if leaves or rollout_tp > 1:  # "all": the vllm rollout runs unsharded rlk ops
-        for e in [e for e in rlk_engines if e.name == "vllm"]:
-            rlk_engines.remove(e)
-            skipped[e.name] = "runs unsharded rlk ops (no leaves, rollout_tp = 1)"
     rollouts["rlk"] = [(e, e) for e in rlk_engines]
-    if any(e.name == "vllm" for e in rlk_engines):
-        _add_stock_vllm(rollouts, skipped, model, dev, options)
+    for e in rlk_engines:  # an engine's own stock counterpart, beside the padded baseline
+        twin = e.stock_twin(model, dev)
+        if isinstance(twin, str):
+            skipped[f"{e.name}-stock"] = twin
+        elif twin is not None:
+            rollouts["stock"].append((twin, twin))
     train_model = recompute = None
     if rollout_tp > 1 and "rlk" in sides:
         say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
@@ -638,20 +641,6 @@ def _run(
         "temperature": temperature,
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _add_stock_vllm(rollouts, skipped, model, dev, options) -> None:
-    """With the ``vllm`` engine, the stock side gets a vLLM row too: vLLM's own model classes
-    and kernels (on CPU only where its attention takes the model's head_dim, 32 and up)."""
-    from rlk_integrations.vllm.engine import VLLMRollout
-
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if dev.type == "cpu" and head_dim < 32:
-        skipped["vllm-stock"] = f"vLLM's CPU attention takes head_dim >= 32, not {head_dim}"
-        return
-    stock = VLLMRollout(options, stock=True)
-    rollouts["stock"].append((stock, stock))
 
 
 def ok(report: dict[str, Any]) -> bool:

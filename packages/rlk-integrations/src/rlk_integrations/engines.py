@@ -46,10 +46,14 @@ class RolloutOptions:
     """The rollout settings of the command line; each engine reads those that concern it.
 
     ``page_size``: tokens per KV page (``paged``). ``max_batch``: requests running at once
-    (``paged``; None: every prompt of the call)."""
+    (``paged``; None: every prompt of the call). ``leaves`` and ``tp``: the tensor-parallel
+    layout of rlk's ops the run asks for (``--leaves``, ``--rollout-tp``); an engine that cannot
+    sample with it says so in :meth:`RolloutEngine.unavailable`."""
 
     page_size: int = 16
     max_batch: int | None = None
+    leaves: int | None = None
+    tp: int = 1
 
 
 class RolloutEngine(Protocol):
@@ -97,6 +101,15 @@ class RolloutEngine(Protocol):
         CPU or ``model``'s device, and the seed; ``seconds`` (wall time of the sampling),
         ``new_tokens`` and ``logits_dtype`` (the dtype the logits had, which the recompute
         uses)."""
+        ...
+
+    def stock_twin(
+        self, model: torch.nn.Module, device: torch.device
+    ) -> RolloutEngine | str | None:
+        """The stock side's counterpart of this engine for ``model`` on ``device`` (the same
+        engine with its library's own model and kernels, not rlk's), which ``rlk consistency``
+        runs beside the stock padded rollout (the baseline of every engine); a string: why it
+        cannot run here (reported as ``<name>-stock``); None: the engine has none."""
         ...
 
 

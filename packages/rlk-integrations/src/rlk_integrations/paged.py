@@ -627,6 +627,9 @@ class PagedRollout:
     def unavailable(self, device: torch.device) -> str | None:
         return None  # any torch device: CUDA graphs on a GPU, eager steps elsewhere
 
+    def stock_twin(self, model, device) -> None:
+        return None  # paged attention on a paged cache is rlk's: stock transformers has none
+
     def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
                  top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
         if any(len(p) == 0 for p in prompts):

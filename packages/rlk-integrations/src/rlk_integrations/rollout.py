@@ -200,6 +200,9 @@ class PaddedRollout:
     def unavailable(self, device: torch.device) -> str | None:
         return None  # transformers is a dependency; any torch device
 
+    def stock_twin(self, model, device) -> None:
+        return None  # the stock side's padded rollout (torch sampling) is every engine's baseline
+
     def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
                  top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
         return generate(

@@ -166,6 +166,9 @@ class TPRollout:
         self.backend, self.warmup = backend, warmup
         self.name = f"{name}-tp{world}"
 
+    def stock_twin(self, model, device) -> None:
+        return None  # the stock side runs unsharded
+
     def unavailable(self, device: torch.device) -> str | None:
         why = engines.create(self.inner, self.options).unavailable(device)
         if why is None and device.type == "cuda" and torch.cuda.device_count() < self.world:

@@ -55,7 +55,18 @@ class VLLMRollout:
             return str(e)
         if device.type not in ("cpu", "cuda"):
             return f"vLLM runs on CPU or CUDA here, not {device.type}"
+        if not self.stock and (self.options.leaves or self.options.tp > 1):
+            return "runs unsharded rlk ops (no leaves, rollout_tp = 1)"
         return None
+
+    def stock_twin(self, model: torch.nn.Module, device: torch.device) -> VLLMRollout | str:
+        """vLLM's own model classes and kernels (on CPU only where its attention takes the
+        model's head_dim, 32 and up)."""
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if device.type == "cpu" and head_dim < 32:
+            return f"vLLM's CPU attention takes head_dim >= 32, not {head_dim}"
+        return VLLMRollout(self.options, stock=True)
 
     def close(self) -> None:
         """Stop the engine and remove its checkpoint directory."""
