@@ -242,6 +242,30 @@ def test_incomplete_backend_cannot_be_selected_and_auto_skips_it(plugins):
     assert rlk.current_backend("cpu") != "partial"
 
 
+def test_info_lists_each_backends_ops(plugins, capsys):
+    # rlk info: per available backend, the catalog ops it serves and the optional ones it lacks;
+    # a backend without optional ops is still selected.
+    from rlk import cli
+
+    ops = _reference_ops()
+    del ops["attention"], ops["moe_route"]
+    no_optional = {op: fn for op, fn in _reference_ops().items() if op in rlk.OPS}
+    plugins(_spec("partial", ops=ops), _spec("plain", priority=1000, ops=no_optional))
+    info = _info()
+    assert info["partial"]["missing_ops"] == ["attention"]
+    assert info["partial"]["missing_optional_ops"] == ["moe_route"]
+    assert info["plain"]["ops"] == list(rlk.OPS) and info["plain"]["missing_ops"] == []
+    assert info["plain"]["missing_optional_ops"] == list(rlk.ops.OPTIONAL_OPS)
+    assert info["reference"]["ops"] == [s.name for s in rlk.ops.CATALOG]
+    assert rlk.current_backend("cpu") == "plain"
+    cli.main(["info"])
+    out = capsys.readouterr().out
+    n = len(rlk.OPS)
+    assert f"ops: {n - 1} of the {n} required; optional: moe_experts, tree_linear" in out
+    assert "optional ops it lacks: moe_route\n" in out
+    assert f"ops: {n} of the {n} required; optional: none" in out
+
+
 def test_auto_picks_highest_priority_complete_backend(plugins):
     plugins(_spec("best", priority=1000), _spec("worse", priority=999))
     assert rlk.current_backend("cpu") == "best"
