@@ -208,10 +208,11 @@ def policy_loss(
 
     Shapes: ``logprobs`` (differentiable), ``old_logprobs``, ``mask`` (bool or 0/1: response
     tokens; another value is a ``ValueError`` where value checks run, and elsewhere counts as a
-    token whose log-prob is NaN, so the loss is NaN), ``rollout_logprobs`` ``[B, L]``; ``advantages`` ``[B, L]`` or ``[B]`` (one per
-    sequence). Dtypes bf16/fp16/fp32; the loss and metrics are 0-d fp32 and every sum runs in
-    fp32 in a fixed order. Only ``logprobs`` gets a gradient. Mapping of every verl 0.9.1 / TRL
-    1.16 setting to these arguments: ``docs/objectives.md``.
+    token whose log-prob is NaN, so the loss is NaN), ``rollout_logprobs`` ``[B, L]``;
+    ``advantages`` ``[B, L]`` or ``[B]`` (one per sequence). Dtypes bf16/fp16/fp32; the loss
+    and metrics are 0-d fp32 and every sum runs in fp32 in a fixed order. Only ``logprobs``
+    gets a gradient. Mapping of every verl 0.9.1 / TRL 1.16 setting to these arguments:
+    ``docs/objectives.md``.
 
     **Ratio.** ``ratio_level="token"``: ``r = exp(logprobs - old_logprobs)`` per token.
     ``"sequence"`` (GSPO): every token of a sequence takes ``s = exp(mean(logprobs -
