@@ -93,6 +93,20 @@ BAD = {
     "num_seqs mode": (dict(agg="token-mean", num_seqs=3), ValueError),
     "norm_length mode": (dict(agg="seq-mean-token-mean", norm_length=64), ValueError),
     "norm_length": (dict(agg="row-mean-token-sum-norm", norm_length=float("inf")), ValueError),
+    "loss_mode": (dict(loss_mode="ppo"), ValueError),
+    "loss_mode clip_cov": (dict(loss_mode="clip_cov"), ValueError),
+    "loss_mode kl_cov": (dict(loss_mode="kl_cov"), ValueError),
+    "loss_mode gspo": (dict(loss_mode="gspo"), ValueError),
+    "loss_mode bypass_mode": (dict(loss_mode="bypass_mode"), ValueError),
+    "mode_params of another mode": (dict(loss_mode="sapo", mode_params={"beta": 1}), ValueError),
+    "mode_params needed": (dict(loss_mode="dro"), ValueError),
+    "mode_params type": (dict(loss_mode="dro", mode_params=[1.0]), TypeError),
+    "mode_params value": (dict(loss_mode="sapo", mode_params={"tau_pos": 0.0}), ValueError),
+    "clip_c for cispo": (dict(loss_mode="cispo", clip_c=3.0), ValueError),
+    "clip_low for cispo": (dict(loss_mode="cispo", clip_low=1.5), ValueError),
+    "ratio_level for gpg": (dict(loss_mode="gpg", ratio_level="sequence"), ValueError),
+    "is_level for geo_mean": (dict(loss_mode="geo_mean", rollout_logprobs=r(2, 5)), ValueError),
+    "is_level for vespo": (dict(loss_mode="vespo", rollout_logprobs=r(2, 5)), ValueError),
 }
 
 
@@ -103,6 +117,32 @@ def test_policy_loss_bad_arguments_are_named(case):
     with pytest.raises(exc, match=name):
         _pl(**kw)
     assert not CALLS
+
+
+@pytest.mark.parametrize("arg", sorted(rlk.ops.UNOFFERED))
+def test_unoffered_settings_name_themselves_and_say_why(arg):
+    call = {
+        "loss_mode": lambda v: _pl(loss_mode=v),
+        "estimator": lambda v: rlk.grpo_advantages(r(4), 2, estimator=v),
+        "kind": lambda v: rlk.kl_penalty(r(2, 3), r(2, 3), v),
+    }[arg]
+    for name, reason in rlk.ops.UNOFFERED[arg].items():
+        with pytest.raises(ValueError, match=f"{arg}={name!r} is not offered: ") as err:
+            call(name)
+        assert reason in str(err.value)
+    assert not CALLS
+
+
+def test_policy_loss_mode_params_reach_the_backend_in_order():
+    _pl(loss_mode="vespo", mode_params={"lambda_neg": 0.5, "k_pos": 1})
+    assert _received()["loss_mode"] == "vespo"
+    assert _received()["mode_params"] == (1.0, 3.0, 3.0, 0.5)
+    _pl(loss_mode="sapo")
+    assert _received()["mode_params"] == (1.0, 1.05)
+    _pl()
+    assert _received()["loss_mode"] == "vanilla" and _received()["mode_params"] == ()
+    _pl(loss_mode="dppo_tv", clip_low=2.0, clip_c=0.5)  # divergence bounds, a cap below 1
+    assert _received()["clip_c"] == 0.5
 
 
 def test_policy_loss_normalises_what_the_backend_gets():
@@ -159,7 +199,7 @@ def test_grpo_advantages_arguments():
         (lambda: rlk.grpo_advantages(r(4)), ValueError, "group_size"),
         (lambda: rlk.grpo_advantages(r(4), group_ids=ids.float()), TypeError, "group_ids"),
         (lambda: rlk.grpo_advantages(r(4), group_ids=ids[:3]), ValueError, "group_ids"),
-        (lambda: rlk.grpo_advantages(r(4), 2, estimator="gae"), ValueError, "estimator"),
+        (lambda: rlk.grpo_advantages(r(4), 2, estimator="ppo"), ValueError, "estimator"),
         (lambda: rlk.grpo_advantages(r(4), 2, norm_std="std"), TypeError, "norm_std"),
         (lambda: rlk.grpo_advantages(r(4), 2, mask=torch.ones(4, 3)), ValueError, "mask"),
         (

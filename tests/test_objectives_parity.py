@@ -275,6 +275,13 @@ def trl_is_ratio(old, sampling, mask, mode, clip_min, clip_max):
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
+def trl_coef_1(log_ratio, m, level):
+    # TRL 1.16 importance_sampling_level: the token ratio, or exp(mean log-ratio), [B, 1].
+    if level == "token":
+        return torch.exp(log_ratio)
+    return torch.exp(((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None])
+
+
 def trl_grpo_loss(lp, old, adv, mask, loss_type, level, eps_low, eps_high, delta=None,
                   is_ratio=None, max_completion_length=None, num_items=None,
                   processes=1):  # fmt: skip
@@ -282,11 +289,7 @@ def trl_grpo_loss(lp, old, adv, mask, loss_type, level, eps_low, eps_high, delta
     m = mask.double()
     a = adv[:, None]
     log_ratio = lp - old
-    if level == "token":
-        log_w = log_ratio
-    else:
-        log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
-    coef_1 = torch.exp(log_w)
+    coef_1 = trl_coef_1(log_ratio, m, level)
     coef_2 = coef_1.clamp(1 - eps_low, 1 + eps_high)
     if delta is not None:
         coef_1 = coef_1.clamp(max=delta)
@@ -590,3 +593,297 @@ def test_trl_normalize_then_sum(backend):
         total = parts[0] * 1.0 + parts[1] * 0.5
         got = rlk.grpo_advantages(total, group_size=16, eps=1e-4).double()
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The other objectives (loss_mode): verl 0.9.1's registered policy losses, TRL 1.16's cispo,
+# sapo and vespo loss types. Each peer formula is written out below; the check is a relative
+# error of at most 1e-6 (of the largest value) on both backends, on the loss and the gradient.
+# --------------------------------------------------------------------------------------------
+
+MODE_TOL = 1e-6
+
+
+def _within(got, want, what):
+    """max |got - want| <= MODE_TOL * max |want|; returns the relative error."""
+    got, want = got.detach().double(), want.detach().double()
+    scale = max(float(want.abs().max()), 1e-30)
+    err = float((got - want).abs().max()) / scale
+    print(f"{what}: max relative error {err:.2e}")
+    assert err <= MODE_TOL, f"{what}: {err:.2e} > {MODE_TOL}"
+    return err
+
+
+def _check_mode(backend, peer, peer_args, what, lp, old, adv, mask, metrics=(), **kw):
+    """rlk.policy_loss(**kw) against ``peer(lp, *peer_args)``: loss, gradient, ``metrics``."""
+    want, want_grad = _peer(peer, lp, *peer_args)
+    (loss, got_metrics), grad = _rlk(backend, rlk.policy_loss, lp, old, adv, mask, **kw)
+    _within(loss, want[0], f"{what} {backend} loss")
+    _within(grad, want_grad, f"{what} {backend} grad")
+    assert not grad[~mask].any()
+    for name in metrics:
+        _close(got_metrics[name], want[1][name], backend, name)
+    return got_metrics
+
+
+def verl_cispo(lp, old, adv, mask, clip_low, clip_high, mode):
+    # verl 0.9.1 compute_policy_loss_cispo: -sg(clamp(r)) * A * log_prob, r from a clamped log.
+    a = adv[:, None]
+    ratio = torch.exp((lp - old).clamp(-SAFETY, SAFETY))
+    w = ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg = -w.detach() * a * lp
+    metrics = {"clip_fraction": verl_masked_mean((ratio != w).double(), mask.double())}
+    return verl_agg_loss(pg, mask, mode), metrics
+
+
+def verl_dppo(lp, old, adv, mask, div_low, div_high, clip_ratio_c, mode, kind):
+    # verl 0.9.1 compute_policy_loss_dppo_tv / _dppo_kl: -A * sg(min(r, c)) * log_prob * valid.
+    a = adv[:, None].expand_as(lp)
+    ratio = torch.exp((lp - old).clamp(-SAFETY, SAFETY))
+    t = ratio.clamp(max=clip_ratio_c).detach()
+    p, p_old = torch.exp(lp), torch.exp(old)
+    if kind == "tv":
+        pos, neg = (p - p_old) <= div_high, (p - p_old) >= -div_low
+    else:
+        bkl = p_old * (old - lp) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        pos, neg = (bkl <= div_high) | (p <= p_old), (bkl <= div_low) | (p >= p_old)
+    valid = torch.where(a > 0, pos, neg).detach().double()
+    pg = -a * t * lp * valid
+    m = mask.double()
+    metrics = {
+        "clip_fraction": verl_masked_mean(1.0 - valid, m),
+        "dual_clip_fraction": verl_masked_mean((ratio > clip_ratio_c).double() * valid, m),
+    }
+    return verl_agg_loss(pg, mask, mode), metrics
+
+
+def verl_sapo(lp, old, adv, mask, tau_pos, tau_neg):
+    # verl 0.9.1 compute_policy_loss_sapo: a soft gate of r; always seq-mean-token-mean.
+    a = adv[:, None].expand_as(lp)
+    ratio = torch.exp((lp - old).clamp(-SAFETY, SAFETY))
+    tau = torch.where(a > 0, torch.tensor(tau_pos).double(), torch.tensor(tau_neg).double())
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return verl_agg_loss(-gate * a, mask, "seq-mean-token-mean"), {}
+
+
+def verl_dro(lp, old, adv, mask, beta, mode):
+    # verl 0.9.1 compute_policy_loss_dro: -(log_prob * A - beta / 2 * (log_prob - old)^2).
+    x = lp - old
+    return verl_agg_loss(-(lp * adv[:, None] - 0.5 * beta * x.square()), mask, mode), {}
+
+
+def verl_gpg_loss(lp, adv, mask, mode):
+    return verl_gpg(lp, adv, mask, mode), {}
+
+
+def verl_geo_mean(lp, old, adv, mask, clip_low, clip_high):
+    # verl 0.9.1 compute_policy_loss_geo_mean (GMPO): the mean over rows of -mean(A) * s.
+    m = mask.double()
+    a = adv[:, None].expand_as(lp)
+    x = lp - old
+    sgn = torch.sign(a)
+    x_clamp = x.clamp(-clip_low, clip_high)
+    x_min = sgn * torch.min(sgn * x, sgn * x_clamp)
+    n = m.sum(-1)
+    s = torch.exp((x_min * m).sum(-1) / (n + 1e-8))
+    a_seq = (a * m).sum(-1) / (n + 1e-8)
+    clipped = (x != x_clamp).double()
+    metrics = {"clip_fraction": verl_masked_mean(clipped * (a != 0).double(), m)}
+    return torch.mean(-a_seq * s), metrics
+
+
+def trl_soft_losses(lp, old, adv, mask, loss_type, level, eps_high=None, temps=(1.0, 1.05),
+                    vespo=(2.0, 3.0, 3.0, 2.0), num_items=None):  # fmt: skip
+    # TRL 1.16 GRPOTrainer._compute_loss for loss_type cispo / sapo / vespo, beta = 0.
+    m = mask.double()
+    a = adv[:, None]
+    log_ratio = lp - old
+    coef_1 = trl_coef_1(log_ratio, m, level)
+    if loss_type == "cispo":
+        per_token = -coef_1.clamp(max=eps_high).detach() * a * lp
+    elif loss_type == "sapo":
+        t = torch.where(a > 0, torch.tensor(temps[0]).double(), torch.tensor(temps[1]).double())
+        per_token = -(torch.sigmoid(t * (coef_1 - 1)) * 4 / t) * a
+    else:  # vespo: get_gamma_weights, no IS ratio
+        k_pos, lam_pos, k_neg, lam_neg = vespo
+        seq = (log_ratio.clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)
+        log_w_seq = seq.clamp(math.log(1e-8), 20.0)
+        nonneg = a >= 0
+        k = torch.where(nonneg, torch.tensor(k_pos).double(), torch.tensor(k_neg).double())
+        lam = torch.where(nonneg, torch.tensor(lam_pos).double(), torch.tensor(lam_neg).double())
+        lam = lam.clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w_seq - lam * torch.exp(log_w_seq))
+        phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+        per_token = -phi * a * lp
+    per_token = per_token.expand_as(m)
+    if loss_type == "sapo":  # aggregated as "grpo"
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean(), {}
+    return (per_token * m).sum() / num_items, {}  # as "dapo", one process
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", VERL_AGGS)
+def test_verl_cispo(backend, mode):
+    lp, old, _, _, adv, mask = _data(21)
+    got = _check_mode(backend, verl_cispo, (old, adv, mask, 0.2, 0.28, mode), f"cispo {mode}",
+                      lp, old, adv, mask, metrics=["clip_fraction"], loss_mode="cispo",
+                      clip_low=0.2, clip_high=0.28, agg=mode)  # fmt: skip
+    assert float(got["clip_fraction"]) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_verl_dppo(backend, kind, mode):
+    lp, old, _, _, adv, mask = _data(22)
+    low, high = (0.03, 0.05) if kind == "tv" else (0.01, 0.02)
+    got = _check_mode(backend, verl_dppo, (old, adv, mask, low, high, 3.0, mode, kind),
+                      f"dppo_{kind} {mode}", lp, old, adv, mask,
+                      metrics=["clip_fraction", "dual_clip_fraction"], loss_mode=f"dppo_{kind}",
+                      clip_low=low, clip_high=high, clip_c=3.0, agg=mode)  # fmt: skip
+    assert 0 < float(got["clip_fraction"]) < 1 and float(got["dual_clip_fraction"]) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("taus", [(1.0, 1.05), (0.5, 2.0)])
+def test_verl_sapo(backend, taus):
+    lp, old, _, _, adv, mask = _data(23)
+    _check_mode(backend, verl_sapo, (old, adv, mask, *taus), f"sapo {taus}", lp, old, adv, mask,
+                loss_mode="sapo", agg="seq-mean-token-mean",
+                mode_params={"tau_pos": taus[0], "tau_neg": taus[1]})  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_verl_dro(backend, mode):
+    lp, old, _, _, adv, mask = _data(24)
+    _check_mode(backend, verl_dro, (old, adv, mask, 0.7, mode), f"dro {mode}", lp, old, adv,
+                mask, loss_mode="dro", agg=mode, mode_params={"beta": 0.7})  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_verl_gpg(backend, mode):
+    lp, old, _, _, adv, mask = _data(25)
+    _check_mode(backend, verl_gpg_loss, (adv, mask, mode), f"gpg {mode}", lp, old, adv, mask,
+                loss_mode="gpg", agg=mode)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefix_masks", [False, True])
+def test_verl_geo_mean(backend, prefix_masks):
+    lp, old, _, _, adv, mask = _data(26, prefix_masks)
+    adv[0] = 0.0  # sign(A) = 0: no gradient
+    got = _check_mode(backend, verl_geo_mean, (old, adv, mask, 0.2, 0.28),
+                      f"geo_mean prefix={prefix_masks}", lp, old, adv, mask,
+                      loss_mode="geo_mean", clip_low=0.2, clip_high=0.28,
+                      agg="row-mean-token-mean")  # fmt: skip
+    assert float(got["clip_fraction"]) > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_trl_sapo(backend, level):
+    lp, old, _, _, adv, mask = _data(27)
+    _check_mode(backend, trl_soft_losses, (old, adv, mask, "sapo", level, None, (1.0, 1.05)),
+                f"trl sapo {level}", lp, old, adv, mask, loss_mode="sapo", ratio_level=level,
+                agg="row-mean-token-mean")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trl_cispo(backend):
+    lp, old, _, _, adv, mask = _data(28)
+    # TRL caps the ratio at epsilon_high (an absolute bound, no lower one): clip_low=1.
+    _check_mode(backend, trl_soft_losses, (old, adv, mask, "cispo", "token", 1.5, None, None, 97.0),
+                "trl cispo", lp, old, adv, mask, loss_mode="cispo", clip_low=1.0, clip_high=0.5,
+                num_tokens=97.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params", [(2.0, 3.0, 3.0, 2.0), (1.0, 0.5, 4.0, 1.5)])
+def test_trl_vespo(backend, params):
+    lp, old, _, _, adv, mask = _data(29)
+    old = _f32(lp - (lp - old) / 6)  # sequence log-ratios near 0, where phi is not 0
+    keys = ("k_pos", "lambda_pos", "k_neg", "lambda_neg")
+    _check_mode(backend, trl_soft_losses,
+                (old, adv, mask, "vespo", "token", None, None, params, 97.0), f"trl vespo {params}",
+                lp, old, adv, mask, loss_mode="vespo", num_tokens=97.0,
+                mode_params=dict(zip(keys, params)))  # fmt: skip
+
+
+def verl_rloo_vectorized(scores, index):
+    # verl 0.9.1 compute_rloo_vectorized_outcome_advantage: a group of one gets 0.
+    _, inv = torch.unique(index, return_inverse=True)
+    c = torch.bincount(inv)[inv].double()
+    total = torch.bincount(inv, weights=scores)[inv]
+    return (c * scores - total) / (c - 1).clamp(min=1) * (c > 1)
+
+
+def verl_opo(scores, index, lengths):
+    # verl 0.9.1 compute_opo_outcome_advantage: the length-weighted group mean as baseline.
+    out = scores.clone()
+    for _, members in _verl_groups(index).items():
+        if len(members) > 1:
+            s, n = scores[members], lengths[members].double()
+            out[members] = s - (n * s).sum() / n.sum()
+    return out
+
+
+def verl_passk(scores, index, eps, norm):
+    # verl 0.9.1 compute_grpo_passk_outcome_advantage: only the best gets r_max - r_second.
+    out = torch.zeros_like(scores)
+    for _, members in _verl_groups(index).items():
+        s = scores[members]
+        top, top_idx = torch.topk(s, 2)
+        adv = top[0] - top[1]
+        if norm:
+            adv = adv / (torch.std(s) + eps)
+        out[members[int(top_idx[0])]] = adv
+    return out
+
+
+def verl_grpo_vectorized(scores, index, eps, norm):
+    # verl 0.9.1 compute_grpo_vectorized_outcome_advantage with group_mean_std (eps 0 floor).
+    _, g = torch.unique(index, return_inverse=True)
+    count = torch.bincount(g).double()
+    mean = torch.zeros_like(count).index_add_(0, g, scores) / count.clamp(min=1)
+    var = torch.zeros_like(count).index_add_(0, g, (scores - mean[g]) ** 2)
+    std = torch.sqrt((var / (count - 1).clamp(min=1)).clamp(min=0.0))
+    mean, std = torch.where(count <= 1, 0.0, mean), torch.where(count <= 1, 1.0, std)
+    centred = scores - mean[g]
+    return centred / (std[g] + eps) if norm else centred
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verl_more_advantage_estimators(backend):
+    g = torch.Generator().manual_seed(30)
+    index = torch.tensor([4, 1, 4, 9, 1, 4, 7, 7, 1, 4, 2, 3, 3])  # unequal, singletons
+    scores = (torch.rand(13, generator=g) < 0.5).double() + 0.1 * torch.randn(13, generator=g)
+    scores[[6, 7]] = 1.0  # a group with std 0: Pass@k's margin is 0
+    scores = scores.float().double()
+    lengths = torch.tensor([5, 3, 7, 1, 3, 6, 2, 4, 7, 1, 5, 2, 6])
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    mask[0, 1] = False  # a hole: the count is of mask's tokens
+    lengths[0] -= 1
+
+    def run(**kw):
+        with rlk.use_backend(backend):
+            return rlk.grpo_advantages(scores.float(), group_ids=index, **kw).double()
+
+    checks = {
+        "rloo_vectorized": (run(estimator="rloo_vectorized"), verl_rloo_vectorized(scores, index)),
+        "opo": (run(estimator="opo", mask=mask), verl_opo(scores, index, lengths)),
+        "grpo_vectorized": (
+            run(estimator="grpo_vectorized"),
+            verl_grpo_vectorized(scores, index, 1e-6, True),
+        ),
+    }
+    single = torch.tensor([int((index == i).sum()) for i in index]) == 1
+    for norm in (True, False):  # verl raises for a group of one: compared on the others
+        got = run(estimator="grpo_passk", norm_std=norm)
+        keep = index[~single]
+        checks[f"grpo_passk norm={norm}"] = (got[~single], verl_passk(scores[~single], keep,
+                                                                        1e-6, norm))  # fmt: skip
+        assert not got[single].any()
+    for what, (got, want) in checks.items():
+        _within(got, want, f"{what} {backend}")

@@ -76,7 +76,7 @@ SCHEMAS: dict[str, str] = {
     "Tensor? rollout_logprobs, str? is_level, str is_mode, float? is_min, float? is_max, "
     "str is_normalize, float is_normalize_value, Tensor? is_normalize_tensor, float[] reject, "
     "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
-    "float? norm_length",
+    "float? norm_length, str loss_mode, float[] mode_params",
     "gae_advantages": "Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, "
     "bool whiten",
     "value_loss": "Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
@@ -257,7 +257,7 @@ def _encode(op: str, a: dict[str, Any]) -> None:
     """An op's keywords (as a backend gets them) as operator arguments, in place: a
     number-or-tensor count as two arguments; policy_loss's ``is_normalize`` as a kind and a
     value, ``reject`` as ``[lower, upper]`` per option of ``REJECT_OPTIONS`` (NaN: no bound;
-    empty: no rejection)."""
+    empty: no rejection), ``mode_params`` padded with zeros to four floats."""
     for n in ("num_tokens", "num_seqs"):
         v = a[n]
         a[n], a[f"{n}_tensor"] = (None, v) if isinstance(v, torch.Tensor) else (v, None)
@@ -278,6 +278,8 @@ def _encode(op: str, a: dict[str, Any]) -> None:
             lo, hi = reject.get(option, (math.nan, math.nan))
             flat += [math.nan if lo is None else lo, hi]
     a["reject"] = flat
+    # Four floats, always: an empty list argument breaks the custom op's autograd structure.
+    a["mode_params"] = [float(v) for v in a["mode_params"]] + [0.0] * (4 - len(a["mode_params"]))
 
 
 def _decode(op: str, a: dict[str, Any]) -> None:
@@ -297,6 +299,7 @@ def _decode(op: str, a: dict[str, Any]) -> None:
         if not math.isnan(hi):
             reject[option] = (None if math.isnan(lo) else lo, hi)
     a["reject"] = reject or None
+    a["mode_params"] = tuple(a["mode_params"])
 
 
 def n_outputs(op: str, a: Mapping[str, Any]) -> int:

@@ -80,6 +80,61 @@ def aggregate(terms, mask, agg, num_tokens=None, num_seqs=None, norm_length=None
     return _div(fixed_sum(per_seq, ROW_CHUNK), count)
 
 
+def _where(cond, a: float, b: float) -> torch.Tensor:
+    return torch.where(cond, torch.tensor(a, dtype=torch.float32, device=cond.device), b)
+
+
+def _mode_terms(mode, params, lp, old, adv, mask, seq_ratio, clip_low, clip_high, clip_c):
+    """``(pg, clipped, capped, ratio)`` of the objectives other than ``vanilla`` (see
+    ``rlk.policy_loss``) in fp32; ``capped`` is None where the mode caps nothing."""
+    x = lp - old
+    never = torch.zeros_like(mask)
+    bound = LOG_RATIO_BOUND
+    if mode == "geo_mean":
+        c = x.clamp(-clip_low, clip_high)
+        k = torch.where(adv > 0, torch.minimum(x, c), torch.where(adv < 0, torch.maximum(x, c), 0))
+        n = mask.sum(-1)
+        s = torch.exp(_div(fixed_sum(torch.where(mask, k, 0.0), ROW_CHUNK), n))
+        a = _div(fixed_sum(torch.where(mask, adv, 0.0), ROW_CHUNK), n)
+        pg = -(a * s).detach()[:, None] * (1.0 + k - k.detach())
+        return pg, (x < -clip_low) | (x > clip_high), None, s[:, None].expand_as(x)
+    if mode == "vespo":
+        log_w = fixed_sum(torch.where(mask, x.clamp(-bound, bound), 0.0), ROW_CHUNK)
+        log_w = log_w.clamp(math.log(1e-8), bound).detach()[:, None]
+        nonneg = adv >= 0
+        k, lam = _where(nonneg, params[0], params[2]), _where(nonneg, params[1], params[3])
+        lam = lam.clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = torch.where(torch.isfinite(phi), phi, 0.0)
+        return -phi * adv * lp, never, None, torch.exp(x)
+    if seq_ratio is not None:
+        ratio = seq_ratio
+    elif mode in ("cispo", "dppo_tv", "dppo_kl", "sapo"):
+        ratio = torch.exp(x.clamp(-bound, bound))
+    else:
+        ratio = torch.exp(x)
+    if mode == "cispo":
+        w = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        return -w.detach() * adv * lp, w != ratio, None, ratio
+    if mode in ("dppo_tv", "dppo_kl"):
+        p, po = torch.exp(lp), torch.exp(old)
+        if mode == "dppo_tv":
+            valid = torch.where(adv > 0, p - po <= clip_high, p - po >= -clip_low)
+        else:
+            bkl = po * (old - lp) + (1 - po) * torch.log((1 - po + 1e-8) / (1 - p + 1e-8))
+            pos, neg = (bkl <= clip_high) | (p <= po), (bkl <= clip_low) | (p >= po)
+            valid = torch.where(adv > 0, pos, neg)
+        t = ratio if clip_c is None else ratio.clamp(max=clip_c)
+        capped = None if clip_c is None else (ratio > clip_c) & valid
+        return -adv * t.detach() * lp * valid.float(), ~valid, capped, ratio
+    if mode == "sapo":
+        tau = _where(adv > 0, params[0], params[1])
+        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, never, None, ratio
+    if mode == "dro":
+        return -(lp * adv - 0.5 * params[0] * x.square()), never, None, ratio
+    return -lp * adv, never, None, ratio  # gpg
+
+
 def policy_loss(
     logprobs,
     old_logprobs,
@@ -101,11 +156,13 @@ def policy_loss(
     num_tokens=None,
     num_seqs=None,
     norm_length=None,
+    loss_mode="vanilla",
+    mode_params=(),
     table=None,
 ):
-    """PPO/GRPO/GSPO clipped policy loss on ``[B, L]`` (see ``rlk.policy_loss``):
-    ``(loss, metrics)``. Every sum is a :func:`fixed_sum`; the backward is autograd through
-    them (a sum's gradient is a broadcast)."""
+    """PPO/GRPO/GSPO clipped policy loss and the other objectives of ``loss_mode`` on ``[B, L]``
+    (see ``rlk.policy_loss``): ``(loss, metrics)``. Every sum is a :func:`fixed_sum`; the
+    backward is autograd through them (a sum's gradient is a broadcast)."""
     given = mask.bool()
     lp = torch.where(given, logprobs.float(), 0.0)
     if mask.dtype != torch.bool:
@@ -126,20 +183,28 @@ def policy_loss(
             mask = _reject_keep(delta, given, reject)
             metrics["reject_fraction"] = _div((given & ~mask).sum().float(), given.sum())
     tokens = mask.sum(-1)
+    seq_ratio = None
     if ratio_level == "sequence":
         seq_log = _div(fixed_sum(torch.where(mask, lp - old, 0.0), ROW_CHUNK), tokens)
-        ratio = torch.exp(lp - lp.detach() + seq_log.detach()[:, None])
+        seq_ratio = torch.exp(lp - lp.detach() + seq_log.detach()[:, None])
+    if loss_mode == "vanilla":
+        ratio = torch.exp(lp - old) if seq_ratio is None else seq_ratio
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        pg = torch.maximum(unclipped, clipped)
+        metrics["clip_fraction"] = _masked_mean((clipped > unclipped).float(), mask)
+        if clip_c is not None:
+            bound = -adv * clip_c
+            dual = (adv < 0) & (bound < pg)
+            pg = torch.where(dual, bound, pg)
+            metrics["dual_clip_fraction"] = _masked_mean(dual.float(), mask)
     else:
-        ratio = torch.exp(lp - old)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(unclipped, clipped)
-    metrics["clip_fraction"] = _masked_mean((clipped > unclipped).float(), mask)
-    if clip_c is not None:
-        bound = -adv * clip_c
-        dual = (adv < 0) & (bound < pg)
-        pg = torch.where(dual, bound, pg)
-        metrics["dual_clip_fraction"] = _masked_mean(dual.float(), mask)
+        pg, was_clipped, capped, ratio = _mode_terms(
+            loss_mode, mode_params, lp, old, adv, mask, seq_ratio, clip_low, clip_high, clip_c
+        )
+        metrics["clip_fraction"] = _masked_mean(was_clipped.float(), mask)
+        if capped is not None:
+            metrics["dual_clip_fraction"] = _masked_mean(capped.float(), mask)
     scale = None
     if rollout_logprobs is not None and is_level is not None:
         log_w = delta
@@ -209,6 +274,39 @@ def kl_penalty(
     return kl
 
 
+def _row_weights(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's token count, NaN for a row holding a value other than 0 or 1."""
+    weight = mask.bool().sum(-1).float()
+    if mask.dtype != torch.bool:
+        weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
+    return weight
+
+
+def _passk(r, group_size, group_ids, single, ss, size, norm_std, eps) -> torch.Tensor:
+    """Pass@k: each group's best member (the first of ties, in batch order) gets its margin
+    over the second best (over the group's std + eps with ``norm_std="group"``), the others 0.
+    Maxima and minima are exact, so no order matters."""
+    n = r.numel()
+    if group_ids is None:
+        inv = torch.arange(n, device=r.device) // group_size
+    else:
+        _, inv = torch.unique(group_ids, return_inverse=True)
+    groups = int(inv.max()) + 1 if n else 0
+
+    def per_group(x, how):
+        init = x.new_full((groups,), math.inf if how == "amin" else -math.inf)
+        return init.scatter_reduce(0, inv, x, reduce=how)[inv]
+
+    top = per_group(r, "amax")
+    pos = torch.arange(n, device=r.device, dtype=torch.float32)
+    best = pos == per_group(torch.where(r == top, pos, math.inf), "amin")
+    second = per_group(torch.where(best, -math.inf, r), "amax")
+    gap = torch.where(single, 0.0, top - second)
+    if norm_std == "group":
+        gap = gap / (torch.where(single, 1.0, torch.sqrt(_div(ss, size - 1))) + eps)
+    return torch.where(best, gap, 0.0)
+
+
 def _group_stats(r: torch.Tensor, group_size, group_ids):
     """Per reward: its group's size, mean and sum of squared deviations, each group summed
     over its members in their batch order by :func:`fixed_sum` (a row of a zero-padded
@@ -270,7 +368,15 @@ def grpo_advantages(
         size, mean, ss, _ = _group_stats(r * scale, group_size, group_ids)
         single = size == 1
         v = r * scale - mean
-        if estimator == "grpo" and norm_std == "group":
+        if estimator == "opo":
+            w = _row_weights(mask)
+            _, mean_wr, _, _ = _group_stats(w * r, group_size, group_ids)
+            _, mean_w, _, _ = _group_stats(w, group_size, group_ids)
+            v = r - torch.where(single, 0.0, _div(mean_wr, mean_w))
+        elif estimator == "grpo_passk":
+            ss = ss / (scale * scale)  # the rewards' scale (a power of two: exact)
+            v = _passk(r, group_size, group_ids, single, ss, size, norm_std, eps)
+        elif estimator == "grpo" and norm_std == "group":
             std = torch.sqrt(_div(ss, size - 1))
             v = v / (torch.where(single, 1.0, std) + eps * scale)
         else:
@@ -278,12 +384,10 @@ def grpo_advantages(
             if estimator == "grpo" and norm_std == "batch":
                 mu, var = _weighted_stats(r, torch.ones_like(r))
                 v = v / (torch.sqrt(var) + eps)
-            elif estimator == "rloo":
-                v = torch.where(single, r, v * size / (size - 1).clamp(min=1))
+            elif estimator in ("rloo", "rloo_vectorized"):
+                alone = r if estimator == "rloo" else torch.zeros_like(r)
+                v = torch.where(single, alone, v * size / (size - 1).clamp(min=1))
     if estimator.startswith("reinforce++"):
-        weight = mask.bool().sum(-1).float()
-        if mask.dtype != torch.bool:  # a row holding a value other than 0 or 1 weighs NaN
-            weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
-        mu, var = _weighted_stats(v, weight)
+        mu, var = _weighted_stats(v, _row_weights(mask))
         v = (v - mu) / torch.sqrt(var + 1e-8)
     return v

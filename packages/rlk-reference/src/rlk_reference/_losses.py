@@ -108,6 +108,61 @@ def _aggregate(pg, mask, agg, num_tokens, num_seqs, norm_length) -> torch.Tensor
     return _div(per_seq.sum(), count)
 
 
+def _pick(cond: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """``a`` where ``cond`` else ``b``, in float64 (a Python float in torch.where is fp32)."""
+    return torch.where(cond, torch.tensor(a, dtype=torch.float64, device=cond.device), b)
+
+
+def _mode_terms(mode, params, lp, old, adv, mask, seq_ratio, clip_low, clip_high, clip_c):
+    """``(pg, clipped, capped, ratio)`` of the objectives other than ``vanilla`` (semantics:
+    ``rlk.policy_loss``), in float64: ``capped`` is None where the mode caps nothing."""
+    x = lp - old
+    never = torch.zeros_like(mask)
+    if mode == "geo_mean":
+        c = x.clamp(-clip_low, clip_high)
+        k = torch.where(adv > 0, torch.minimum(x, c), torch.where(adv < 0, torch.maximum(x, c), 0))
+        n = mask.sum(-1)
+        s = torch.exp(_div(torch.where(mask, k, 0.0).sum(-1), n))
+        a = _div(torch.where(mask, adv, 0.0).sum(-1), n)
+        # Every token carries its sequence's term, differentiated through its own log-ratio.
+        pg = -(a * s).detach()[:, None] * (1.0 + k - k.detach())
+        return pg, (x < -clip_low) | (x > clip_high), None, s[:, None].expand_as(x)
+    if mode == "vespo":
+        log_w = torch.where(mask, x.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), 0.0).sum(-1)
+        log_w = log_w.clamp(math.log(1e-8), LOG_RATIO_BOUND).detach()[:, None]
+        nonneg = adv >= 0
+        k = _pick(nonneg, params[0], params[2])
+        lam = _pick(nonneg, params[1], params[3]).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = torch.where(torch.isfinite(phi), phi, 0.0)
+        return -phi * adv * lp, never, None, torch.exp(x)
+    if mode in ("cispo", "dppo_tv", "dppo_kl", "sapo") and seq_ratio is None:
+        ratio = torch.exp(x.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    else:
+        ratio = torch.exp(x) if seq_ratio is None else seq_ratio
+    if mode == "cispo":
+        w = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        return -w.detach() * adv * lp, w != ratio, None, ratio
+    if mode in ("dppo_tv", "dppo_kl"):
+        p, po = torch.exp(lp), torch.exp(old)
+        if mode == "dppo_tv":
+            valid = torch.where(adv > 0, p - po <= clip_high, p - po >= -clip_low)
+        else:
+            bkl = po * (old - lp) + (1 - po) * torch.log((1 - po + 1e-8) / (1 - p + 1e-8))
+            valid = torch.where(
+                adv > 0, (bkl <= clip_high) | (p <= po), (bkl <= clip_low) | (p >= po)
+            )
+        t = ratio if clip_c is None else ratio.clamp(max=clip_c)
+        capped = None if clip_c is None else (ratio > clip_c) & valid
+        return -adv * t.detach() * lp * valid.double(), ~valid, capped, ratio
+    if mode == "sapo":
+        tau = _pick(adv > 0, params[0], params[1])
+        return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, never, None, ratio
+    if mode == "dro":
+        return -(lp * adv - 0.5 * params[0] * x.square()), never, None, ratio
+    return -lp * adv, never, None, ratio  # gpg
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -129,6 +184,8 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     norm_length: float | None = None,
+    loss_mode: str = "vanilla",
+    mode_params: tuple[float, ...] = (),
     table=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO/GSPO clipped policy loss (semantics: ``rlk.policy_loss``): ``(loss, metrics)``.
@@ -164,21 +221,29 @@ def policy_loss(
             mask = _reject_keep(delta, given, reject)
             metrics["reject_fraction"] = _div((given & ~mask).sum().double(), given.sum())
 
+    seq_ratio = None
     if ratio_level == "sequence":
         # GSPO: s = exp(mean log-ratio over the sequence), gradient spread over its tokens.
         seq_log = _div(torch.where(mask, lp - old, 0.0).sum(-1), mask.sum(-1))
-        ratio = torch.exp(lp - lp.detach() + seq_log.detach()[:, None])
+        seq_ratio = torch.exp(lp - lp.detach() + seq_log.detach()[:, None])
+    if loss_mode == "vanilla":
+        ratio = torch.exp(lp - old) if seq_ratio is None else seq_ratio
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        pg = torch.maximum(unclipped, clipped)
+        metrics["clip_fraction"] = _masked_mean((clipped > unclipped).double(), mask)
+        if clip_c is not None:
+            bound = -adv * clip_c
+            dual = (adv < 0) & (bound < pg)
+            pg = torch.where(dual, bound, pg)
+            metrics["dual_clip_fraction"] = _masked_mean(dual.double(), mask)
     else:
-        ratio = torch.exp(lp - old)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(unclipped, clipped)
-    metrics["clip_fraction"] = _masked_mean((clipped > unclipped).double(), mask)
-    if clip_c is not None:
-        bound = -adv * clip_c
-        dual = (adv < 0) & (bound < pg)
-        pg = torch.where(dual, bound, pg)
-        metrics["dual_clip_fraction"] = _masked_mean(dual.double(), mask)
+        pg, was_clipped, capped, ratio = _mode_terms(
+            loss_mode, mode_params, lp, old, adv, mask, seq_ratio, clip_low, clip_high, clip_c
+        )
+        metrics["clip_fraction"] = _masked_mean(was_clipped.double(), mask)
+        if capped is not None:
+            metrics["dual_clip_fraction"] = _masked_mean(capped.double(), mask)
 
     scale = None
     if rollout_logprobs is not None and is_level is not None:
@@ -268,6 +333,14 @@ def _whiten(v: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (v - mu) / torch.sqrt(var + WHITEN_EPS)
 
 
+def _row_weights(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's token count, NaN for a row holding a value other than 0 or 1."""
+    weight = mask.bool().sum(-1).double()
+    if mask.dtype != torch.bool:
+        weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
+    return weight
+
+
 def grpo_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,
@@ -303,7 +376,23 @@ def grpo_advantages(
         mean = torch.zeros_like(size).index_add_(0, gid, r) / size
         single = size[gid] == 1
         centred = r - torch.where(single, 0.0, mean[gid])  # a group of one has mean 0
-        if estimator == "grpo":
+        if estimator == "opo":
+            w = _row_weights(mask)
+            wsum = torch.zeros_like(size).index_add_(0, gid, w)
+            base = _div(torch.zeros_like(size).index_add_(0, gid, w * r), wsum)[gid]
+            v = r - torch.where(single, 0.0, base)
+        elif estimator == "grpo_passk":
+            v = torch.zeros_like(r)
+            for g in range(n_groups):  # the best member (first of ties) by its margin
+                idx = (gid == g).nonzero().flatten()
+                if idx.numel() < 2:
+                    continue
+                top = r[idx].max()
+                best = idx[(r[idx] == top).nonzero()[0, 0]]
+                second = r[idx[idx != best]].max()
+                std = r[idx].std(correction=1)
+                v[best] = (top - second) / (std + eps if norm_std == "group" else 1.0)
+        elif estimator == "grpo":
             v = centred
             if norm_std == "group":
                 ss = torch.zeros_like(size).index_add_(0, gid, centred.square())
@@ -312,13 +401,11 @@ def grpo_advantages(
             elif norm_std == "batch":
                 std = r.std(correction=1) if n >= 2 else r.new_zeros(())
                 v = centred / (std + eps)
-        elif estimator == "rloo":
-            v = torch.where(single, r, centred * size[gid] / (size[gid] - 1).clamp(min=1))
+        elif estimator in ("rloo", "rloo_vectorized"):
+            alone = r if estimator == "rloo" else torch.zeros_like(r)
+            v = torch.where(single, alone, centred * size[gid] / (size[gid] - 1).clamp(min=1))
         else:  # reinforce++-baseline
             v = centred
     if estimator.startswith("reinforce++"):
-        weight = mask.bool().sum(-1).double()
-        if mask.dtype != torch.bool:  # a row holding a value other than 0 or 1 weighs NaN
-            weight = torch.where(((mask == 0) | (mask == 1)).all(-1), weight, math.nan)
-        v = _whiten(v, weight)
+        v = _whiten(v, _row_weights(mask))
     return v.to(result_dtype(rewards))

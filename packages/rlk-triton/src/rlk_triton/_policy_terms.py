@@ -128,3 +128,80 @@ def _load_tokens(
     else:
         delta = old - old
     return m, lp, old, adv, delta
+
+
+@jit
+def _geo_log_ratio(x, adv, clip_low, clip_high):
+    """GMPO's per-token log-ratio ``x`` clamped towards ``sign(adv)``, and its derivative."""
+    c = _min2(_max2(x, -clip_low), clip_high)
+    up = adv > 0
+    down = adv < 0
+    k = tl.where(up, _min2(x, c), tl.where(down, _max2(x, c), 0.0))
+    dk = tl.where((up & (x <= c)) | (down & (x >= c)), 1.0, 0.0)
+    return k, dk
+
+
+@jit
+def _mode_terms(
+    lp,
+    old,
+    ratio,
+    adv,
+    aux,
+    clip_low,
+    clip_high,
+    clip_c,
+    p0,
+    p1,
+    p2,
+    p3,
+    MODE: tl.constexpr,
+    DUAL: tl.constexpr,
+):
+    """Per-token ``(pg, d pg / d lp, clipped, capped)`` of objective ``MODE`` (the index of
+    ``rlk.ops.LOSS_MODES``) in fp32. ``ratio``: the token's (or, for ``geo_mean``, the
+    sequence's) ratio; ``aux``: ``geo_mean``'s sequence advantage or ``vespo``'s clamped
+    sequence log-ratio; ``p0..p3``: the mode's parameters in ``MODE_PARAMS`` order."""
+    if MODE == 0:
+        return _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL)
+    never = ratio < -1.0  # all False: ratios are >= 0 or NaN
+    if MODE == 1:  # cispo: -sg(clip(r)) * A * lp
+        w = _min2(_max2(ratio, 1.0 - clip_low), 1.0 + clip_high)
+        return -w * adv * lp, -w * adv, w != ratio, never
+    if MODE == 2 or MODE == 3:  # dppo_tv, dppo_kl: -A * sg(min(r, c)) * lp on the trusted tokens
+        p = tl.exp(lp)
+        po = tl.exp(old)
+        if MODE == 2:
+            d = p - po
+            valid = tl.where(adv > 0, d <= clip_high, d >= -clip_low)
+        else:
+            bkl = po * (old - lp) + (1.0 - po) * tl.log((1.0 - po + 1e-8) / (1.0 - p + 1e-8))
+            valid = tl.where(adv > 0, (bkl <= clip_high) | (p <= po), (bkl <= clip_low) | (p >= po))
+        t = ratio
+        capped = never
+        if DUAL:
+            t = _min2(ratio, clip_c)
+            capped = (ratio > clip_c) & valid
+        v = valid.to(tl.float32)
+        return -adv * t * lp * v, -adv * t * v, ~valid, capped
+    if MODE == 4:  # sapo: -A * sigmoid(tau (r - 1)) * 4 / tau
+        tau = tl.where(adv > 0, p0, p1)
+        s = tl.sigmoid(tau * (ratio - 1.0))
+        return -s * (4.0 / tau) * adv, -adv * 4.0 * s * (1.0 - s) * ratio, never, never
+    if MODE == 5:  # dro: -(A * lp - beta / 2 * (lp - old)^2)
+        x = lp - old
+        return -(lp * adv - 0.5 * p0 * x * x), -(adv - p0 * x), never, never
+    if MODE == 6:  # gpg: -A * lp
+        return -lp * adv, -adv, never, never
+    if MODE == 7:  # geo_mean: -mean(A) * exp(mean of the clamped log-ratios)
+        _, dk = _geo_log_ratio(lp - old, adv, clip_low, clip_high)
+        x = lp - old
+        pg = -aux * ratio
+        return pg, pg * dk, (x < -clip_low) | (x > clip_high), never
+    # vespo: -sg(phi(w)) * A * lp, phi(w) = exp(lam + k log w - lam w) of the sequence's w
+    nonneg = adv >= 0
+    k = tl.where(nonneg, p0, p2)
+    lam = _max2(tl.where(nonneg, p1, p3), 1e-4)
+    phi = tl.exp(lam + k * aux - lam * tl.exp(aux))
+    phi = tl.where(phi <= 3.4028234e38, phi, 0.0)  # NaN and inf to 0, as TRL's nan_to_num
+    return -phi * adv * lp, -phi * adv, never, never

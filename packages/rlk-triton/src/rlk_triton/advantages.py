@@ -1,4 +1,5 @@
-"""Outcome-reward advantages (GRPO, RLOO, REINFORCE++ and its baseline): ``grpo_advantages``.
+"""Outcome-reward advantages (GRPO, RLOO, REINFORCE++ and its baseline, OPO, Pass@k):
+``grpo_advantages``.
 
 Semantics: the docstring of ``rlk.grpo_advantages`` (the arguments arrive validated and
 normalised). A group's members are summed in their batch order in blocks of :data:`BLOCK_G`,
@@ -21,7 +22,15 @@ from rlk_triton.norm import _pow2
 #: Rewards per block of a GRPO group's sums.
 BLOCK_G = 64
 
-ADV_CODES = {"grpo": 0, "rloo": 1, "reinforce++-baseline": 2, "reinforce++": 3}
+ADV_CODES = {
+    "grpo": 0,
+    "rloo": 1,
+    "reinforce++-baseline": 2,
+    "reinforce++": 3,
+    "rloo_vectorized": 4,
+    "opo": 5,
+    "grpo_passk": 6,
+}
 NORM_CODES = {"group": 0, "none": 1, "batch": 2}
 
 
@@ -59,8 +68,28 @@ def _group_moments(r_ptr, base, cnt, span, inv, GROUPS: tl.constexpr, BLOCK_G: t
 
 
 @jit
+def _group_max(r_ptr, base, cnt, span, skip, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``(max, first index of it)`` of each group's rewards, leaving out member ``skip``."""
+    cols = tl.arange(0, BLOCK_G)
+    best = tl.zeros([GROUPS], tl.float32) - float("inf")
+    for i0 in range(0, span, BLOCK_G):
+        idx = (i0 + cols)[None, :]
+        ok = (idx < cnt[:, None]) & (idx != skip[:, None])
+        r = tl.load(r_ptr + base + idx, mask=ok, other=-float("inf")).to(tl.float32)
+        best = tl.maximum(best, tl.max(r, 1))
+    first = tl.zeros([GROUPS], tl.int32) + span
+    for i0 in range(0, span, BLOCK_G):
+        idx = (i0 + cols)[None, :]
+        ok = (idx < cnt[:, None]) & (idx != skip[:, None])
+        r = tl.load(r_ptr + base + idx, mask=ok, other=-float("inf")).to(tl.float32)
+        first = tl.minimum(first, tl.min(tl.where(ok & (r == best[:, None]), idx, span), 1))
+    return best, first
+
+
+@jit
 def _group_kernel(
     r_ptr,
+    w_ptr,
     start_ptr,
     count_ptr,
     out_ptr,
@@ -73,8 +102,9 @@ def _group_kernel(
     EST: tl.constexpr,
     STD: tl.constexpr,
 ):
-    """Per group (a segment of ``r`` of at most ``span`` members): GRPO / RLOO / baseline
-    advantages of its members; ``STD``: GRPO divided by the group's std."""
+    """Per group (a segment of ``r`` of at most ``span`` members): GRPO / RLOO / baseline / OPO
+    / Pass@k advantages of its members; ``STD``: divided by the group's std (GRPO, Pass@k).
+    ``w``: the members' response lengths (OPO's weights)."""
     segs = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
     s_ok = segs < n_seg
     base = tl.load(start_ptr + segs, mask=s_ok, other=0).to(tl.int64)[:, None]
@@ -98,18 +128,45 @@ def _group_kernel(
         )
     if STD:
         den = tl.where(single, 1.0, std) + eps * inv
+    if EST == 5:  # OPO: the length-weighted mean of the group (a group of one: 0)
+        acc = tl.zeros([GROUPS, BLOCK_G], tl.float32)
+        acc_w = tl.zeros([GROUPS, BLOCK_G], tl.float32)
+        for i0 in range(0, span, BLOCK_G):
+            ok = (i0 + cols)[None, :] < cnt[:, None]
+            r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + base + i0 + cols[None, :], mask=ok, other=0).to(tl.float32)
+            acc += w * r
+            acc_w += w
+        wsum = tree_sum(acc_w, LOG2_BLOCK_G)
+        mean = _safe_div(tree_sum(acc, LOG2_BLOCK_G), wsum)
+        mean = tl.where(single, 0.0, tl.where(wsum == wsum, mean, wsum))  # a NaN weight: NaN
+    if EST == 6:  # Pass@k: only the best member, by the margin over the second best
+        top, i_top = _group_max(r_ptr, base, cnt, span, cnt * 0 - 1, GROUPS, BLOCK_G)
+        second, _ = _group_max(r_ptr, base, cnt, span, i_top, GROUPS, BLOCK_G)
+        gap = tl.where(single, 0.0, top - second)
     for i0 in range(0, span, BLOCK_G):
         ok = (i0 + cols)[None, :] < cnt[:, None]
         r = tl.load(r_ptr + base + i0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        r = r * inv[:, None]
-        adv = r - mean[:, None]
-        if STD:
-            adv = tl.math.div_rn(adv, den[:, None])
+        if EST == 6:
+            hit = (i0 + cols)[None, :] == i_top[:, None]
+            adv = tl.where(hit, gap[:, None], 0.0)
+            if STD:
+                # std / inv: the std of the rewards' scale, exact (inv is a power of two)
+                pk_den = tl.where(single, 1.0, tl.math.div_rn(std, inv)) + eps
+                adv = tl.math.div_rn(adv, pk_den[:, None])
         else:
-            if EST == 1:
-                n1 = tl.maximum(size - 1.0, 1.0)[:, None]
-                adv = tl.where(single[:, None], r, tl.math.div_rn(adv * size[:, None], n1))
-            adv = tl.math.div_rn(adv, inv[:, None])  # back to the rewards' scale (exact)
+            r = r * inv[:, None]
+            adv = r - mean[:, None]
+            if STD:
+                adv = tl.math.div_rn(adv, den[:, None])
+            else:
+                if EST == 1 or EST == 4:
+                    n1 = tl.maximum(size - 1.0, 1.0)[:, None]
+                    keep = r  # a group of one keeps r (rloo) or gets 0 (rloo_vectorized)
+                    if EST == 4:
+                        keep = r * 0.0
+                    adv = tl.where(single[:, None], keep, tl.math.div_rn(adv * size[:, None], n1))
+                adv = tl.math.div_rn(adv, inv[:, None])  # back to the rewards' scale (exact)
         tl.store(out_ptr + base + i0 + cols[None, :], adv, mask=ok)
 
 
@@ -214,6 +271,16 @@ def _segments(group_size, group_ids, n, device):
     return order, starts, counts, n
 
 
+def _row_weights(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's token count: int32 for a bool mask; else fp32, NaN for a row holding a value
+    other than 0 or 1 (the host reads mask only where value checks run), so that the advantages
+    it weighs are NaN (all of them when whitened, its group's for OPO), as in the reference."""
+    weights = mask.bool().sum(-1, dtype=torch.int32)
+    if mask.dtype == torch.bool:
+        return weights
+    return torch.where(((mask == 0) | (mask == 1)).all(-1), weights.float(), math.nan)
+
+
 def grpo_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,
@@ -236,7 +303,7 @@ def grpo_advantages(
     if isinstance(norm_std, bool):
         norm_std = "group" if norm_std else "none"
     est, norm = ADV_CODES[estimator], NORM_CODES[norm_std]
-    if est != 0:
+    if est not in (0, 6):
         norm = 1
     rewards = rewards.detach().contiguous()
     device = rewards.device
@@ -249,11 +316,16 @@ def grpo_advantages(
     else:
         order, starts, counts, n_seg = _segments(group_size, group_ids, n, device)
         r = rewards if order is None else rewards[order]
+        w = r  # unread unless OPO
+        if est == 5:
+            w = _row_weights(mask)
+            w = w if order is None else w[order]
         v = torch.empty(n, dtype=torch.float32, device=device)
         cfg = dict(tuning.config(table, "grpo_advantages.fwd", N=n, G=group_size or 0))
         groups = cfg.pop("GROUPS")
         _group_kernel[(cdiv(n_seg, groups),)](
             r,
+            w,
             starts,
             counts,
             v,
@@ -264,19 +336,15 @@ def grpo_advantages(
             BLOCK_G=BLOCK_G,
             LOG2_BLOCK_G=_log2(BLOCK_G),
             EST=est,
-            STD=est == 0 and norm == 0,
+            STD=est in (0, 6) and norm == 0,
             **cfg,
         )
         if order is not None:
             v = torch.empty_like(v).index_copy_(0, order, v)
-    if est < 2 and norm != 2:
+    if est not in (2, 3) and norm != 2:
         return v
-    whiten = est >= 2
-    weights = mask.bool().sum(-1, dtype=torch.int32) if whiten else v
-    if whiten and mask.dtype != torch.bool:
-        # A row of mask holding a value other than 0 or 1 (the host reads mask only where value
-        # checks run) weighs NaN, and so every advantage is NaN, as in the reference.
-        weights = torch.where(((mask == 0) | (mask == 1)).all(-1), weights.float(), math.nan)
+    whiten = est in (2, 3)
+    weights = _row_weights(mask) if whiten else v
     cfg = tuning.config(table, "grpo_advantages.batch", N=n)
     _batch_norm_kernel[(1,)](
         v if whiten else rewards,

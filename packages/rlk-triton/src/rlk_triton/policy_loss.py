@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from rlk.ops import REJECT_OPTIONS
+from rlk.ops import LOSS_MODES, REJECT_OPTIONS
 from rlk_triton import tuning
 from rlk_triton._objectives import (
     METRICS,
@@ -26,6 +26,7 @@ from rlk_triton._objectives import (
     NI,
     _log2,
     _max2,
+    _min2,
     _row_max,
     _safe_div,
     agg_flags,
@@ -34,8 +35,9 @@ from rlk_triton._objectives import (
 from rlk_triton._policy_terms import (
     _bounded,
     _clamp_log,
+    _geo_log_ratio,
     _load_tokens,
-    _pg_terms,
+    _mode_terms,
     _seq_keep,
     _token_keep,
 )
@@ -55,6 +57,17 @@ LOG_RATIO_BOUND = 20.0
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
+
+
+@jit
+def _token_ratio(lp, old, s, SEQ_RATIO: tl.constexpr, MODE: tl.constexpr):
+    """The ratio a token's term takes: the sequence's ``s`` (GSPO, geo_mean), else ``exp(lp -
+    old)``, its log clamped to [-20, 20] for the objectives whose peers clamp it."""
+    if SEQ_RATIO or MODE == 7:
+        return s
+    if MODE >= 1 and MODE <= 4:
+        return tl.exp(_clamp_log(lp - old))
+    return tl.exp(lp - old)
 
 
 @jit
@@ -80,6 +93,11 @@ def _policy_seq_kernel(
     clip_c,
     is_min,
     is_max,
+    p0,
+    p1,
+    p2,
+    p3,
+    MODE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     LOG2_BLOCK_L: tl.constexpr,
     SEQS: tl.constexpr,
@@ -100,10 +118,12 @@ def _policy_seq_kernel(
     seq_keep = seqs >= 0  # all True
     ell_mean = tl.zeros([SEQS], tl.float32)
     w_seq = tl.zeros([SEQS], tl.float32) + 1.0
+    aux = tl.zeros([SEQS], tl.float32)
     n_mask = tl.zeros([SEQS], tl.int32)
     # First pass: the statistics a sequence needs before its tokens' terms.
     if PRE:
         acc_ell = zero
+        acc_adv = zero
         acc_d = zero
         acc_1 = zero
         acc_2 = zero
@@ -135,7 +155,14 @@ def _policy_seq_kernel(
             kept = m & _token_keep(dc, thr_ptr, RS)
             k2 = dc * dc * 0.5
             k3 = tl.exp(dc) - 1.0 - dc
-            acc_ell += tl.where(kept, lp - old, 0.0)
+            if MODE == 7:  # geo_mean: the log-ratios clamped towards sign(A), and A
+                ell, _ = _geo_log_ratio(lp - old, adv, clip_low, clip_high)
+                acc_adv += tl.where(kept, adv, 0.0)
+            elif MODE == 8:  # vespo: the clamped log-ratios
+                ell = _clamp_log(lp - old)
+            else:
+                ell = lp - old
+            acc_ell += tl.where(kept, ell, 0.0)
             acc_d += delta
             acc_1 -= dc
             acc_2 += tl.where(m, k2, 0.0)
@@ -155,8 +182,12 @@ def _policy_seq_kernel(
                 thr_ptr,
                 RS,
             )
-        if SEQ_RATIO:
+        if SEQ_RATIO or MODE == 7:
             ell_mean = _safe_div(tree_sum(acc_ell, LOG2_BLOCK_L), n_kept.to(tl.float32))
+        if MODE == 7:
+            aux = _safe_div(tree_sum(acc_adv, LOG2_BLOCK_L), n_kept.to(tl.float32))
+        if MODE == 8:  # log w of the sequence, clamped to [log(1e-8), 20] (TRL)
+            aux = _min2(_max2(tree_sum(acc_ell, LOG2_BLOCK_L), -18.420680743952367), 20.0)
         if IS == 2:
             w_seq = _bounded(
                 tl.exp(_clamp_log(tree_sum(acc_d, LOG2_BLOCK_L))),
@@ -199,11 +230,23 @@ def _policy_seq_kernel(
         kept = m & seq_keep[:, None]
         if RS % 8 != 0:
             kept = kept & _token_keep(_clamp_log(delta), thr_ptr, RS)
-        if SEQ_RATIO:
-            ratio = zero + s_ratio[:, None]
-        else:
-            ratio = tl.exp(lp - old)
-        pg, _, was_clipped, dual = _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL)
+        ratio = _token_ratio(lp, old, zero + s_ratio[:, None], SEQ_RATIO, MODE)
+        pg, _, was_clipped, dual = _mode_terms(
+            lp,
+            old,
+            ratio,
+            adv,
+            zero + aux[:, None],
+            clip_low,
+            clip_high,
+            clip_c,
+            p0,
+            p1,
+            p2,
+            p3,
+            MODE,
+            DUAL,
+        )
         if IS == 1:
             w = _bounded(tl.exp(_clamp_log(delta)), is_min, is_max, IS_MODE, HAS_MIN, HAS_MAX)
             pg = pg * w
@@ -228,6 +271,10 @@ def _policy_seq_kernel(
     tl.store(f + 2, tree_sum(acc_r, LOG2_BLOCK_L), mask=seq_ok)
     tl.store(f + 3, r_max, mask=seq_ok)
     tl.store(f + 4, w_stat, mask=seq_ok)
+    if MODE == 8:
+        ell_mean = aux
+    if MODE == 7:
+        w_seq = aux  # geo_mean takes no IS weights: the slot holds its sequence advantage
     tl.store(f + 5, ell_mean, mask=seq_ok)
     tl.store(f + 6, w_seq, mask=seq_ok)
     i = seqi_ptr + seqs * 5
@@ -265,6 +312,11 @@ def _policy_bwd_kernel(
     clip_c,
     is_min,
     is_max,
+    p0,
+    p1,
+    p2,
+    p3,
+    MODE: tl.constexpr,
     PER_SEQ_MEAN: tl.constexpr,
     SEQS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -303,14 +355,15 @@ def _policy_bwd_kernel(
     kept = m & (tl.load(i + 4, mask=seq_ok, other=0) != 0)[:, None]
     if RS % 8 != 0:
         kept = kept & _token_keep(_clamp_log(delta), thr_ptr, RS)
-    if SEQ_RATIO:
-        ratio = (
-            tl.zeros([SEQS, BLOCK], tl.float32)
-            + tl.exp(tl.load(f + 5, mask=seq_ok, other=0.0))[:, None]
-        )
-    else:
-        ratio = tl.exp(lp - old)
-    _, dpg, _, _ = _pg_terms(ratio, adv, clip_low, clip_high, clip_c, DUAL)
+    zero = tl.zeros([SEQS, BLOCK], tl.float32)
+    stat = zero + tl.load(f + 5, mask=seq_ok, other=0.0)[:, None]
+    ratio = _token_ratio(lp, old, tl.exp(stat), SEQ_RATIO, MODE)
+    aux = stat
+    if MODE == 7:
+        aux = zero + tl.load(f + 6, mask=seq_ok, other=0.0)[:, None]
+    _, dpg, _, _ = _mode_terms(
+        lp, old, ratio, adv, aux, clip_low, clip_high, clip_c, p0, p1, p2, p3, MODE, DUAL
+    )
     if IS == 1:
         dpg = dpg * _bounded(tl.exp(_clamp_log(delta)), is_min, is_max, IS_MODE, HAS_MIN, HAS_MAX)
     elif IS == 2:
@@ -425,7 +478,7 @@ def _forward(lp, old, adv, mask, rollout, norms, thr, plan, table):
     B, L = lp.shape
     _, flags, batch_flags = plan
     lp, old, adv, mask, roll, strides = _policy_inputs(lp, old, adv, mask, rollout)
-    pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8
+    pre = flags["SEQ_RATIO"] or flags["IS"] == 2 or flags["RS"] >= 8 or flags["MODE"] >= 7
     seqf = torch.empty(B, NF, dtype=torch.float32, device=lp.device)
     seqi = torch.empty(B, NI, dtype=torch.int32, device=lp.device)
     if B:
@@ -508,7 +561,8 @@ class PolicyLossFunction(torch.autograd.Function):
 
 
 def _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level, is_level, is_mode,
-          is_min, is_max, is_normalize, reject, num_tokens, num_seqs, norm_length=None):  # fmt: skip
+          is_min, is_max, is_normalize, reject, num_tokens, num_seqs, norm_length=None,
+          loss_mode="vanilla", mode_params=()):  # fmt: skip
     """The host side of a call (no device work): the kernels' ``(scalars, flags,
     batch_flags)``, the rejection thresholds (:func:`_reject_table`) and the names of the
     metrics returned. ``norm_length`` is :func:`_norms`'."""
@@ -516,7 +570,8 @@ def _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level, is_le
     is_code = 0 if not weigh else (1 if is_level == "token" else 2)
     rs, thr = _reject_table(reject if rollout_logprobs is not None else None)
     bound = (0.0 if is_min is None else float(is_min), 0.0 if is_max is None else float(is_max))
-    scalars = (float(clip_low), float(clip_high), float(clip_c or 0.0), *bound)
+    params = [float(v) for v in mode_params] + [0.0] * (4 - len(mode_params))
+    scalars = (float(clip_low), float(clip_high), float(clip_c or 0.0), *bound, *params)
     flags = dict(
         DUAL=clip_c is not None,
         ROLL=rollout_logprobs is not None,
@@ -526,6 +581,7 @@ def _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level, is_le
         HAS_MIN=is_min is not None,
         HAS_MAX=is_max is not None,
         RS=rs,
+        MODE=LOSS_MODES.index(loss_mode),
     )
     batch_flags = dict(
         agg_flags(agg, num_tokens, num_seqs),
@@ -571,9 +627,12 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     norm_length: float | None = None,
+    loss_mode: str = "vanilla",
+    mode_params: tuple[float, ...] = (),
     table: tuning.TuningTable,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO/GRPO/GSPO clipped policy loss (semantics: :func:`rlk.policy_loss`).
+    """PPO/GRPO/GSPO clipped policy loss and the other objectives of ``rlk.ops.LOSS_MODES``
+    (semantics: :func:`rlk.policy_loss`; ``mode_params`` in ``rlk.ops.MODE_PARAMS`` order).
 
     Shapes: ``logprobs``, ``old_logprobs``, ``mask`` (bool or 0/1), ``rollout_logprobs``
     ``[B, L]``; ``advantages`` ``[B]`` or ``[B, L]``. Returns a 0-d fp32 loss, differentiable
@@ -585,7 +644,8 @@ def policy_loss(
     """
     plan, thr, names = _plan(rollout_logprobs, clip_low, clip_high, clip_c, agg, ratio_level,
                              is_level, is_mode, is_min, is_max, is_normalize, reject,
-                             num_tokens, num_seqs)  # fmt: skip
+                             num_tokens, num_seqs, loss_mode=loss_mode,
+                             mode_params=mode_params)  # fmt: skip
     norms, thr = _device_inputs(logprobs, thr, num_tokens, num_seqs, norm_length, is_normalize)
     loss, buf = PolicyLossFunction.apply(
         logprobs,

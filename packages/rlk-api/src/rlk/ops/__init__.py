@@ -37,7 +37,8 @@ Public names for other distributions (backends, ``rlk.parallel``, the conformanc
 - the RL objectives' options: :data:`AGG_MODES`, :data:`RATIO_LEVELS`, :data:`IS_LEVELS`,
   :data:`IS_MODES`, :data:`REJECT_OPTIONS` (in the order of rlk-triton's bit flags),
   :data:`KL_KINDS`, :data:`KL_ALIASES`, :data:`ADV_ESTIMATORS`, :data:`ADV_ALIASES`,
-  :data:`NORM_STD`.
+  :data:`NORM_STD`, :data:`LOSS_MODES`, :data:`MODE_PARAMS`, and :data:`UNOFFERED` (the peers'
+  settings rlk does not offer, each with the reason or the rlk call that gives it).
 """
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ from rlk.ops.losses import (
     IS_MODES,
     KL_ALIASES,
     KL_KINDS,
+    LOSS_MODES,
+    MODE_PARAMS,
     NORM_STD,
     RATIO_LEVELS,
     REJECT_OPTIONS,
+    UNOFFERED,
 )
 
 #: The op families, each a module of this package holding its ops' public functions, in the
@@ -107,9 +111,12 @@ __all__ = [
     "IS_MODES",
     "KL_ALIASES",
     "KL_KINDS",
+    "LOSS_MODES",
+    "MODE_PARAMS",
     "NORM_STD",
     "RATIO_LEVELS",
     "REJECT_OPTIONS",
+    "UNOFFERED",
     "check_linear",
     "check_linear_logprobs",
 ]

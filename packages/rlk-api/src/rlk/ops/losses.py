@@ -56,13 +56,108 @@ KL_ALIASES = {
     "mse+": "k2",
     "low_var_kl+": "k3+",
 }
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline")
+ADV_ESTIMATORS = (
+    "grpo",
+    "rloo",
+    "reinforce++",
+    "reinforce++-baseline",
+    "rloo_vectorized",
+    "opo",
+    "grpo_passk",
+)
 #: verl's estimator names -> rlk's.
 ADV_ALIASES = {
     "reinforce_plus_plus": "reinforce++",
     "reinforce_plus_plus_baseline": "reinforce++-baseline",
+    "grpo_vectorized": "grpo",
 }
 NORM_STD = ("group", "batch", "none")
+#: ``policy_loss`` objectives (``loss_mode``): verl 0.9's ``policy_loss.loss_mode`` names, which
+#: cover TRL 1.16's ``cispo``, ``sapo`` and ``vespo`` loss types (see docs/objectives.md).
+LOSS_MODES = (
+    "vanilla",
+    "cispo",
+    "dppo_tv",
+    "dppo_kl",
+    "sapo",
+    "dro",
+    "gpg",
+    "geo_mean",
+    "vespo",
+)
+#: Per loss mode, its ``mode_params`` keys with their defaults (None: required), in the order
+#: a backend gets them (verl's and TRL's defaults).
+MODE_PARAMS: dict[str, tuple[tuple[str, float | None], ...]] = {
+    "sapo": (("tau_pos", 1.0), ("tau_neg", 1.05)),
+    "dro": (("beta", None),),
+    "vespo": (("k_pos", 2.0), ("lambda_pos", 3.0), ("k_neg", 3.0), ("lambda_neg", 2.0)),
+}
+_BATCH_WIDE = (
+    "a token's term would depend on the other sequences of the batch, which breaks batch "
+    "invariance (an output depends only on its own inputs)"
+)
+#: The peers' settings rlk does not offer, by argument and name: the reason, or the rlk call
+#: that gives the same numbers. Passing one raises a ``ValueError`` with this text.
+UNOFFERED: dict[str, dict[str, str]] = {
+    "loss_mode": {
+        "clip_cov": "verl's clip_cov zeroes the gradient of tokens drawn by torch.randperm among "
+        "those whose covariance with the batch means of A and log-prob is in range: random, and "
+        + _BATCH_WIDE,
+        "kl_cov": "verl's kl_cov penalises the batch's top-k tokens by covariance with the batch "
+        "means of A and log-prob: " + _BATCH_WIDE,
+        "gspo": "verl's gspo is loss_mode='vanilla' with ratio_level='sequence' and "
+        "clip_c=math.exp(10)",
+        "bypass_mode": "verl's bypass_mode is old_logprobs=rollout_logprobs: loss_mode='vanilla' "
+        "(loss_type ppo_clip) or loss_mode='gpg' (loss_type reinforce)",
+    },
+    "estimator": {
+        "gae": "GAE needs a critic's values per token: rlk.gae_advantages",
+        "remax": "ReMax is scores - reward_baselines per response (one subtraction in torch; "
+        "the baseline is a greedy rollout's reward)",
+        "gpg": "verl's gpg scales by B / (responses with a nonzero score in the batch): "
+        + _BATCH_WIDE
+        + "; verl's numbers are grpo_advantages(..., norm_std=False) * B / "
+        "max(count_nonzero(scores), 1) in torch",
+        "gdpo": "GDPO is grpo_advantages per reward dimension, their weighted sum, then "
+        "grpo_advantages(total, estimator='reinforce++', mask=mask) (the batch whitening)",
+        "optimal_token_baseline": "needs sum(pi^2) over the vocabulary at every token, which "
+        "rlk's logprobs do not compute",
+        "tir_optimal_token_baseline": "needs sum(pi^2) over the vocabulary at every token, which "
+        "rlk's logprobs do not compute",
+    },
+    "kind": {
+        "full": "the full KL needs both models' distributions over the vocabulary, not the "
+        "log-probabilities of the sampled tokens (verl 0.9 raises NotImplementedError too)",
+    },
+}
+
+
+def _refuse(name: str, v: object) -> None:
+    """A ``ValueError`` with the reason when ``v`` is a peer's setting rlk does not offer."""
+    reason = UNOFFERED[name].get(v) if isinstance(v, str) else None
+    if reason is not None:
+        raise ValueError(f"{name}={v!r} is not offered: {reason}")
+
+
+def _mode_params(loss_mode: str, mode_params: object) -> tuple[float, ...]:
+    """``mode_params`` (a dict by name) as the floats of :data:`MODE_PARAMS` order."""
+    spec = MODE_PARAMS.get(loss_mode, ())
+    given = {} if mode_params is None else mode_params
+    if not isinstance(given, Mapping):
+        raise TypeError(f"mode_params must be a dict, got {type(mode_params).__name__}")
+    unknown = [k for k in given if k not in dict(spec)]
+    if unknown:
+        keys = ", ".join(k for k, _ in spec) or "none"
+        raise ValueError(
+            f"mode_params has {unknown}, not parameters of loss_mode {loss_mode!r} ({keys})"
+        )
+    out = []
+    for key, default in spec:
+        v = given.get(key, default)
+        if v is None:
+            raise ValueError(f"loss_mode {loss_mode!r} needs mode_params[{key!r}]")
+        out.append(chk.positive_float(f"mode_params[{key!r}]", v, allow_zero=key.startswith("k")))
+    return tuple(out)
 
 
 def _check_padded(name: str, t: object, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -203,8 +298,11 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     norm_length: float | None = None,
+    loss_mode: str = "vanilla",
+    mode_params: Mapping[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO/GRPO/GSPO clipped policy-gradient loss on padded ``[B, L]`` tensors.
+    """PPO/GRPO/GSPO clipped policy-gradient loss, and verl's and TRL's other policy
+    objectives (``loss_mode``), on padded ``[B, L]`` tensors.
 
     Shapes: ``logprobs`` (differentiable), ``old_logprobs``, ``mask`` (bool or 0/1: response
     tokens; another value is a ``ValueError`` where value checks run, and elsewhere counts as a
@@ -222,6 +320,42 @@ def policy_loss(
     **Per token**, with advantage ``A``: ``pg = max(-A * r, -A * clamp(r, 1 - clip_low, 1 +
     clip_high))``; dual clip (``clip_c > 1``; verl's default ``clip_ratio_c=3.0``, off here by
     default): tokens with ``A < 0`` take ``min(pg, -A * clip_c)``.
+
+    **Objective** ``loss_mode`` (verl's ``policy_loss.loss_mode``; ``x = logprobs -
+    old_logprobs``, ``r = exp(x)`` with ``x`` clamped to [-20, 20] where marked *, ``sg`` = no
+    gradient; the per-token ``pg`` below replaces the clipped surrogate, then weights,
+    rejection and ``agg`` apply as for ``vanilla``):
+
+    - ``vanilla``: the clipped surrogate above;
+    - ``cispo``: ``-sg(clamp(r*, 1 - clip_low, 1 + clip_high)) * A * logprobs``
+      (``clip_low=1``: no lower bound, TRL's form);
+    - ``dppo_tv`` / ``dppo_kl``: ``-A * sg(min(r*, clip_c)) * logprobs`` on the tokens whose
+      divergence stays within ``clip_high`` (``A > 0``) or ``clip_low`` (else), 0 on the others:
+      ``p - p_old`` (TV) or the binary KL ``p_old log(p_old / p) + (1 - p_old) log((1 - p_old +
+      1e-8) / (1 - p + 1e-8))`` (which only trusts a token moving away from the advantage's
+      side), ``p = exp(logprobs)``; ``clip_c=None``: no cap; ``dual_clip_fraction`` counts the
+      capped tokens;
+    - ``sapo``: ``-A * sigmoid(tau (r* - 1)) * 4 / tau``, ``tau = tau_pos`` where ``A > 0`` else
+      ``tau_neg`` (``mode_params``, defaults 1.0 and 1.05); with ``ratio_level="sequence"`` the
+      sequence ratio (TRL);
+    - ``dro``: ``-(A * logprobs - beta / 2 * x^2)`` (``mode_params={"beta": ...}``, required);
+    - ``gpg``: ``-A * logprobs``;
+    - ``geo_mean`` (GMPO): per sequence ``-mean(A) * exp(mean(x'))`` with ``x'`` = ``x`` clamped
+      to ``[-clip_low, clip_high]`` on the side of ``sign(A)`` (``min(x, clamp(x))`` for ``A >
+      0``, ``max`` for ``A < 0``, 0 for ``A = 0``), means over the sequence's tokens; every token
+      carries its sequence's term, so ``agg="row-mean-token-mean"`` is verl's mean over rows;
+    - ``vespo`` (TRL): ``-sg(phi) * A * logprobs``, ``phi = exp(lam + k log w - lam w)`` with
+      ``log w`` = the sum of the sequence's ``x*``, clamped to ``[log 1e-8, 20]``, and ``(k,
+      lam)`` = ``(k_pos, lambda_pos)`` where ``A >= 0`` else ``(k_neg, lambda_neg)``
+      (``mode_params``, defaults 2, 3, 3, 2; ``lam`` at least 1e-4; a non-finite ``phi`` is 0).
+
+    ``clip_c`` applies to ``vanilla`` (dual clip) and ``dppo_*`` (the cap); ``ratio_level=
+    "sequence"`` to ``vanilla`` and ``sapo``; ``geo_mean`` and ``vespo`` take no importance
+    weights (``is_level=None``; ``reject`` still applies). ``clip_fraction`` counts the tokens
+    the mode clips: ``cispo`` the clamped ratios, ``dppo_*`` the untrusted tokens, ``geo_mean``
+    the clamped log-ratios, the others none. The ratio metrics report ``r`` (``geo_mean``: the
+    sequence's). verl's ``clip_cov``, ``kl_cov``, ``gspo`` and ``bypass_mode`` raise a
+    ``ValueError`` with the reason or the call to use (:data:`UNOFFERED`).
 
     **Importance sampling against the rollout engine** (``rollout_logprobs``; no gradient):
     ``pg *= w`` with ``log w = old_logprobs - rollout_logprobs`` per token (``is_level="token"``)
@@ -295,18 +429,40 @@ def policy_loss(
         mask=mask,
         rollout_logprobs=rollout_logprobs,
     )
+    _refuse("loss_mode", loss_mode)
+    loss_mode = chk.choice("loss_mode", loss_mode, LOSS_MODES)
+    params = _mode_params(loss_mode, mode_params)
     clip_low = chk.positive_float("clip_low", clip_low, allow_zero=True)
     clip_high = chk.positive_float("clip_high", clip_high, allow_zero=True)
-    if clip_low >= 1:
+    if loss_mode == "vanilla" and clip_low >= 1:
         raise ValueError(
             f"clip_low must be < 1 (the ratio is clamped at 1 - clip_low), got {clip_low}"
         )
+    if loss_mode == "cispo" and clip_low > 1:
+        raise ValueError(f"clip_low must be <= 1 for cispo (1: no lower bound), got {clip_low}")
+    dppo = loss_mode.startswith("dppo")
     if clip_c is not None:
+        if loss_mode != "vanilla" and not dppo:
+            raise ValueError(
+                f"clip_c applies to loss_mode 'vanilla' (dual clip) and 'dppo_*' (the ratio's "
+                f"cap), not {loss_mode!r}"
+            )
         clip_c = chk.positive_float("clip_c", clip_c)
-        if clip_c <= 1:
+        if clip_c <= 1 and not dppo:
             raise ValueError(f"clip_c must be > 1 for dual clip, got {clip_c}")
     agg = chk.choice("agg", agg, AGG_MODES)
     ratio_level = chk.choice("ratio_level", ratio_level, RATIO_LEVELS)
+    if ratio_level == "sequence" and loss_mode not in ("vanilla", "sapo"):
+        raise ValueError(
+            f"ratio_level='sequence' applies to loss_mode 'vanilla' and 'sapo', not "
+            f"{loss_mode!r} (its term is not a function of the ratio alone)"
+        )
+    if loss_mode in ("geo_mean", "vespo") and rollout_logprobs is not None and is_level is not None:
+        raise ValueError(
+            f"loss_mode {loss_mode!r} takes no importance weights: pass is_level=None (verl's "
+            "geo_mean takes their geometric mean, TRL's vespo folds them into w; neither is "
+            "offered)"
+        )
     if is_level is not None:
         is_level = chk.choice("is_level", is_level, IS_LEVELS)
     is_mode = chk.choice("is_mode", is_mode, IS_MODES)
@@ -359,6 +515,8 @@ def policy_loss(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         norm_length=norm_length,
+        loss_mode=loss_mode,
+        mode_params=params,
     )
 
 
@@ -392,6 +550,7 @@ def kl_penalty(
     logprobs = _check_padded("logprobs", logprobs)
     shape = tuple(logprobs.shape)
     ref_logprobs = _check_padded("ref_logprobs", ref_logprobs, shape)
+    _refuse("kind", kind)
     kind = _alias("kind", kind, KL_KINDS, KL_ALIASES)
     if clamp is not None:
         clamp = chk.positive_float("clamp", clamp)
@@ -436,11 +595,22 @@ def grpo_advantages(
       response tokens of the batch: ``(v - mu) / sqrt(var + 1e-8)`` with the token-weighted
       mean and unbiased variance (each response weighs its ``mask`` token count).
     - ``reinforce++``: ``r`` whitened the same way (no groups; verl's ``gamma = 1``).
+    - ``rloo_vectorized``: ``rloo``, but a group of one gets 0 (verl's vectorized form).
+    - ``opo``: ``r - sum_g(n_i r_i) / sum_g(n_i)``, the group's mean weighted by the responses'
+      ``mask`` token counts ``n_i`` (a group of one: ``r``; a group without tokens: ``r``).
+    - ``grpo_passk``: 0 for every member but the group's best, which gets its margin over the
+      second best, ``(r_max - r_second) / (std_g + eps)`` (``norm_std="group"``) or ``r_max -
+      r_second`` (``"none"``); tied bests get 0 (their margin); a group of one gets 0 (verl
+      raises).
 
-    verl's names ``reinforce_plus_plus`` and ``reinforce_plus_plus_baseline`` are accepted.
-    ``mask`` (``[N, L]`` bool or 0/1) is required by, and only allowed with, the two
-    ``reinforce++`` estimators (another value: a ``ValueError`` where value checks run, and
-    elsewhere every advantage is NaN). ``norm_std`` and ``eps`` apply to ``grpo`` only. Not
+    verl's names ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline`` and
+    ``grpo_vectorized`` (= ``grpo``) are accepted; its ``gae``, ``remax``, ``gdpo``, ``gpg``
+    and optimal-token-baseline estimators raise a ``ValueError`` with the reason or the rlk
+    calls that give them (:data:`UNOFFERED`). ``mask`` (``[N, L]`` bool or 0/1) is required by,
+    and only allowed with, the two ``reinforce++`` estimators and ``opo`` (another value: a
+    ``ValueError`` where value checks run, and elsewhere the advantages the row weighs are NaN:
+    all of them for ``reinforce++``, its group's for ``opo``). ``norm_std``
+    and ``eps`` apply to ``grpo`` and (``"group"``/``"none"``) ``grpo_passk`` only. Not
     differentiable.
 
     Example::
@@ -450,6 +620,7 @@ def grpo_advantages(
     """
     rewards = chk.tensor("rewards", rewards, dtypes=chk.FLOAT_DTYPES, ndim=1)
     n = rewards.numel()
+    _refuse("estimator", estimator)
     estimator = _alias("estimator", estimator, ADV_ESTIMATORS, ADV_ALIASES)
     if group_size is not None:
         if isinstance(group_size, bool) or not isinstance(group_size, int):
@@ -476,12 +647,14 @@ def grpo_advantages(
             f"norm_std must be a bool or one of {', '.join(map(repr, NORM_STD))}, got {norm_std!r}"
         )
     eps = chk.positive_float("eps", eps)
-    if estimator.startswith("reinforce++"):
+    if estimator == "grpo_passk" and norm_std == "batch":
+        raise ValueError("norm_std='batch' applies to estimator 'grpo', not 'grpo_passk'")
+    if estimator.startswith("reinforce++") or estimator == "opo":
         if mask is None:
-            raise ValueError(f"estimator {estimator!r} needs mask (token counts for whitening)")
+            raise ValueError(f"estimator {estimator!r} needs mask (the responses' token counts)")
         mask = _check_mask(mask, (n,), of="rewards.numel()")
     elif mask is not None:
-        raise ValueError(f"mask applies to the reinforce++ estimators, not {estimator!r}")
+        raise ValueError(f"mask applies to the reinforce++ estimators and opo, not {estimator!r}")
     device = chk.same_device(rewards=rewards, group_ids=group_ids, mask=mask)
     return _call(
         "grpo_advantages",

@@ -130,8 +130,8 @@ def _sample_param(which: str, value: float, filters: bool = True) -> Callable:
 
 def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
     """A ``[2, 5]`` float mask of ones but ``value`` at ``[1, 2]``: ``policy_loss`` or
-    ``value_loss`` (with the backward), the REINFORCE++ ``grpo_advantages`` or the whitened
-    ``gae_advantages``."""
+    ``value_loss`` (with the backward), the REINFORCE++ or OPO ``grpo_advantages`` (one group) or
+    the whitened ``gae_advantages``."""
 
     def build(device):
         mask = torch.ones(2, 5, device=device)
@@ -139,6 +139,9 @@ def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
         if op == "grpo_advantages":
             rewards = _randn(2, device=device)
             return lambda: rlk.grpo_advantages(rewards, estimator="reinforce++", mask=mask)
+        if op == "grpo_advantages opo":
+            rewards = _randn(2, device=device)
+            return lambda: rlk.grpo_advantages(rewards, 2, estimator="opo", mask=mask)
         x = _randn(2, 5, device=device, grad=True)
         old, other = _randn(2, 5, device=device) - 0.1, _randn(2, 5, device=device)
         if op == "gae_advantages":
@@ -219,6 +222,7 @@ VALUE_CASES: dict[str, tuple[Callable, str]] = {
     "policy_loss mask NaN": (_loss_mask(NAN), "nan"),
     "policy_loss mask 2": (_loss_mask(2.0), "nan"),
     "grpo_advantages (reinforce++) mask 0.5": (_loss_mask(0.5, "grpo_advantages"), "nan"),
+    "grpo_advantages (opo) mask 0.5": (_loss_mask(0.5, "grpo_advantages opo"), "nan"),
     "value_loss mask 0.5": (_loss_mask(0.5, "value_loss"), "nan"),
     "gae_advantages mask NaN": (_loss_mask(NAN, "gae_advantages"), "nan"),
     "control: valid gae_advantages mask": (_loss_mask(0.0, "gae_advantages"), "ok"),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlk.ops import OPS
+from rlk.ops.losses import _mode_params
 
 # KWONLY, SEED, Case, Gen, OpCases, call, select and batch_of are also read through this module
 # (rlk.testing, the tests).
@@ -326,6 +327,35 @@ POLICY_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+#: policy_loss's other objectives (``loss_mode``): the aggregation its peer uses and the keyword
+#: arguments of each case (``mode_params`` as the public dict; a backend gets the floats).
+#: Thresholds sit where the cases' divergences spread.
+MODE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cispo": ("token-mean", {"loss_mode": "cispo"}),
+    "cispo, upper cap only": (
+        "token-mean",
+        {"loss_mode": "cispo", "clip_low": 1.0, "clip_high": 0.1},
+    ),
+    "dppo_tv": (
+        "token-mean",
+        {"loss_mode": "dppo_tv", "clip_low": 0.02, "clip_high": 0.03, "clip_c": 1.15},
+    ),
+    "dppo_kl": (
+        "seq-mean-token-mean",
+        {"loss_mode": "dppo_kl", "clip_low": 0.001, "clip_high": 0.0015},
+    ),
+    "sapo": ("seq-mean-token-mean", {"loss_mode": "sapo"}),
+    "sapo, gspo ratio": (
+        "row-mean-token-mean",
+        {"loss_mode": "sapo", "ratio_level": "sequence", "mode_params": {"tau_neg": 2.0}},
+    ),
+    "dro": ("token-mean", {"loss_mode": "dro", "mode_params": {"beta": 0.5}}),
+    "gpg": ("seq-mean-token-sum", {"loss_mode": "gpg"}),
+    "geo_mean": ("row-mean-token-mean", {"loss_mode": "geo_mean", "clip_low": 0.1}),
+    "vespo": ("token-mean", {"loss_mode": "vespo"}),
+}
+
+
 def _grid(t: torch.Tensor) -> torch.Tensor:
     """Log-probs on a grid of 2^-12: their fp32 differences are exact, so a backend's clip, mask
     and rejection decisions at a token are the float64 reference's (the bounds are off the
@@ -351,8 +381,18 @@ def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
     mask = _response_mask(gen, b, length, empty_row=variant not in ("plain", "float mask"))
     if variant == "float mask":
         mask = mask.to(dt)
-    extra = dict(POLICY_VARIANTS[variant])
-    roll = variant not in ("plain", "dual clip", "adv[B]", "empty row", "float mask")
+    if variant in POLICY_VARIANTS:
+        extra = dict(POLICY_VARIANTS[variant])
+    else:
+        extra = dict(MODE_VARIANTS[variant][1])
+        extra["mode_params"] = _mode_params(extra["loss_mode"], extra.get("mode_params"))
+    roll = variant in POLICY_VARIANTS and variant not in (
+        "plain",
+        "dual clip",
+        "adv[B]",
+        "empty row",
+        "float mask",
+    )
     if "counts" in variant:
         if agg == "token-mean":
             extra["num_tokens"] = torch.tensor(3.0 * b * length, device=gen.device)
@@ -380,6 +420,8 @@ def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
         "num_tokens": None,
         "num_seqs": None,
         "norm_length": None,
+        "loss_mode": "vanilla",
+        "mode_params": (),
     }
     args.update(extra)
     label = f"{dtype_name(dt)} B={b} L={length} {agg} {variant}"
@@ -397,12 +439,15 @@ def policy_loss(gen: Gen, quick: bool) -> OpCases:
     acc += [_policy(gen, BF16, b, length, "row-mean-token-mean", "gspo, sequence mask IS")]
     acc += [_policy(gen, FP16, b, length, "seq-mean-token-mean", "dual clip")]
     acc += [_policy(gen, FP16, b, length, "seq-mean-token-sum-norm", "rejection")]
+    acc += [_policy(gen, FP32, b, length, agg, v) for v, (agg, _) in MODE_VARIANTS.items()]
+    acc += [_policy(gen, BF16, b, length, "token-mean", v) for v in ("cispo", "geo_mean")]
     if not quick:  # real shapes: a sample of the (aggregation, variant) pairs
         acc = acc[:: len(AGG_MODES)] + acc[len(AGG_MODES) * len(variants) :]
     inv = [
         _policy(gen, BF16, b, length, "seq-mean-token-mean", "tis"),
         _policy(gen, FP32, b, length, "row-mean-token-sum-norm", "gspo, sequence mask IS"),
         _policy(gen, BF16, b, length, "token-mean", "token mask IS, normalised, rejection"),
+        *(_policy(gen, FP32, b, length, agg, v) for v, (agg, _) in MODE_VARIANTS.items()),
     ]
     return OpCases(acc, inv)
 
@@ -511,10 +556,16 @@ def grpo_advantages(gen: Gen, quick: bool) -> OpCases:
         _grpo_ids(gen, FP32, n, "rloo"),
         _grpo_ids(gen, FP32, n, "reinforce++-baseline", length=length),
         _grpo_ids(gen, BF16, n, "reinforce++", length=length),
+        _grpo_ids(gen, FP32, n, "rloo_vectorized"),
+        _grpo_ids(gen, FP32, n, "opo", "none", length=length),
+        _grpo_ids(gen, FP32, n, "grpo_passk"),
+        _grpo_ids(gen, BF16, n, "grpo_passk", "none"),
     ]
     inv = [
         _grpo(gen, FP32, g + 3, s, True, batch=g),
         _grpo(gen, BF16, g + 3, s, "none", batch=g, estimator="rloo"),
+        _grpo(gen, FP32, g + 3, s, True, batch=g, estimator="grpo_passk"),
+        _grpo(gen, FP32, g + 3, s, "none", batch=g, estimator="rloo_vectorized"),
     ]
     return OpCases(acc, inv)
 

@@ -93,6 +93,7 @@ def _policy(g: Gen) -> list[Case]:
     base = {"logprobs": lp, "old_logprobs": old, "advantages": g.randn(3, 6), "mask": mask}
     base.update(dict.fromkeys(KWONLY["policy_loss"]), clip_low=0.2, clip_high=0.2, clip_c=3.0)
     base.update(agg="token-mean", ratio_level="token", is_level="token", is_mode="truncate")
+    base.update(loss_mode="vanilla", mode_params=())
     base["is_normalize"] = False
     pad = dict(base, logprobs=torch.where(mask, lp.nan_to_num(-2.0), NAN))
     roll = old.clone()
