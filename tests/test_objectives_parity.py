@@ -887,3 +887,32 @@ def test_verl_more_advantage_estimators(backend):
         assert not got[single].any()
     for what, (got, want) in checks.items():
         _within(got, want, f"{what} {backend}")
+
+
+def verl_rpp_returns(token_rewards, mask, gamma):
+    # verl release/v0.9.0 compute_reinforce_plus_plus_outcome_advantage: the running return
+    # is carried unchanged through tokens outside mask (observations between turns).
+    m = mask.double()
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    for t in reversed(range(token_rewards.shape[1])):
+        new = token_rewards[:, t] + gamma * running
+        returns[:, t] = new * m[:, t]
+        running = new * m[:, t] + running * (1 - m[:, t])
+    return verl_whiten(returns, mask) * m, returns
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gamma", [0.9, 1.0])
+def test_verl_reinforce_plus_plus_gamma_and_holes(backend, gamma):
+    # rlk's call for it: GAE with values 0 and lam = 1 (docs/objectives.md).
+    g = torch.Generator().manual_seed(31)
+    mask = torch.rand(B, L, generator=g) < 0.7  # holes
+    mask[1] = False
+    rewards = _f32(torch.randn(B, L, generator=g, dtype=torch.float64))
+    want_adv, want_ret = verl_rpp_returns(rewards, mask, gamma)
+    with rlk.use_backend(backend):
+        adv, ret = rlk.gae_advantages(rewards.float(), torch.zeros(B, L), mask, gamma=gamma,
+                                      lam=1.0)  # fmt: skip
+    _within(adv.double()[mask], want_adv[mask], f"reinforce++ gamma={gamma} {backend} advantages")
+    _within(ret.double()[mask], want_ret[mask], f"reinforce++ gamma={gamma} {backend} returns")
