@@ -916,3 +916,31 @@ def test_verl_reinforce_plus_plus_gamma_and_holes(backend, gamma):
                                       lam=1.0)  # fmt: skip
     _within(adv.double()[mask], want_adv[mask], f"reinforce++ gamma={gamma} {backend} advantages")
     _within(ret.double()[mask], want_ret[mask], f"reinforce++ gamma={gamma} {backend} returns")
+
+
+def verl_gdpo(scores_per_key, weights, index, mask):
+    # verl release/v0.9.0 compute_gdpo_outcome_advantage: GRPO per reward key, the weighted
+    # sum, then masked_whiten over the batch's response tokens.
+    total = sum(w * verl_grpo_adv(s, index, 1e-6, True) for w, s in zip(weights, scores_per_key))
+    m = mask.double()
+    return verl_whiten(total[:, None] * m, mask) * m
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verl_gdpo_as_documented(backend):
+    # docs/objectives.md's call for gdpo: grpo_advantages per key, the weighted sum in torch,
+    # then estimator="reinforce++" (its whitening over the tokens of mask).
+    g = torch.Generator().manual_seed(32)
+    index = torch.tensor([4, 1, 4, 9, 1, 4, 7, 7, 1, 4, 2])
+    keys = [_f32(torch.randn(11, generator=g, dtype=torch.float64)) for _ in range(2)]
+    keys.append(_f32((torch.rand(11, generator=g) < 0.5).double()))
+    weights = [1.0, 0.5, 2.0]
+    lengths = torch.tensor([5, 2, 7, 1, 3, 6, 2, 4, 7, 1, 5])
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    want = verl_gdpo(keys, weights, index, mask)
+    with rlk.use_backend(backend):
+        total = sum(
+            w * rlk.grpo_advantages(k.float(), group_ids=index) for w, k in zip(weights, keys)
+        )
+        got = rlk.grpo_advantages(total, estimator="reinforce++", mask=mask).double()
+    _within((got[:, None] * mask)[mask], want[mask], f"gdpo {backend}")
