@@ -88,10 +88,40 @@ def test_large_vocab_runs_quickly():
     assert time.perf_counter() - start < 20
 
 
-def test_logprobs_of_logits_near_the_float_range_are_exact():
-    # Ten equal maxima near bf16's largest value at temperature 1e-3: z = logit / T is 3e41, and
-    # the log-probability of each maximum is exactly log(1/10).
+def test_logprobs_of_huge_finite_scaled_logits_are_exact():
+    # Ten equal maxima of 3e35 at temperature 1e-3: z = logit / T is 3e38, still finite in fp32,
+    # and the log-probability of each maximum is exactly log(1/10) (no cancellation).
     logits = torch.full((1, 12), -1.0).to(torch.bfloat16)
-    logits[0, :10] = 3e38
+    logits[0, :10] = 3e35
     lp = ref.logprobs(logits, torch.tensor([3]), temperature=1e-3)
     assert math.isclose(lp.item(), math.log(0.1), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_logits_whose_fp32_scaling_overflows_are_outside_the_domain(dtype):
+    # Ten equal maxima near bf16's largest value at temperature 1e-3: z = 3e41 overflows fp32,
+    # as the kernels scale. That row (target tied with the maxima or not) and the row with a
+    # logit of -3e38 (z = -inf) give NaN log-probs, entropy and gradient; the others are as
+    # alone. float64 logits too: the check is in float32.
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(6)).to(dtype)
+    logits[1, :10] = 3e38
+    logits[2, 4] = -3e38
+    logits.requires_grad_()
+    targets = torch.tensor([3, 3, 0, 11])
+    for t in (targets, torch.tensor([3, 11, 0, 11])):
+        lp, ent = ref.logprobs(logits, t, temperature=1e-3, return_entropy=True)
+        assert lp[1:3].isnan().all() and ent[1:3].isnan().all()
+        (grad,) = torch.autograd.grad(lp.sum() + ent.sum(), logits)
+        assert grad[1:3].isnan().all() and not grad[[0, 3]].isnan().any()
+        alone = ref.logprobs(logits[[0, 3]], t[[0, 3]], temperature=1e-3)
+        assert torch.equal(lp[[0, 3]], alone)
+    # At temperature 1 nothing overflows: the exact values.
+    assert ref.logprobs(logits, targets)[1].item() == pytest.approx(math.log(0.1), rel=1e-6)
+
+
+def test_linear_logprobs_whose_fp32_scaling_overflows_give_nan():
+    h = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+    w = torch.randn(20, 8, generator=torch.Generator().manual_seed(8))
+    h[1, 0] = 1e36  # logits of about 1e36 (finite in fp32), 1e39 at temperature 1e-3
+    lp = ref.linear_logprobs(h, w, torch.tensor([1, 2, 3]), None, 1e-3, False, None)
+    assert lp[1].isnan() and not lp[[0, 2]].isnan().any()

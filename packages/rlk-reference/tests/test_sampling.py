@@ -162,3 +162,22 @@ def test_an_invalid_per_row_value_draws_no_token(which, value):
     seeds, offsets = torch.arange(3), torch.zeros(3, dtype=torch.int64)
     out = ref.sample(logits, seeds, offsets, **kw)
     assert out[1] == -1 and (out[[0, 2]] >= 0).all()
+
+
+def test_a_row_whose_fp32_scaling_overflows_draws_no_token():
+    # Outside the domain: 3e38 (or -3e38) at temperature 1e-3 overflows fp32, where the kernels
+    # scale; that row gives -1, greedy rows divide nothing, the others draw as alone.
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    logits[1, 2:5] = 3e38
+    logits[2, 7] = -3e38
+    logits[3, 9] = 3e38
+    kw = dict(temperature=torch.tensor([1e-3, 1e-3, 1e-3, 0.0]), top_k=None, top_p=None)
+    seeds, offsets = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    out = ref.sample(logits, seeds, offsets, **kw)
+    assert out.tolist()[1:] == [-1, -1, 9]
+    alone = ref.sample(
+        logits[:1], seeds[:1], offsets[:1], **dict(kw, temperature=kw["temperature"][:1])
+    )
+    assert out[0] == alone[0] >= 0
+    kw["temperature"] = torch.full((4,), 0.5)  # 3e38 / 0.5 overflows too
+    assert ref.sample(logits, seeds, offsets, **kw)[1:].tolist() == [-1, -1, -1]

@@ -294,7 +294,7 @@ def _one_program_threshold(logits, temp, topk, topp, maxima, kept_out, V, stride
     # The one-program radix threshold of _sample_kernel, its key written out.
     row = tl.program_id(0)
     t, k, p, on_k, on_p = sf._filters(temp, topk, topp, row, V, True, True)
-    sf._block_maxima(logits + row * stride, V, 0, n_blocks, maxima + row * n_blocks, BLOCK)
+    sf._block_maxima(logits + row * stride, V, 0, n_blocks, t, maxima + row * n_blocks, BLOCK)
     tl.debug_barrier()
     kept = sf._row_kept(logits + row * stride, V, t, k, p, on_k, on_p, n_blocks,
                           maxima + row * n_blocks, BLOCK, RADIX_BITS, PART_BLOCKS,

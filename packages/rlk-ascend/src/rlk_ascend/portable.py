@@ -377,6 +377,14 @@ def paged_attention(
 # --------------------------------------------------------------------------------------------
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z = logits / temperature`` in fp32, and NaN where that overflows a finite logit: such a
+    row is outside the domain of ``rlk.logprobs``, its results are NaN (as in the kernels)."""
+    x = logits.float()
+    z = x / temperature
+    return torch.where(z.isinf() & x.isfinite(), math.nan, z)
+
+
 def _lp_rows(z: torch.Tensor, targets: torch.Tensor):
     """fp32 ``z [T, V]`` (already divided by the temperature) -> (logprob, lse, entropy) [T]."""
     m = z.amax(-1)
@@ -407,7 +415,7 @@ def _dz(z, targets, lse, entropy, g_lp, g_ent) -> torch.Tensor:
 class _Logprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature):
-        z = logits.float() / temperature
+        z = _scaled(logits, temperature)
         lp, lse, entropy = _lp_rows(z, targets)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature = temperature
@@ -416,7 +424,7 @@ class _Logprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, targets, lse, entropy = ctx.saved_tensors
-        z = logits.float() / ctx.temperature
+        z = _scaled(logits, ctx.temperature)
         dz = _dz(z, targets, lse, entropy, g_lp.float(), g_ent.float())
         return (dz / ctx.temperature).to(logits.dtype), None, None
 
@@ -442,7 +450,7 @@ class _LinearLogprobs(torch.autograd.Function):
         rb = _row_block(weight.shape[0])
         for i in range(0, t, rb):
             logits = _linear_fwd(hidden[i : i + rb], weight, bias, logits_dtype)
-            z = logits.float() / temperature
+            z = _scaled(logits, temperature)
             lp[i : i + rb], lse[i : i + rb], entropy[i : i + rb] = _lp_rows(z, targets[i : i + rb])
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.logits_dtype = temperature, logits_dtype
@@ -461,7 +469,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for i in range(0, t, rb):
             rows = slice(i, i + rb)
             logits = _linear_fwd(hidden[rows], weight, bias, ctx.logits_dtype)
-            z = logits.float() / temperature
+            z = _scaled(logits, temperature)
             dz = _dz(z, targets[rows], lse[rows], entropy[rows], g_lp[rows], g_ent[rows])
             # The gradient that an unfused linear would receive, in the logits' dtype.
             dl = (dz / temperature).to(ctx.logits_dtype).float()
@@ -500,8 +508,8 @@ def linear_logprobs(
 def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> torch.Tensor:
     """Seeded per-row sampling (temperature, top-k, top-p, Gumbel-max with Philox uniforms of
     :mod:`rlk_reference.philox`) -> int64 ``[B]``; every row is computed on its own. A row with
-    a NaN logit, or an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside
-    (0, 1]), draws no token: -1."""
+    a NaN logit, an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside
+    (0, 1]), or a finite logit whose ``logit / temperature`` overflows fp32, draws no token: -1."""
     from rlk_reference.philox import philox_uniform
 
     with torch.no_grad():
@@ -535,7 +543,9 @@ def sample(logits, seeds, offsets, *, temperature, top_k, top_p, table=None) -> 
         u = philox_uniform(seeds, offsets, vocab).to(x.device)
         score = torch.where(keep, z - torch.log(-torch.log(u)), -math.inf)
         token = torch.where(greedy, x.argmax(-1), score.argmax(-1))
-        # Invalid per-row values (reachable where the host does not check them) draw no token.
+        # Invalid per-row values (reachable where the host does not check them) draw no token,
+        # nor does a row outside the domain: a finite logit whose z overflows float32.
         t = temperature.float()
         valid = (t >= 0) & (t < math.inf) & (top_k >= 0) & (top_p > 0) & (top_p <= 1)
-        return torch.where(x.isnan().any(-1) | ~valid, -1, token)
+        overflow = (z.isinf() & x.isfinite()).any(-1) & ~greedy
+        return torch.where(x.isnan().any(-1) | ~valid | overflow, -1, token)

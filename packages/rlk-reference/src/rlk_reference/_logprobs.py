@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: The ops this module holds (``rlk_reference`` exports them).
@@ -13,6 +15,18 @@ def result_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def scaled_overflow(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """Where ``logits / temperature``, computed in float32 as the kernels scale, is infinite
+    while the logit itself is finite (bool, ``logits``' shape): outside the ops' domain.
+
+    ``temperature``: a number, or a float32 tensor that broadcasts against ``logits`` (> 0). The
+    division is tensor by tensor, so it is correctly rounded on every device (a CUDA tensor
+    divided by a Python number is multiplied by the reciprocal instead)."""
+    x = logits.float()
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=x.device)
+    return torch.isfinite(x) & torch.isinf(x / t)
+
+
 def _logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -21,13 +35,17 @@ def _logprobs(
     out_dtype: torch.dtype,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     # Shifted by the row's max before the division: logits near the float range at a small
-    # temperature make z itself huge (3e38 / 1e-3), and z_target - logsumexp(z) would then lose
+    # temperature make z itself huge (3e35 / 1e-3), and z_target - logsumexp(z) would then lose
     # every digit of the answer to cancellation. The shift leaves the value unchanged. A row
     # whose max is inf or NaN is not shifted (inf - inf would turn it NaN): it keeps the
     # special-value results of the unshifted formula.
     x = logits.double()
     m = x.amax(-1, keepdim=True).detach()  # (no gradient: the value is shift-invariant)
     z = (x - torch.where(torch.isfinite(m), m, torch.zeros_like(m))) / temperature
+    # A finite logit whose z overflows float32 (bf16 3e38 at temperature 1e-3) is outside the
+    # domain: it counts as a NaN logit, so its row's results and gradient are NaN, as in the
+    # kernels, which scale in float32. ``z + nan``: the gradient flows (as NaN).
+    z = z + torch.where(scaled_overflow(logits, temperature), math.nan, 0.0)
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, targets.long()[:, None])[:, 0] - lse
     if not return_entropy:
@@ -50,7 +68,9 @@ def logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, V]``, int64 ``targets [T]`` -> float32 ``[T]`` log-probabilities
     ``z[target] - logsumexp(z)`` with ``z = logits / temperature``; with ``return_entropy`` also
-    the entropy ``-sum(p * log p)`` of ``p = softmax(z)`` (terms with ``p = 0`` count 0)."""
+    the entropy ``-sum(p * log p)`` of ``p = softmax(z)`` (terms with ``p = 0`` count 0). A row
+    with a finite logit whose ``logit / temperature`` overflows float32
+    (:func:`scaled_overflow`) gives NaN."""
     return _logprobs(logits, targets, temperature, return_entropy, result_dtype(logits))
 
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from rlk_reference._logprobs import scaled_overflow
 from rlk_reference.philox import philox_uniform
 
 #: The ops this module holds (``rlk_reference`` exports them).
@@ -52,8 +53,9 @@ def sample(
     Row ``b``: ``z = logits / temperature``; filter by top-k, then top-p; pick
     ``argmax(z + g)`` over the kept tokens with Gumbel noise ``g = -log(-log(u))`` and ``u`` from
     :func:`rlk_reference.philox.philox_uniform` (lowest index on ties). A row with a NaN logit,
-    or an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside (0, 1]), draws
-    no token: -1.
+    or an invalid temperature (< 0, infinite, NaN), top-k (< 0) or top-p (outside (0, 1]), or
+    (temperature > 0) a finite logit whose ``logit / temperature`` overflows float32
+    (:func:`~rlk_reference._logprobs.scaled_overflow`), draws no token: -1.
     """
     with torch.no_grad():
         b, vocab = logits.shape
@@ -71,6 +73,10 @@ def sample(
                 continue
             if temp == 0.0:
                 out[row] = _first_argmax(x)
+                continue
+            # Outside the domain: the kernels scale in float32, where such a z is infinite.
+            if bool(scaled_overflow(logits[row], temperature[row].float()).any()):
+                out[row] = -1
                 continue
             z = x / temp
             keep = keep_mask(z, k, p)

@@ -1,8 +1,10 @@
 """Log-probabilities (and entropy) of targets from logits: ``[T, V] -> [T]``, read once.
 
 Numerics (the contract of :func:`rlk.logprobs`): ``z = logit / temperature`` is a correctly
-rounded fp32 division (skipped at temperature 1, where it is the identity). The vocabulary is cut into :data:`VOCAB_LEAVES` equal contiguous leaves
-of ``leaf_len = ceil(V / VOCAB_LEAVES)`` logits (a function of V alone). Each leaf is read from a
+rounded fp32 division (skipped at temperature 1, where it is the identity); a finite logit whose
+``z`` overflows makes ``z`` NaN (:func:`scale_logits`), so its row's results are NaN. The
+vocabulary is cut into :data:`VOCAB_LEAVES` equal contiguous leaves of
+``leaf_len = ceil(V / VOCAB_LEAVES)`` logits (a function of V alone). Each leaf is read from a
 fresh state in chunks of ``chunk = min(CHUNK, next_pow2(leaf_len))`` logits, in ascending order:
 a block of rows keeps its running max ``m`` and, per column of the chunk, running sums of
 ``exp(z - m)`` and ``exp(z - m) * (z - m)`` (rescaled when ``m`` grows), elementwise work whose
@@ -79,11 +81,19 @@ def tree_sum(x, LOG2N: tl.constexpr):
 def scale_logits(x, temperature, UNIT: tl.constexpr = False):
     """``z = x / temperature`` in fp32, correctly rounded (``/`` may be approximate on GPU).
 
+    A finite ``x`` whose ``z`` overflows (bf16 3e38 at temperature 1e-3) is outside the op's
+    domain: its ``z`` is NaN, so that it counts as a NaN logit and its row's log-probabilities,
+    entropy and gradient are NaN (the contract of ``rlk.logprobs``), never a plausible -inf or
+    0. Elsewhere ``z`` is the quotient itself: ordinary rows keep their bits.
+
     ``UNIT``: the launcher saw ``temperature == 1.0``, and ``x / 1`` is ``x`` in IEEE arithmetic
-    (NaN, infinities and signed zeros included), so the division is skipped: the same bits."""
+    (NaN, infinities and signed zeros included, and nothing overflows), so the division is
+    skipped: the same bits."""
+    xf = x.to(tl.float32)
     if UNIT:
-        return x.to(tl.float32)
-    return tl.math.div_rn(x.to(tl.float32), temperature)
+        return xf
+    z = tl.math.div_rn(xf, temperature)
+    return tl.where((tl.abs(z) == float("inf")) & (tl.abs(xf) != float("inf")), float("nan"), z)
 
 
 @jit

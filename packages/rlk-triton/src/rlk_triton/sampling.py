@@ -30,7 +30,10 @@ ranges of whole blocks, merged as one pass over the row would: the same token ei
   synchronised for it; ``rlk.sample`` rejects NaN logits with ``ValueError`` where value checks
   run (CPU, or ``RLK_VALIDATE``). So does a row whose parameters are invalid (a temperature
   negative, infinite or NaN, a negative top-k, a top-p outside (0, 1]), which ``rlk.sample``
-  checks on the host only where value checks run (:func:`~rlk_triton.sampling_filters._valid`).
+  checks on the host only where value checks run (:func:`~rlk_triton.sampling_filters._valid`),
+  and a row outside the domain, with a finite logit whose ``z`` overflows fp32 (bf16 3e38 at
+  temperature 1e-3): the pick counts that logit as it counts a NaN, and the block maxima mark
+  its block as one holding a NaN, so that no pass skips it.
 
 The filters' keys, block maxima and threshold passes are in :mod:`rlk_triton.sampling_filters`;
 the pick, the candidate step, the kernels that run a whole row and the launchers are here.
@@ -119,16 +122,20 @@ PICK_SPAN = tl.constexpr(32)
 
 
 @jit
-def _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best, best_i):
-    """The running Gumbel-max pick ``(best, best_i)`` after one block of logits ``x``: the largest
-    ``z + g`` over its tokens with key >= ``kept``, the lowest index among ties."""
+def _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best, best_i, n_bad):
+    """The running Gumbel-max pick ``(best, best_i, n_bad)`` after one block of logits ``x``:
+    the largest ``z + g`` over its tokens with key >= ``kept``, the lowest index among ties;
+    ``n_bad`` counts the logits no token can be drawn beside: NaN, and finite ones whose
+    ``z`` overflows fp32 (outside the domain, as in the reference)."""
     z = tl.math.div_rn(x, temperature)
+    over = (tl.abs(z) == float("inf")) & (tl.abs(x) != float("inf"))
+    n_bad += tl.sum(((x != x) | over).to(tl.int32), axis=0)
     g = -tl.log(-tl.log(philox_uniform(offs, seed, offset)))
     score = tl.where(ok & (_key(z) >= kept), z + g, float("-inf"))
     bv = tl.max(score, axis=0)
     bi = tl.min(tl.where(score == bv, offs, V), axis=0)
     take = bv > best
-    return tl.where(take, bv, best), tl.where(take, bi, best_i)
+    return tl.where(take, bv, best), tl.where(take, bi, best_i), n_bad
 
 
 @jit
@@ -136,12 +143,14 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """``(best, best_i, n_nan)`` over the tokens ``lo <= v < hi`` (``lo`` a multiple of BLOCK):
     the largest ``z + g`` among the kept tokens and its lowest index (temperature 0: the largest
-    logit), and the count of NaN logits. A block only wins with a strictly larger value, so the
-    lowest index wins ties: ranges merged in ascending order give the one-pass result."""
+    logit), and the count of NaN logits and (temperature > 0) of finite logits whose ``z``
+    overflows. A block only wins with a strictly larger value, so the lowest index wins ties:
+    ranges merged in ascending order give the one-pass result. A block skipped here holds
+    neither: its maximum says so (:func:`~rlk_triton.sampling_filters._block_maxima`)."""
     cols = tl.arange(0, BLOCK)
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.zeros([], tl.int32)
-    n_nan = tl.zeros([], tl.int32)  # NaN logits of the row: no token can be drawn
+    n_nan = tl.zeros([], tl.int32)  # NaN (or overflowing) logits: no token can be drawn
     if temperature == 0.0:
         for b0 in range(lo, hi, BLOCK):
             offs = b0 + cols
@@ -157,9 +166,8 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
             offs = b0 + cols
             ok = offs < hi
             x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-            n_nan += tl.sum((x != x).to(tl.int32), axis=0)  # z is NaN exactly where x is
-            best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset, best,
-                                       best_i)  # fmt: skip
+            best, best_i, n_nan = _pick_block(x, ok, offs, V, temperature, kept, seed, offset,
+                                              best, best_i, n_nan)  # fmt: skip
     else:
         # A block without a kept token scores -inf everywhere and cannot win: skipped, with its
         # noise (a block with a NaN is never skipped: its NaN is counted here). The blocks are
@@ -173,9 +181,8 @@ def _pick_range(row_ptr, V, lo, hi, temperature, kept, seed, offset, maxima_ptr,
                     offs = (c_lo + i) * BLOCK + cols
                     ok = offs < hi
                     x = tl.load(row_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                    n_nan += tl.sum((x != x).to(tl.int32), axis=0)
-                    best, best_i = _pick_block(x, ok, offs, V, temperature, kept, seed, offset,
-                                               best, best_i)  # fmt: skip
+                    best, best_i, n_nan = _pick_block(x, ok, offs, V, temperature, kept, seed,
+                                                      offset, best, best_i, n_nan)  # fmt: skip
     return best, best_i, n_nan
 
 
@@ -317,7 +324,7 @@ def _sample_kernel(
     seed = tl.load(seeds_ptr + pid)
     offset = tl.load(offsets_ptr + pid)
     if topk_on | topp_on:
-        _block_maxima(row_ptr, V, 0, n_blocks, maxima_ptr, BLOCK)
+        _block_maxima(row_ptr, V, 0, n_blocks, temperature, maxima_ptr, BLOCK)
         tl.debug_barrier()
     done = tl.zeros([], tl.int1)
     token = tl.zeros([], tl.int32)

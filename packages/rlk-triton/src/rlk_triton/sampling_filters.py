@@ -16,8 +16,9 @@ from rlk_triton._triton import jit, tl
 #: The max adds 2**40 itself, so a mass of up to 2**22 tokens stays below 2**63 and is exact in
 #: any order; a term's truncation costs under 2**-40 of that max's share.
 MASS_SCALE = tl.constexpr(2.0**40)
-#: The block-maximum key of a block holding a NaN logit: above every key, so such a block is
-#: never skipped (and its NaN is counted where it is loaded).
+#: The block-maximum key of a block holding a NaN logit (or a finite logit whose z overflows):
+#: above every key, so such a block is never skipped (and its NaN is counted where it is
+#: loaded).
 NAN_BLOCK = tl.constexpr(0xFFFFFFFF)
 
 
@@ -45,15 +46,21 @@ def _mass_terms(z, z_max, on):
 
 
 @jit
-def _block_maxima(row_ptr, V, b_lo, b_hi, maxima_ptr, BLOCK: tl.constexpr):
-    """Blocks ``b_lo <= b < b_hi`` of the row: each block's largest logit as a key
-    (:data:`NAN_BLOCK` for a block with a NaN) into ``maxima_ptr[b]`` (int32 bits)."""
+def _block_maxima(row_ptr, V, b_lo, b_hi, temperature, maxima_ptr, BLOCK: tl.constexpr):
+    """Blocks ``b_lo <= b < b_hi`` of the row: each block's largest logit as a key into
+    ``maxima_ptr[b]`` (int32 bits); :data:`NAN_BLOCK` for a block with a NaN, or with a finite
+    logit whose ``x / temperature`` overflows (outside the domain: the row draws no token, and
+    the pick must read the block to count it). The division is monotone and odd, so such a
+    logit exists exactly where the block's largest finite ``|x|`` divided overflows: one
+    division a block."""
     cols = tl.arange(0, BLOCK)
     for b in range(b_lo, b_hi):
         offs = b * BLOCK + cols
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
-        key = tl.where(has_nan, NAN_BLOCK, _key(tl.max(x, axis=0)))
+        big = tl.max(tl.where(tl.abs(x) != float("inf"), tl.abs(x), 0.0), axis=0)
+        over = tl.math.div_rn(big, temperature) == float("inf")
+        key = tl.where(has_nan | over, NAN_BLOCK, _key(tl.max(x, axis=0)))
         tl.store(maxima_ptr + b, key.to(tl.int32, bitcast=True))
 
 
@@ -343,11 +350,11 @@ def _maxima_kernel(logits_ptr, temp_ptr, topk_ptr, topp_ptr, maxima_ptr, V, stri
     """Split threshold, first pass: the block maxima of a row's part (rows with a filter)."""
     row = tl.program_id(0)
     b_lo = tl.program_id(1) * PART_BLOCKS
-    _, _, _, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V, HAS_TOPK,
-                                         HAS_TOPP)  # fmt: skip
+    temperature, _, _, topk_on, topp_on = _filters(temp_ptr, topk_ptr, topp_ptr, row, V,
+                                                   HAS_TOPK, HAS_TOPP)  # fmt: skip
     if topk_on | topp_on:
         _block_maxima(logits_ptr + row.to(tl.int64) * stride, V, b_lo,
-                      tl.minimum(b_lo + PART_BLOCKS, n_blocks),
+                      tl.minimum(b_lo + PART_BLOCKS, n_blocks), temperature,
                       maxima_ptr + row.to(tl.int64) * n_blocks, BLOCK)  # fmt: skip
 
 

@@ -34,7 +34,9 @@ def logprobs(
     Shapes: ``logits [T, V]`` (bf16/fp16/fp32), ``targets`` int64 ``[T]`` -> float32 ``[T]``
     (and entropy float32 ``[T]`` with ``return_entropy``). ``logits`` is read once; the
     log-sum-exp runs over the vocabulary in fixed-size chunks in a fixed order.
-    Differentiable with respect to ``logits``.
+    Differentiable with respect to ``logits``. A row with a finite logit whose
+    ``logit / temperature`` overflows float32 (bf16 3e38 at temperature 1e-3) is outside the
+    domain: its log-probability, entropy and gradient are NaN on every backend.
 
     Example::
 
@@ -99,6 +101,8 @@ def linear_logprobs(
     engines materialise) is the dtype each logit is rounded to before the softmax, so that
     ``linear_logprobs(h, W, t) == logprobs(linear(h, W), t)`` bitwise. Extra memory is bounded
     by a chunk, independent of T. Backward gives dHidden, dWeight, dBias deterministically.
+    As in :func:`logprobs`, a row with a finite logit whose ``logit / temperature`` overflows
+    float32 gives NaN.
 
     Example::
 

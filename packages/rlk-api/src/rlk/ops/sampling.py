@@ -52,6 +52,19 @@ def _per_row(
     return torch.full((b,), value, dtype=dtype, device=device)
 
 
+def _check_scaled(logits: torch.Tensor, temperature: torch.Tensor) -> None:
+    """``ValueError`` for rows outside the domain: a finite logit whose ``logit / temperature``
+    overflows float32, the dtype the kernels scale in (greedy rows divide nothing)."""
+    x = logits.float()
+    z = x / torch.where(temperature == 0, 1.0, temperature)[:, None]
+    bad = (z.isinf() & x.isfinite()).any(-1).nonzero()[:, 0]
+    if bad.numel():
+        raise ValueError(
+            f"logits / temperature overflows float32 in rows {bad[:8].tolist()}: no token can be "
+            "drawn (without value checks: -1)"
+        )
+
+
 @op("sampling", out_dtype="int64")
 def sample(
     logits: torch.Tensor,
@@ -77,6 +90,8 @@ def sample(
     ``top_k`` or ``top_p`` draws no token: ``-1``, as a row with a NaN logit does.
     A row of ``logits`` with a NaN has no token to draw: a ``ValueError`` where value checks
     run, and the token ``-1`` for that row otherwise (every backend; no host synchronisation).
+    So is a row outside the domain, one with a finite logit whose ``logit / temperature``
+    (temperature > 0, computed in float32) overflows, such as bf16 3e38 at temperature 1e-3.
     The Triton backends add the top-p masses as exact int64 fixed-point sums, so with ``top_p``
     other than the number 1.0 they take vocabularies of up to 2**22 (``ValueError`` above).
 
@@ -98,6 +113,8 @@ def sample(
     off_p = isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p == 1.0
     top_k = None if off_k else _per_row("top_k", top_k, b, torch.int64, device)
     top_p = None if off_p else _per_row("top_p", top_p, b, torch.float32, device)
+    if chk.value_checks_enabled(logits):
+        _check_scaled(logits, temperature)
     return _call(
         "sample",
         device,

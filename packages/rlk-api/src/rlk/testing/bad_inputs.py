@@ -12,7 +12,8 @@ the outcome the contract requires: ``"error"`` (a ``ValueError`` on CPU; on a GP
 the next synchronisation, a device-side assertion), ``"-1"`` (``sample``'s token for a row it
 cannot draw from) or ``"nan"`` (a loss or advantages of NaN). Besides the indices, the per-row
 values that the host checks only with value checks on are here too: ``sample``'s temperature,
-top-k and top-p, and a loss mask holding a value other than 0 or 1 (:data:`VALUE_CASES`).
+top-k and top-p, logits whose ``logit / temperature`` overflows fp32, and a loss mask holding a
+value other than 0 or 1 (:data:`VALUE_CASES`).
 ``scripts/bad_inputs.py`` runs them one per process, under ``compute-sanitizer`` on a GPU
 (``scripts/gpu_sanitize.sh``); ``tests/test_bad_inputs.py`` runs them on CPU.
 """
@@ -128,6 +129,16 @@ def _sample_param(which: str, value: float, filters: bool = True) -> Callable:
     return build
 
 
+def _sample_overflow(device):
+    """Row 1 outside the domain: logits of 3e38 at temperature 1e-3 overflow fp32 (with top-k
+    and top-p, so that the filters' block maxima must mark the block)."""
+    logits = _randn(3, 1100, device=device)
+    logits[1, 600:603] = 3e38
+    seeds = torch.arange(3, device=device)
+    return lambda: rlk.sample(logits, seeds, torch.zeros_like(seeds), temperature=1e-3,
+                              top_k=5, top_p=0.9)  # fmt: skip
+
+
 def _loss_mask(value: float, op: str = "policy_loss") -> Callable:
     """A ``[2, 5]`` float mask of ones but ``value`` at ``[1, 2]``: ``policy_loss`` or
     ``value_loss`` (with the backward), the REINFORCE++ or OPO ``grpo_advantages`` (one group) or
@@ -217,6 +228,7 @@ VALUE_CASES: dict[str, tuple[Callable, str]] = {
     "sample top_p 1.5": (_sample_param("top_p", 1.5), "-1"),
     "sample top_p 0": (_sample_param("top_p", 0.0), "-1"),
     "sample top_p NaN": (_sample_param("top_p", NAN), "-1"),
+    "sample logits / temperature overflows": (_sample_overflow, "-1"),
     "control: valid policy_loss mask": (_loss_mask(0.0), "ok"),
     "policy_loss mask 0.5": (_loss_mask(0.5), "nan"),
     "policy_loss mask NaN": (_loss_mask(NAN), "nan"),

@@ -3,8 +3,10 @@
 The float64 reference is the oracle where IEEE semantics define the answer: a backend must give
 NaN exactly where the reference does, the same infinities (with their sign), and finite values
 within the accuracy tolerances. Overflow cases are finite inputs whose fp32 intermediates would
-overflow (squares of 1e30, sums of 1e38) while the answer is an ordinary number. ``sample``
-must draw the reference's token (-1 for a row with a NaN logit). Run as part of the
+overflow (squares of 1e30, sums of 1e38) while the answer is an ordinary number. Logits whose
+``logit / temperature`` overflows fp32 (3e38 at temperature 1e-3) are outside the domain: NaN
+log-probabilities for their rows, and no token. ``sample`` must draw the reference's token
+(-1 for a row with a NaN logit or outside the domain). Run as part of the
 ``accuracy`` check (:func:`check`); cases with cotangents compare the gradients too.
 """
 
@@ -81,7 +83,29 @@ def _logprobs(g: Gen) -> list[Case]:
     return [
         Case("logprobs", "fp32 +inf/NaN/-inf/huge logits", FP32, args),
         Case("linear_logprobs", "fp32 NaN hidden row", FP32, fused),
+        _overflow_logprobs(g),
     ]
+
+
+def overflowing_logits(g: Gen, rows: int = 6, vocab: int = 40) -> torch.Tensor:
+    """fp32 logits ``[rows, vocab]`` for temperature 1e-3 (``rows >= 5``): in rows 1 to 4 a
+    finite ``logit / temperature`` overflows fp32, which puts the row outside the domain (NaN
+    log-probabilities, no token drawn): rows 1 and 4 hold ten equal maxima near bf16's largest
+    value (3e38: +inf), row 2 one logit of -3e38 (-inf), row 3 both. The other rows are
+    ordinary."""
+    x = g.randn(rows, vocab, scale=3.0)
+    x[1, :10] = x[4, :10] = 3e38
+    x[2, 5] = -3e38
+    x[3, 0], x[3, 1] = 3e38, -3e38
+    return x
+
+
+def _overflow_logprobs(g: Gen) -> Case:
+    logits = overflowing_logits(g)
+    # Row 1's target is one of the maxima, row 4's is not: both NaN, as is every entropy there.
+    targets = torch.tensor([2, 3, 4, 25, 20, 1], device=g.device)
+    args = {"logits": logits, "targets": targets, "temperature": 1e-3, "return_entropy": True}
+    return Case("logprobs", "fp32 logits whose logit / temperature overflows", FP32, args)
 
 
 def _policy(g: Gen) -> list[Case]:
@@ -158,7 +182,19 @@ def _sample(g: Gen) -> list[Case]:
         "top_k": torch.zeros(6, dtype=torch.int64, device=g.device),
         "top_p": torch.ones(6, device=g.device),
     }
-    return [Case("sample", "fp32 NaN/+inf/-inf logits", FP32, args)]
+    # Rows 1 to 4 outside the domain at temperature 1e-3 (overflowing_logits): -1, with the
+    # filters off and on; row 0 is greedy (no division: the first maximum), row 5 ordinary.
+    x = overflowing_logits(g, vocab=50)
+    x[0, 1:3] = 3e38
+    over = dict(args, logits=x, temperature=torch.full((6,), 1e-3, device=g.device))
+    over["temperature"][0] = 0.0
+    filters = dict(over, top_k=torch.full_like(over["top_k"], 5))
+    filters["top_p"] = torch.full_like(over["top_p"], 0.9)
+    return [
+        Case("sample", "fp32 NaN/+inf/-inf logits", FP32, args),
+        Case("sample", "fp32 logits whose logit / temperature overflows", FP32, over),
+        Case("sample", "fp32 overflowing logit / temperature, top-k and top-p", FP32, filters),
+    ]
 
 
 BUILDERS: dict[str, Callable[[Gen], list[Case]]] = {
