@@ -80,7 +80,7 @@ def test_leaves_reach_both_sides_and_change_the_bits():
     """patch_model(leaves=8) runs o_proj/down_proj on tree_linear; Megatron with leaves=8 at
     TP=1 matches it bitwise, and both differ from the plain rlk.linear bits (so the leaves are
     really used: a side that ignored them would mismatch the other). fp32: at the tiny model's
-    K (64, 128) the tree and the plain K order round to the same bf16 outputs."""
+    K (128) the tree and the plain K order round to the same bf16 outputs."""
     teardown = rm.init_single_process()
     try:
         hf = models.load_model("tiny", dtype=torch.float32)

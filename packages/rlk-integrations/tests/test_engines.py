@@ -122,7 +122,8 @@ def test_stock_twins():
 
     model = types.SimpleNamespace(config=Qwen2Config(hidden_size=64, num_attention_heads=4))
     assert engines.create("vllm").stock_twin(model, CPU) == (
-        "vLLM's CPU attention takes head_dim >= 32, not 16"
+        "vLLM's CPU attention takes head_dim (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512), "
+        "not 16"
     )
     twin = engines.create("vllm").stock_twin(model, torch.device("cuda"))
     assert twin.name == "vllm-stock" and twin.stock

@@ -80,11 +80,12 @@ def test_weight_round_trip_is_bitwise(name):
 def test_qkv_layout_is_grouped():
     """Rows of the fused QKV: per KV group, its q heads, then its k head, then its v head."""
     hf = _hf("tiny")
-    cfg = hf.config  # 4 q heads, 2 KV heads, head_dim 16
+    cfg = hf.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
     sd = hf.state_dict()
     w = rm.hf_to_megatron(sd, cfg)["decoder.layers.0.self_attention.linear_qkv.weight"]
     q, k, v = (sd[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
-    d = 16
+    d = cfg.head_dim
     for g in range(2):
         base = g * 4 * d  # (2 q heads + k + v) * d rows per group
         assert torch.equal(w[base : base + 2 * d], q[2 * g * d : 2 * (g + 1) * d])

@@ -52,16 +52,9 @@ ENGINE = dict(
 
 
 def write_checkpoint(path: str, name: str = "tiny") -> None:
-    """A built-in tiny config widened to head_dim 32 (vLLM's CPU attention takes no smaller; and
-    hidden = heads * head_dim, which vLLM's stock Qwen2 assumes), seeded random bf16 weights,
-    saved as safetensors."""
-    cfg = models.make_config(name)
-    cfg.head_dim = 32
-    cfg.hidden_size = cfg.num_attention_heads * cfg.head_dim
-    torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    """A built-in tiny model (head_dim 32, which vLLM's CPU attention takes too), seeded random
+    bf16 weights, saved as safetensors."""
+    models.load_model(name, dtype=torch.bfloat16).save_pretrained(path)
 
 
 def start(path: str, **kw):
@@ -227,16 +220,30 @@ def test_an_architecture_rlk_does_not_cover_is_refused_at_start(tmp_path):
 
 
 def test_consistency_vllm_row_is_exact():
-    """``rlk consistency --rollout-engine vllm`` on the tiny Qwen2 (head_dim 16, which rlk's
-    attention takes and vLLM's CPU attention does not: the stock-vLLM row is skipped, saying
-    so): the rlk-in-vLLM row shows no mismatch, the stock row does."""
+    """``rlk consistency --rollout-engine vllm`` on the tiny Qwen2: the rlk-in-vLLM row shows no
+    mismatch; both stock rows (the padded torch rollout, and stock vLLM's own model and kernels)
+    differ from stock transformers' recompute, by rounding only."""
     from rlk_integrations import consistency
 
     report = consistency.run("tiny", prompts=3, new_tokens=4, rollout_modes=("vllm",))
     rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
+    assert set(rows) == {("stock", "padded"), ("stock", "vllm-stock"), ("rlk", "vllm")}
+    assert "vllm-stock" not in report["rollout_skipped"]
     assert consistency.ok(report) and rows[("rlk", "vllm")]["tokens"] == 12
-    assert rows[("stock", "padded")]["frac_differ"] > 0
-    assert "head_dim >= 32" in report["rollout_skipped"]["vllm-stock"]
+    for mode in ("padded", "vllm-stock"):
+        stock = rows[("stock", mode)]
+        assert stock["tokens"] == 12 and stock["frac_differ"] > 0, stock
+        assert 0 < stock["max_abs_dlogp"] < 0.1, stock
+    assert "vllm-stock row: vLLM's own model classes" in consistency.format_table(report)
+
+
+def test_cpu_head_sizes_are_the_installed_vllms():
+    """The stock-vLLM row's head_dim check (``VLLMRollout.stock_twin``) uses vLLM's own list."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from rlk_integrations.vllm.engine import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
 
 
 def test_preempted_requests_keep_the_bits(checkpoint, trainer):

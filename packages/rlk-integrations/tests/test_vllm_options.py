@@ -23,14 +23,24 @@ def _config(**changes):
         cache_dtype="auto",
         logprobs_mode="raw_logprobs",
         v2=False,
+        pcp=1,
+        dcp=1,
+        runner="generate",
+        prompt_embeds=False,
     )
     fields.update(changes)
     return SimpleNamespace(
         model_config=SimpleNamespace(
-            quantization=fields["quantization"], logprobs_mode=fields["logprobs_mode"]
+            quantization=fields["quantization"],
+            logprobs_mode=fields["logprobs_mode"],
+            runner_type=fields["runner"],
+            enable_prompt_embeds=fields["prompt_embeds"],
         ),
         parallel_config=SimpleNamespace(
-            tensor_parallel_size=fields["tp"], pipeline_parallel_size=fields["pp"]
+            tensor_parallel_size=fields["tp"],
+            pipeline_parallel_size=fields["pp"],
+            prefill_context_parallel_size=fields["pcp"],
+            decode_context_parallel_size=fields["dcp"],
         ),
         cache_config=SimpleNamespace(cache_dtype=fields["cache_dtype"]),
         lora_config=fields["lora"],
@@ -54,6 +64,10 @@ def test_supported_config_passes():
         (dict(cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
         (dict(logprobs_mode="processed_logprobs"), "logprobs_mode='processed_logprobs'"),
         (dict(v2=True), "V2 model runner"),
+        (dict(pcp=2), "prefill_context_parallel_size=2"),
+        (dict(dcp=2), "decode_context_parallel_size=2"),
+        (dict(runner="pooling"), "runner='pooling'"),
+        (dict(prompt_embeds=True), "enable_prompt_embeds=True"),
     ],
 )
 def test_unsupported_option_is_named(change, named):
@@ -100,6 +114,11 @@ def test_another_vllm_release_is_refused(monkeypatch):
         dict(tensor_parallel_size=2),
         dict(kv_cache_dtype="fp8"),
         dict(logprobs_mode="processed_logprobs"),
+        dict(pipeline_parallel_size=2),
+        dict(decode_context_parallel_size=2),
+        dict(runner="pooling"),
+        dict(enable_prompt_embeds=True),
+        dict(hf_overrides={"architectures": ["Qwen2ForCausalLM"]}),
     ],
 )
 def test_engine_args_refuses_an_unsupported_option_at_once(monkeypatch, kw):

@@ -673,6 +673,11 @@ def format_table(report: dict[str, Any]) -> str:
         )
     if leaves:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
+    if any(r.get("rollout_mode") == "vllm-stock" for r in report["rows"]):
+        notes.append(
+            "stock vllm-stock row: vLLM's own model classes and kernels sample, stock "
+            "transformers recomputes"
+        )
     for name, why in report.get("rollout_skipped", {}).items():
         notes.append(f"rollout engine {name} not run: {why}")
     # Mixture of experts: the share of tokens whose experts differ ("-": not measured).
@@ -695,7 +700,8 @@ def format_table(report: dict[str, Any]) -> str:
         )
     lines.append(
         "tok/s: this command's own loops (the paged rollout replays CUDA graphs of its decode "
-        "steps on a GPU, the others run eagerly; the stock row is not transformers' generate). "
+        "steps on a GPU, the others run eagerly; the padded stock row is not transformers' "
+        "generate). "
         "Engine speed: rlk bench --only e2e."
     )
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Built-in random-init model configs, and loading a local transformers checkpoint.
 
 ``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, a mixture of 16 experts with
-4 per token, and ``tiny-mha`` / ``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8
-tensor-parallel ranks) are small enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
+4 per token, all with head_dim 32, which stock vLLM's CPU attention takes; and ``tiny-mha`` /
+``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8 tensor-parallel ranks) are small
+enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
 ``qwen3-0.6b``, ``llama3-8b-4layers`` and ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token)
 have the shapes of the real models (random weights, nothing downloaded) for GPU runs.
 
@@ -20,12 +21,16 @@ from typing import Any
 
 import torch
 
+# head_dim 32: the smallest vLLM's CPU attention takes (its supported sizes are 32, 64, 80, ...),
+# so that stock vLLM runs the tiny models too; hidden = heads * head_dim, which vLLM's Qwen2
+# assumes (it derives head_dim from them). 4 query heads share 2 key/value heads (GQA), which 2
+# tensor-parallel ranks split.
 _TINY = dict(
     num_hidden_layers=2,
-    hidden_size=64,
+    hidden_size=128,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,
     intermediate_size=128,
     vocab_size=512,
     max_position_embeddings=4096,
@@ -49,13 +54,24 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("qwen2", dict(_TINY, tie_word_embeddings=True)),
     "tiny-llama": ("llama", dict(_TINY, tie_word_embeddings=False)),
     "tiny-qwen3": ("qwen3", dict(_TINY, tie_word_embeddings=True)),
-    # As many key/value heads as query heads: splits over 4 tensor-parallel ranks.
-    "tiny-mha": ("qwen3", dict(_TINY, num_key_value_heads=4, tie_word_embeddings=True)),
+    # As many key/value heads as query heads, 4 of 16 dimensions: splits over 4 tensor-parallel
+    # ranks (hidden 64 keeps the 4 and 8 spawned ranks' interpreter runs short).
+    "tiny-mha": (
+        "qwen3",
+        dict(
+            _TINY,
+            hidden_size=64,
+            num_key_value_heads=4,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
     # 8 query and key/value heads of 8 dimensions: splits over 8 tensor-parallel ranks.
     "tiny-mha8": (
         "qwen3",
         dict(
             _TINY,
+            hidden_size=64,
             num_attention_heads=8,
             num_key_value_heads=8,
             head_dim=8,
@@ -69,7 +85,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_moe",
         dict(
             _TINY,
-            head_dim=32,
+            hidden_size=64,
             num_experts=16,
             num_experts_per_tok=4,
             moe_intermediate_size=32,

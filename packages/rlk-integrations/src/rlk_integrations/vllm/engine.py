@@ -28,6 +28,10 @@ import torch
 from rlk_integrations.engines import RolloutOptions
 from rlk_integrations.rollout import RolloutResult, Sample
 
+#: The head sizes vLLM 0.32's CPU attention takes (its ``CPUAttentionBackend.
+#: get_supported_head_sizes()``; test_vllm.py checks the installed vLLM against this list).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 
 def _weights_key(model: torch.nn.Module) -> tuple:
     return (id(model),) + tuple((p.data_ptr(), p._version) for p in model.parameters())
@@ -61,11 +65,11 @@ class VLLMRollout:
 
     def stock_twin(self, model: torch.nn.Module, device: torch.device) -> VLLMRollout | str:
         """vLLM's own model classes and kernels (on CPU only where its attention takes the
-        model's head_dim, 32 and up)."""
+        model's head_dim: :data:`CPU_HEAD_SIZES`)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if device.type == "cpu" and head_dim < 32:
-            return f"vLLM's CPU attention takes head_dim >= 32, not {head_dim}"
+        if device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+            return f"vLLM's CPU attention takes head_dim {CPU_HEAD_SIZES}, not {head_dim}"
         return VLLMRollout(self.options, stock=True)
 
     def close(self) -> None:

@@ -14,8 +14,9 @@ Weights are the checkpoint's own tensors, copied by name (``load_weights``); so
 ``training.recompute_logprobs`` on the same checkpoint gives the same bits.
 
 Anything the classes cannot run raises at engine start, naming it (:func:`check_config`):
-quantization, LoRA, speculative decoding, tensor or pipeline parallelism above 1, a KV cache
-dtype other than the model's, a ``logprobs_mode`` other than ``raw_logprobs``, vLLM's V2 model
+quantization, LoRA, speculative decoding, tensor, pipeline or context parallelism above 1, a
+runner other than ``generate`` (pooling), prompt embeddings, a KV cache dtype other than the
+model's, a ``logprobs_mode`` other than ``raw_logprobs``, vLLM's V2 model
 runner, an architecture other than Llama / Qwen2 / Qwen3.
 """
 
@@ -47,6 +48,13 @@ def check_config(vllm_config: Any) -> None:
         bad.append(f"tensor_parallel_size={pc.tensor_parallel_size}")
     if pc.pipeline_parallel_size != 1:
         bad.append(f"pipeline_parallel_size={pc.pipeline_parallel_size}")
+    for cp in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(pc, cp, 1) != 1:
+            bad.append(f"{cp}={getattr(pc, cp)}")
+    if getattr(mc, "runner_type", "generate") != "generate":
+        bad.append(f"runner={mc.runner_type!r} (only 'generate')")
+    if getattr(mc, "enable_prompt_embeds", False):
+        bad.append("enable_prompt_embeds=True (token ids only)")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto":
         bad.append(f"kv_cache_dtype={cache_dtype!r}")
