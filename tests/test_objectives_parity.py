@@ -134,14 +134,19 @@ def verl_gspo(lp, old, adv, mask, clip_low, clip_high, mode):
     return verl_agg_loss(pg, mask, mode)
 
 
-def verl_is_weights(log_ratio, mask, level, threshold, batch_normalize):
-    # verl 0.9.1 compute_rollout_correction_weights (single process).
+def verl_is_weights(log_ratio, mask, level, threshold, batch_normalize, lower=None):
+    # verl 0.9.1 compute_rollout_correction_weights (single process); a lower bound
+    # (rollout_is_threshold="lower_upper") zeroes the weights outside [lower, upper] (IcePop).
     m = mask.double()
     if level == "token":
         w = torch.exp(log_ratio.clamp(-SAFETY, SAFETY))
     else:
         w = torch.exp((log_ratio * m).sum(-1, keepdim=True).clamp(-SAFETY, SAFETY)).expand_as(m)
-    w = (w * m).clamp(max=threshold)
+    w = w * m
+    if lower is None:
+        w = w.clamp(max=threshold)
+    else:
+        w = torch.where((w >= lower) & (w <= threshold), w, 0.0)
     if batch_normalize:
         if level == "token":
             mean = verl_masked_mean(w, m)
@@ -247,14 +252,16 @@ def verl_rpp_baseline_adv(scores, index, mask):
 
 
 def verl_rpp_adv(token_rewards, mask, gamma=1.0):
-    # verl 0.9.1 compute_reinforce_plus_plus_outcome_advantage.
+    # verl 0.9.1 compute_reinforce_plus_plus_outcome_advantage: the running return is carried
+    # unchanged through tokens outside mask (observations between turns), then whitened.
+    m = mask.double()
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
-    return verl_whiten(returns, mask) * mask
+        new = token_rewards[:, t] + gamma * running
+        returns[:, t] = new * m[:, t]
+        running = new * m[:, t] + running * (1 - m[:, t])
+    return verl_whiten(returns, mask) * m, returns
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +291,7 @@ def trl_coef_1(log_ratio, m, level):
 
 def trl_grpo_loss(lp, old, adv, mask, loss_type, level, eps_low, eps_high, delta=None,
                   is_ratio=None, max_completion_length=None, num_items=None,
-                  processes=1):  # fmt: skip
+                  processes=1, accumulation=1, steps_per_generation=1):  # fmt: skip
     # TRL 1.16 GRPOTrainer._compute_loss, beta = 0.
     m = mask.double()
     a = adv[:, None]
@@ -305,8 +312,9 @@ def trl_grpo_loss(lp, old, adv, mask, loss_type, level, eps_low, eps_high, delta
         loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
         loss = (per_token * m).sum() / (per_token.size(0) * max_completion_length)
-    elif loss_type == "dapo":
-        loss = (per_token * m).sum() / (num_items / processes)
+    elif loss_type == "dapo":  # train mode: num_items spans the generation batch
+        normalizer = max(num_items, 1.0) / processes * accumulation / steps_per_generation
+        loss = (per_token * m).sum() / normalizer
     elif loss_type != "luspo":
         raise ValueError(loss_type)
     low = (coef_1 < 1 - eps_low) & (a < 0)
@@ -389,28 +397,33 @@ def test_verl_gspo(backend, mode):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "level,normalize,options",
+    "level,normalize,options,lower",
     [
-        ("token", False, None),
-        ("sequence", False, None),
-        ("token", True, None),
-        ("sequence", True, {"seq_mean_k3": 0.02}),
-        (None, False, {"token_k1": (0.6, 1.5)}),
-        (None, False, {"seq_sum_k1": (0.2, 5.0), "seq_max_k2": 0.15, "token_k3": 0.08}),
-        ("token", False, {"seq_mean_k1": (0.9, 1.2), "seq_sum_k2": 0.6, "token_k2": 0.1}),
-        ("token", True, {"seq_sum_k3": 0.5, "seq_mean_k2": 0.02, "seq_max_k3": 0.15}),
+        ("token", False, None, None),
+        ("sequence", False, None, None),
+        ("token", True, None, None),
+        ("sequence", True, {"seq_mean_k3": 0.02}, None),
+        (None, False, {"token_k1": (0.6, 1.5)}, None),
+        (None, False, {"seq_sum_k1": (0.2, 5.0), "seq_max_k2": 0.15, "token_k3": 0.08}, None),
+        ("token", False, {"seq_mean_k1": (0.9, 1.2), "seq_sum_k2": 0.6, "token_k2": 0.1}, None),
+        ("token", True, {"seq_sum_k3": 0.5, "seq_mean_k2": 0.02, "seq_max_k3": 0.15}, None),
+        ("token", False, None, 0.8),  # rollout_is_threshold="0.8_1.5"
+        ("sequence", True, None, 0.3),
     ],
 )
-def test_verl_rollout_correction(backend, level, normalize, options):
+def test_verl_rollout_correction(backend, level, normalize, options, lower):
     lp, old, rollout, _, adv, mask = _data(4)
     log_ratio = old - rollout
     threshold = 1.5
-    w = verl_is_weights(log_ratio, mask, level, threshold, normalize) if level else None
+    w = verl_is_weights(log_ratio, mask, level, threshold, normalize, lower) if level else None
     kept = verl_rs_mask(log_ratio, mask, options) if options else mask
     want, want_grad = _peer(verl_vanilla, lp, old, adv, kept, 0.2, 0.2, 3.0, "token-mean", w)
     kw = dict(rollout_logprobs=rollout, is_level=level, reject=options)
     if level:
         kw.update(is_max=threshold, is_normalize=normalize)
+    if lower is not None:
+        kw.update(is_mode="mask", is_min=lower)
+        assert 0 < int(((w == 0) & mask).sum()) < int(mask.sum())  # some weights zeroed
     (loss, m), grad = _rlk(backend, rlk.policy_loss, lp, old, adv, mask, clip_c=3.0, **kw)
     if options:
         frac = float(m["reject_fraction"])
@@ -449,6 +462,8 @@ def test_verl_advantages(backend):
     token_rewards[torch.arange(11), (lengths - 1).clamp(min=0)] = scores  # outcome reward
     token_rewards[1] = 0.0  # an empty response has no reward token: verl scores it 0
     scores[1] = 0.0
+    hole_mask = mask.clone()
+    hole_mask[[0, 2, 5], [1, 3, 2]] = False  # observation tokens: verl carries the return over
 
     def run(**kw):
         with rlk.use_backend(backend):
@@ -462,10 +477,11 @@ def test_verl_advantages(backend):
     want = verl_rpp_baseline_adv(scores, index, mask)
     got = run(estimator="reinforce_plus_plus_baseline", mask=mask)
     torch.testing.assert_close((got[:, None] * mask)[mask], want[mask], **tol)
-    want = verl_rpp_adv(token_rewards, mask)
+    want, _ = verl_rpp_adv(token_rewards, hole_mask)
     with rlk.use_backend(backend):
-        got = rlk.grpo_advantages(scores.float(), estimator="reinforce++", mask=mask).double()
-    torch.testing.assert_close((got[:, None] * mask)[mask], want[mask], **tol)
+        got = rlk.grpo_advantages(scores.float(), estimator="reinforce++", mask=hole_mask)
+    got = got.double()
+    torch.testing.assert_close((got[:, None] * hole_mask)[hole_mask], want[hole_mask], **tol)
 
 
 TRL_IS = [
@@ -490,15 +506,17 @@ def test_trl_grpo_loss(backend, loss_type, level, is_mode, clip_min, clip_max):
     m = mask.double()
     ratio = trl_is_ratio(old, rollout, m, is_mode, clip_min, clip_max) if is_mode else None
     delta = 1.5 if loss_type == "bnpo" else None  # two-sided clipping
-    num_items = float(mask.sum()) + 30.0  # the global count of a larger accumulated batch
+    # The tokens of a generation batch over 2 processes and 4 steps, accumulated over 2 steps.
+    num_items = 8 * float(mask.sum()) + 30.0
     want, want_grad = _peer(trl_grpo_loss, lp, old, adv, mask, loss_type, level, 0.2, 0.28,
                             delta=delta, is_ratio=ratio, max_completion_length=32,
-                            num_items=num_items, processes=2)  # fmt: skip
+                            num_items=num_items, processes=2, accumulation=2,
+                            steps_per_generation=4)  # fmt: skip
     agg, kw = {
         "grpo": ("row-mean-token-mean", {}),
         "bnpo": ("token-mean", {}),
         "dr_grpo": ("row-mean-token-sum-norm", {"norm_length": 32}),
-        "dapo": ("token-mean", {"num_tokens": num_items / 2}),
+        "dapo": ("token-mean", {"num_tokens": num_items / 2 * 2 / 4}),
     }[loss_type]
     if is_mode:
         lvl, mode = is_mode.split("_")
@@ -889,19 +907,6 @@ def test_verl_more_advantage_estimators(backend):
         _within(got, want, f"{what} {backend}")
 
 
-def verl_rpp_returns(token_rewards, mask, gamma):
-    # verl release/v0.9.0 compute_reinforce_plus_plus_outcome_advantage: the running return
-    # is carried unchanged through tokens outside mask (observations between turns).
-    m = mask.double()
-    returns = torch.zeros_like(token_rewards)
-    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
-    for t in reversed(range(token_rewards.shape[1])):
-        new = token_rewards[:, t] + gamma * running
-        returns[:, t] = new * m[:, t]
-        running = new * m[:, t] + running * (1 - m[:, t])
-    return verl_whiten(returns, mask) * m, returns
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("gamma", [0.9, 1.0])
 def test_verl_reinforce_plus_plus_gamma_and_holes(backend, gamma):
@@ -910,7 +915,7 @@ def test_verl_reinforce_plus_plus_gamma_and_holes(backend, gamma):
     mask = torch.rand(B, L, generator=g) < 0.7  # holes
     mask[1] = False
     rewards = _f32(torch.randn(B, L, generator=g, dtype=torch.float64))
-    want_adv, want_ret = verl_rpp_returns(rewards, mask, gamma)
+    want_adv, want_ret = verl_rpp_adv(rewards, mask, gamma)
     with rlk.use_backend(backend):
         adv, ret = rlk.gae_advantages(rewards.float(), torch.zeros(B, L), mask, gamma=gamma,
                                       lam=1.0)  # fmt: skip
@@ -919,7 +924,7 @@ def test_verl_reinforce_plus_plus_gamma_and_holes(backend, gamma):
 
 
 def verl_gdpo(scores_per_key, weights, index, mask):
-    # verl release/v0.9.0 compute_gdpo_outcome_advantage: GRPO per reward key, the weighted
+    # verl 0.9.1 compute_gdpo_outcome_advantage: GRPO per reward key, the weighted
     # sum, then masked_whiten over the batch's response tokens.
     total = sum(w * verl_grpo_adv(s, index, 1e-6, True) for w, s in zip(weights, scores_per_key))
     m = mask.double()

@@ -72,7 +72,7 @@ ADV_ALIASES = {
     "grpo_vectorized": "grpo",
 }
 NORM_STD = ("group", "batch", "none")
-#: ``policy_loss`` objectives (``loss_mode``): verl 0.9's ``policy_loss.loss_mode`` names, which
+#: ``policy_loss`` objectives (``loss_mode``): verl 0.9.1's ``policy_loss.loss_mode`` names, which
 #: cover TRL 1.16's ``cispo``, ``sapo`` and ``vespo`` loss types (see docs/objectives.md).
 LOSS_MODES = (
     "vanilla",
@@ -126,8 +126,9 @@ UNOFFERED: dict[str, dict[str, str]] = {
         "rlk's logprobs do not compute",
     },
     "kind": {
-        "full": "the full KL needs both models' distributions over the vocabulary, not the "
-        "log-probabilities of the sampled tokens (verl 0.9 raises NotImplementedError too)",
+        name: "the full KL needs both models' distributions over the vocabulary, not the "
+        "log-probabilities of the sampled tokens (verl 0.9.1 raises NotImplementedError too)"
+        for name in ("full", "full+")
     },
 }
 
