@@ -949,3 +949,26 @@ def test_verl_gdpo_as_documented(backend):
         )
         got = rlk.grpo_advantages(total, estimator="reinforce++", mask=mask).double()
     _within((got[:, None] * mask)[mask], want[mask], f"gdpo {backend}")
+
+
+def verl_bypass_reinforce(lp, rollout, adv, mask, threshold, options):
+    # verl 0.9.1 compute_policy_loss_bypass_mode, loss_type "reinforce": IS weights and the
+    # rejection of the current policy against the rollout (detached), then -A * w * log_prob.
+    log_ratio = lp.detach() - rollout
+    w = verl_is_weights(log_ratio, mask, "token", threshold, False)
+    kept = verl_rs_mask(log_ratio, mask, options)
+    return verl_agg_loss(-adv[:, None] * lp * w, kept, "token-mean")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verl_bypass_reinforce_as_documented(backend):
+    # rlk.ops.UNOFFERED's call for it: old = lp.detach() (the IS statistics' policy), gpg.
+    lp, _, rollout, _, adv, mask = _data(33)
+    options = {"token_k2": 0.1}
+    want, want_grad = _peer(verl_bypass_reinforce, lp, rollout, adv, mask, 2.0, options)
+    (loss, m), grad = _rlk(backend, rlk.policy_loss, lp, lp, adv, mask, loss_mode="gpg",
+                           rollout_logprobs=rollout, is_level="token", is_max=2.0,
+                           reject=options)  # fmt: skip
+    assert 0 < float(m["reject_fraction"]) < 1
+    _within(loss, want, f"bypass reinforce {backend} loss")
+    _within(grad, want_grad, f"bypass reinforce {backend} grad")

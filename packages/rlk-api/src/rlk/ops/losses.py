@@ -107,8 +107,11 @@ UNOFFERED: dict[str, dict[str, str]] = {
         "means of A and log-prob: " + _BATCH_WIDE,
         "gspo": "verl's gspo is loss_mode='vanilla' with ratio_level='sequence' and "
         "clip_c=math.exp(10)",
-        "bypass_mode": "verl's bypass_mode is old_logprobs=rollout_logprobs: loss_mode='vanilla' "
-        "(loss_type ppo_clip) or loss_mode='gpg' (loss_type reinforce)",
+        "bypass_mode": "verl's bypass_mode with loss_type reinforce is loss_mode='gpg' with "
+        "old_logprobs=logprobs.detach() and rollout_logprobs=rollout_logprobs (its rollout_is and "
+        "rollout_rs compare the current policy with the rollout: is_level, is_max, reject); with "
+        "loss_type ppo_clip it is loss_mode='vanilla' with old_logprobs=rollout_logprobs and no IS "
+        "weights (verl applies none), without rollout_rs (that rejection is not one call)",
     },
     "estimator": {
         "gae": "GAE needs a critic's values per token: rlk.gae_advantages",
