@@ -70,20 +70,24 @@ def _group_moments(r_ptr, base, cnt, span, inv, GROUPS: tl.constexpr, BLOCK_G: t
 @jit
 def _group_max(r_ptr, base, cnt, span, skip, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     """``(max, first index of it)`` of each group's rewards, leaving out member ``skip``."""
+    # Element-wise accumulators reduced once after each loop (max and min are exact, so the
+    # order is free): a reduction inside the loop feeding its carried value is what Triton
+    # 3.6's thread-locality pass rewrites, and it asserts when that value has two uses.
     cols = tl.arange(0, BLOCK_G)
-    best = tl.zeros([GROUPS], tl.float32) - float("inf")
+    best2 = tl.zeros([GROUPS, BLOCK_G], tl.float32) - float("inf")
     for i0 in range(0, span, BLOCK_G):
         idx = (i0 + cols)[None, :]
         ok = (idx < cnt[:, None]) & (idx != skip[:, None])
         r = tl.load(r_ptr + base + idx, mask=ok, other=-float("inf")).to(tl.float32)
-        best = tl.maximum(best, tl.max(r, 1))
-    first = tl.zeros([GROUPS], tl.int32) + span
+        best2 = tl.maximum(best2, r)
+    best = tl.max(best2, 1)
+    first2 = tl.zeros([GROUPS, BLOCK_G], tl.int32) + span
     for i0 in range(0, span, BLOCK_G):
         idx = (i0 + cols)[None, :]
         ok = (idx < cnt[:, None]) & (idx != skip[:, None])
         r = tl.load(r_ptr + base + idx, mask=ok, other=-float("inf")).to(tl.float32)
-        first = tl.minimum(first, tl.min(tl.where(ok & (r == best[:, None]), idx, span), 1))
-    return best, first
+        first2 = tl.minimum(first2, tl.where(ok & (r == best[:, None]), idx, span))
+    return best, tl.min(first2, 1)
 
 
 @jit
