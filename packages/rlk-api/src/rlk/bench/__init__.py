@@ -262,8 +262,9 @@ def _leaves(report: dict) -> list[tuple[dict, list[dict]]]:
         return [({k: m[k] for k in _KEEP}, list(report["rows"]))]
     leaves = [(dict(p), []) for p in m["parts"]]
     for r in report["rows"]:
-        owner = next((lv for lv in leaves if r["family"] in _families(lv[0]["command"])), None)
-        (owner or leaves[0])[1].append(r)
+        mine = [lv for lv in leaves if r["family"] in _families(lv[0]["command"])] or leaves
+        owner = next((lv for lv in mine if lv[0]["commit"] == r.get("commit")), mine[0])
+        owner[1].append(r)
     return leaves
 
 
@@ -275,7 +276,8 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     Parts must have measured one commit, unless ``mixed_commits``: then each part keeps its own
     commit under ``parts`` and ``meta["commit_note"]`` names the parts measured at a commit
     other than the first part's. A part may itself be a merged report (the committed
-    ``docs/benchmarks/<gpu>.json``): its parts are kept, and a row measured again by a later
+    ``docs/benchmarks/<gpu>.json``): its parts are kept (a row goes to the part of its
+    ``commit`` and family), and a row measured again by a later
     part (same family, op, shape, dtype and impl) is replaced by it; a part whose rows were all
     replaced leaves the list."""
     if len(parts) == 1:
@@ -303,7 +305,8 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
         meta["commit_note"] = "measured at other commits: " + "; ".join(
             f"`{m['command']}` at `{m['commit']}`" for m in others
         )
-    rows = [r for _, rs in kept for r in rs]
+    # Each row names the commit it was measured at, so that a later merge keeps it with its part.
+    rows = [dict(r, commit=m["commit"]) for m, rs in kept for r in rs]
     failed = [f for p in parts for f in p.get("failed", [])]
     left_out = [r for p in parts for r in p.get("left_out", [])]
     return {"meta": meta, "rows": rows, "failed": failed, "left_out": left_out}
