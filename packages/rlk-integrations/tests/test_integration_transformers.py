@@ -101,8 +101,8 @@ def test_unsupported_model_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(NotImplementedError, match=r"supports \('llama', 'qwen2', 'qwen3'\), "
-                       r"not model_type='gpt2'"):  # fmt: skip
+    supported = r"\('llama', 'qwen2', 'qwen3', 'qwen3_moe'\)"
+    with pytest.raises(NotImplementedError, match=rf"supports {supported}, not model_type='gpt2'"):
         rt.patch_model(model)
 
 
