@@ -109,17 +109,17 @@ def test_heldout_shapes():
 
 def test_decode_bytes_count_every_weight_per_step_and_the_context():
     # tiny-llama (untied embeddings: the input embedding counts nothing): 2 layers of q, k, v,
-    # o (64x64, 64x32, 64x32, 64x64), gate, up, down (64x128 each), two norms; the final norm
-    # and the 512x64 head; bf16. Keys and values: 2 layers x 2 heads x 16 x 2 (K, V) x 2 bytes
-    # a token. Prompts of 3 and 5 tokens, 4 steps: (3 + 5) x 4 + 2 x (0 + 1 + 2 + 3) tokens.
+    # o (128x128, 128x64, 128x64, 128x128), gate, up, down (128x128 each), two norms; the final
+    # norm and the 512x128 head; bf16. Keys and values: 2 layers x 2 heads x 32 x 2 (K, V) x 2
+    # bytes a token. Prompts of 3 and 5 tokens, 4 steps: (3 + 5) x 4 + 2 x (0 + 1 + 2 + 3).
     from rlk_integrations.models import load_model
 
     model = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu", seed=0)
-    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64
-    weights = 2 * (2 * layer + 64 + 512 * 64)
+    layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 128 + 2 * 128
+    weights = 2 * (2 * layer + 128 + 512 * 128)
     tokens = 8 * 4 + 2 * 6
     got = e2e_bench._decode_bytes(model, [[1, 2, 3], [1, 2, 3, 4, 5]], 4)
-    assert got == 4 * weights + tokens * 2 * 2 * 16 * 2 * 2
+    assert got == 4 * weights + tokens * 2 * 2 * 32 * 2 * 2
     moe = load_model("tiny-qwen3-moe", dtype=torch.bfloat16, device="cpu", seed=0)
     assert e2e_bench._decode_bytes(moe, [[1, 2]], 4) is None  # routed: no fixed bytes
 
