@@ -82,6 +82,12 @@ def _dtype(impl):
     return torch.float64 if impl == "reference" else torch.float32
 
 
+def _device(impl):
+    # The public functions run where the selected backend's kernels run: on a GPU when there
+    # is one (a CPU tensor there goes to another backend than the kernels under test).
+    return "cuda" if impl == "rlk" and torch.cuda.is_available() else "cpu"
+
+
 def _err(got, want, mask=None):
     got, want = got.detach().double(), want.detach().double()
     d = (got - want).abs() / want.abs().clamp(min=1.0)
@@ -93,8 +99,8 @@ def _err(got, want, mask=None):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gae_matches_verl(impl, gamma, lam, seed):
     (r, v, _), mask = _data(seed)
-    dt = _dtype(impl)
-    r, v = r.to(dt), v.to(dt)
+    dt, dev = _dtype(impl), _device(impl)
+    r, v, mask = r.to(dev, dt), v.to(dev, dt), mask.to(dev)
     want_adv, want_ret = _verl_gae(r, v, mask, gamma, lam)
     adv, ret = IMPLS[impl].gae_advantages(r, v, mask, gamma=gamma, lam=lam)
     assert adv.dtype == ret.dtype == dt
@@ -111,9 +117,9 @@ def test_gae_matches_verl(impl, gamma, lam, seed):
 )  # fmt: skip
 def test_value_loss_matches_verl(impl, mode):
     (old, ret, noise), mask = _data(1)
-    dt = _dtype(impl)
-    old, ret = old.to(dt), ret.to(dt)
-    v = (old + 0.6 * noise.to(dt)).requires_grad_()
+    dt, dev = _dtype(impl), _device(impl)
+    old, ret, mask = old.to(dev, dt), ret.to(dev, dt), mask.to(dev)
+    v = (old + 0.6 * noise.to(dev, dt)).requires_grad_()
     want, want_frac = _verl_value_loss(v, ret, old, mask, 0.5, mode)
     (want_grad,) = torch.autograd.grad(want, v)
     loss, m = IMPLS[impl].value_loss(v, old, ret, mask, clip=0.5, agg=mode)
