@@ -71,7 +71,16 @@ def test_a_second_declaration_of_an_op_is_refused():
         return x
 
     with pytest.raises(ValueError, match="declared twice"):
-        op("elsewhere")(linear)
+        op("elsewhere", optional=True)(linear)
+
+
+def test_a_required_op_without_its_operator_is_refused():
+    # torch.compile needs every required op as an operator: its entry must describe it.
+    def new_op(x):
+        return x
+
+    with pytest.raises(ValueError, match="'new_op' needs its operator"):
+        op("elsewhere")(new_op)
 
 
 def test_out_dtypes_name_torch_dtypes():

@@ -40,68 +40,65 @@ from typing import Any
 
 import torch
 
+from rlk._catalog import Operator
 from rlk._plugins import BackendImpl, resolved_impl
-from rlk.ops import GRAD_ARGS, SPECS
+from rlk.ops import CATALOG, SPECS
 
 LIB = "rlk"
 
-#: Per differentiable op, the arguments that get a gradient: the catalog's, and apply_rotary's
-#: cos and sin (its eager backward differentiates them too).
-GRADS = {**GRAD_ARGS, "apply_rotary": ("x", "cos", "sin", "k")}
-
-#: Ops whose keywords are encoded as operator arguments (:func:`_encode`), and the number of
-#: their leading positional tensors.
-ENCODED = {"policy_loss": 4, "value_loss": 4}
+#: Per required op, its operator as its catalog entry declares it (``rlk._catalog.Operator``);
+#: the tables below are views of these.
+OPERATORS: dict[str, Operator] = {s.name: s.operator for s in CATALOG if s.operator is not None}
 
 #: The operators' schemas (their arguments; every forward returns ``Tensor[]``: the outputs,
-#: then the :data:`EXTRAS`).
-SCHEMAS: dict[str, str] = {
-    "linear": "Tensor x, Tensor weight, Tensor? bias",
-    "rms_norm": "Tensor x, Tensor weight, float eps, Tensor? residual",
-    "silu_and_mul": "Tensor x, Tensor? up",
-    "apply_rotary": "Tensor x, Tensor cos, Tensor sin, Tensor? k",
-    "attention": "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-    "bool causal, float scale, SymInt? max_seqlen_q, SymInt? max_seqlen_k",
-    "paged_attention": "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-    "Tensor seq_lens, Tensor cu_seqlens_q, float scale",
-    "logprobs": "Tensor logits, Tensor targets, float temperature, bool return_entropy",
-    "linear_logprobs": "Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
-    "float temperature, bool return_entropy, ScalarType logits_dtype",
-    "kl_penalty": "Tensor logprobs, Tensor ref_logprobs, str kind, float? clamp, "
-    "Tensor? old_logprobs",
-    "grpo_advantages": "Tensor rewards, SymInt? group_size, str norm_std, float eps, "
-    "Tensor? group_ids, str estimator, Tensor? mask",
-    "policy_loss": "Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, "
-    "float clip_low, float clip_high, float? clip_c, str agg, str ratio_level, "
-    "Tensor? rollout_logprobs, str? is_level, str is_mode, float? is_min, float? is_max, "
-    "str is_normalize, float is_normalize_value, Tensor? is_normalize_tensor, float[] reject, "
-    "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
-    "float? norm_length, str loss_mode, float[] mode_params",
-    "gae_advantages": "Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, "
-    "bool whiten",
-    "value_loss": "Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, "
-    "str agg, float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, "
-    "Tensor? num_seqs_tensor, float? norm_length",
-    "sample": "Tensor logits, Tensor seeds, Tensor offsets, Tensor temperature, Tensor? top_k, "
-    "Tensor? top_p",
+#: then the extras).
+SCHEMAS: dict[str, str] = {op: o.schema for op, o in OPERATORS.items()}
+
+#: Per op, the outputs' shapes and dtypes as empty tensors, from the arguments by name (the
+#: fake implementation; a backend's outputs must match them, strides included: contiguous).
+OUTPUTS = {op: o.outputs for op, o in OPERATORS.items()}
+
+#: Per differentiable op whose backend may give an :class:`rlk.OpAutograd` pair, the tensors
+#: its backward needs besides the op's inputs and outputs, as that pair's forward returns them.
+EXTRAS = {op: o.extras for op, o in OPERATORS.items() if o.extras is not None}
+
+#: The outputs a differentiable op's backward reads (indices into its outputs): the others
+#: are not kept for it.
+SAVED_OUTPUTS = {op: o.saved_outputs for op, o in OPERATORS.items()}
+
+#: Per differentiable op, the arguments its backward operator differentiates.
+GRADS: dict[str, tuple[str, ...]] = {
+    op: o.grads or SPECS[op].grad_args
+    for op, o in OPERATORS.items()
+    if o.grads or SPECS[op].grad_args
 }
 
+#: Ops whose backward operator returns its gradients as one flat tensor, back to back (the
+#: autograd formula takes views of it).
+PACKED_GRADS = frozenset(op for op, o in OPERATORS.items() if o.packed_grads)
 
-#: The keywords of the :data:`ENCODED` ops that take several kinds of value, and the operator
-#: arguments that follow each to carry them (see :func:`_encode`).
+#: Gradients that are another argument's (the backward returns one tensor for both).
+SAME_GRAD = {op: dict(o.same_grad) for op, o in OPERATORS.items() if o.same_grad}
+
+#: Arguments a backend call leaves out when they are None.
+OMITTED_IF_NONE = {op: o.omitted_if_none for op, o in OPERATORS.items() if o.omitted_if_none}
+
+#: Per op returning ``(loss, metrics)``: the names of its metrics for its operator arguments.
+METRICS = {op: o.metrics for op, o in OPERATORS.items() if o.metrics is not None}
+
+#: The keywords that take several kinds of value, and the operator arguments that follow each
+#: to carry them (see :func:`_encode`).
 SPLIT = {
     "is_normalize": ("is_normalize_value", "is_normalize_tensor"),
     "num_tokens": ("num_tokens_tensor",),
     "num_seqs": ("num_seqs_tensor",),
 }
 
-#: Arguments a backend call leaves out when they are None: a one-tensor silu_and_mul /
-#: apply_rotary passes no ``up`` / ``k``, an attention call without bounds no ``max_seqlen_*``.
-OMITTED_IF_NONE = {
-    "silu_and_mul": ("up",),
-    "apply_rotary": ("k",),
-    "attention": ("max_seqlen_q", "max_seqlen_k"),
-}
+
+def _encoded(op: str) -> bool:
+    """Whether the op's keywords are encoded as operator arguments (:func:`_encode`): it has a
+    keyword of :data:`SPLIT`."""
+    return any(k in SPLIT for k in SPECS[op].kwonly)
 
 
 def _arg_kinds(op: str) -> tuple[tuple[str, str], ...]:
@@ -110,7 +107,7 @@ def _arg_kinds(op: str) -> tuple[tuple[str, str], ...]:
     the same, left out when None (:data:`OMITTED_IF_NONE`)."""
     names = tuple(arg.split()[-1] for arg in SCHEMAS[op].split(","))
     kwonly = [*SPECS[op].kwonly]
-    for name, extra in SPLIT.items() if op in ENCODED else ():
+    for name, extra in SPLIT.items() if _encoded(op) else ():
         if name in kwonly:
             kwonly[kwonly.index(name) + 1 : kwonly.index(name) + 1] = extra
     if names[len(names) - len(kwonly) :] != tuple(kwonly):
@@ -124,104 +121,8 @@ def _arg_kinds(op: str) -> tuple[tuple[str, str], ...]:
 #: Per op: the backend's arguments in order, each ``(name, kind)`` (:func:`_arg_kinds`).
 ARGS: dict[str, tuple[tuple[str, str], ...]] = {op: _arg_kinds(op) for op in SCHEMAS}
 
-
-def _f32(*shape: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, device=like.device)
-
-
-def _rows_out(a: dict[str, Any], n: str, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    t = a[n]
-    return torch.empty((t.shape[0], cols), dtype=dtype, device=t.device)
-
-
-def _logprob_outs(a: dict[str, Any], src: str) -> list[torch.Tensor]:
-    t = a[src].shape[0]
-    return [_f32(t, like=a[src]) for _ in range(2 if a["return_entropy"] else 1)]
-
-
-#: Per op, the outputs' shapes and dtypes as empty tensors, from the arguments by name (the
-#: fake implementation; a backend's outputs must match them, strides included: contiguous).
-OUTPUTS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
-    "linear": lambda a: [_rows_out(a, "x", a["weight"].shape[0], a["x"].dtype)],
-    "rms_norm": lambda a: [
-        torch.empty_like(a["x"]) for _ in range(1 if a["residual"] is None else 2)
-    ],
-    "silu_and_mul": lambda a: [
-        _rows_out(a, "x", a["x"].shape[1] // (1 if a["up"] is not None else 2), a["x"].dtype)
-    ],
-    "apply_rotary": lambda a: (
-        [torch.empty_like(a["x"])] + ([torch.empty_like(a["k"])] if a["k"] is not None else [])
-    ),
-    "attention": lambda a: [torch.empty_like(a["q"])],
-    "paged_attention": lambda a: [torch.empty_like(a["q"])],
-    "logprobs": lambda a: _logprob_outs(a, "logits"),
-    "linear_logprobs": lambda a: _logprob_outs(a, "hidden"),
-    "kl_penalty": lambda a: [
-        torch.empty(a["logprobs"].shape, dtype=torch.float32, device=a["logprobs"].device)
-    ],
-    "grpo_advantages": lambda a: [_f32(a["rewards"].shape[0], like=a["rewards"])],
-    "policy_loss": lambda a: [
-        _f32(like=a["logprobs"]),
-        _f32(len(policy_metrics(a)), like=a["logprobs"]),
-    ],
-    "gae_advantages": lambda a: [
-        torch.empty(a["rewards"].shape, dtype=torch.float32, device=a["rewards"].device)
-        for _ in range(2)
-    ],
-    "value_loss": lambda a: [_f32(like=a["values"]), _f32(1, like=a["values"])],
-    "sample": lambda a: [
-        torch.empty(a["logits"].shape[0], dtype=torch.int64, device=a["logits"].device)
-    ],
-}
-
-#: Per differentiable op, the tensors its backward needs besides the op's inputs and outputs,
-#: as a backend's :class:`OpAutograd` forward must return them: ``rms_norm``: each row's
-#: ``1 / rms`` (fp32 ``[T]``); ``attention``: each query row's log-sum-exp (fp32 ``[Tq, Hq]``,
-#: natural log, of the scaled scores); ``logprobs``, ``linear_logprobs``: each row's log-sum-exp
-#: of the logits over the temperature (fp32 ``[T]``); ``policy_loss``: the per-sequence
-#: statistics of its forward (fp32 ``[B, 7]`` and int32 ``[B, 5]``, the layout of rlk-triton's
-#: kernels, :data:`POLICY_SEQ_STATS`), the gradient's scale (fp32 ``[1]``) and the rejection
-#: thresholds (fp32 ``[2 * len(REJECT_OPTIONS)]``).
-EXTRAS: dict[str, Callable[[dict[str, Any]], list[torch.Tensor]]] = {
-    "linear": lambda a: [],
-    "rms_norm": lambda a: [_f32(a["x"].shape[0], like=a["x"])],
-    "silu_and_mul": lambda a: [],
-    "apply_rotary": lambda a: [],
-    "attention": lambda a: [_f32(a["q"].shape[0], a["q"].shape[1], like=a["q"])],
-    "logprobs": lambda a: [_f32(a["logits"].shape[0], like=a["logits"])],
-    "linear_logprobs": lambda a: [_f32(a["hidden"].shape[0], like=a["hidden"])],
-    "kl_penalty": lambda a: [],
-    "policy_loss": lambda a: _policy_extras(a["logprobs"]),
-}
-
-#: policy_loss's per-sequence statistics: floats and integers per sequence.
-POLICY_SEQ_STATS = (7, 5)
-
-
-def _policy_extras(lp: torch.Tensor) -> list[torch.Tensor]:
-    b = lp.shape[0]
-    nf, ni = POLICY_SEQ_STATS
-    seqi = torch.empty(b, ni, dtype=torch.int32, device=lp.device)
-    return [_f32(b, nf, like=lp), seqi, _f32(1, like=lp), _f32(2 * len(_reject_options()), like=lp)]
-
-
-#: The outputs a differentiable op's backward reads (indices into its outputs): the others
-#: are not kept for it.
-SAVED_OUTPUTS: dict[str, Callable[[dict[str, Any]], tuple[int, ...]]] = {
-    "rms_norm": lambda a: () if a["residual"] is None else (1,),  # s = x + residual
-    "attention": lambda a: (0,),
-    "logprobs": lambda a: (1,) if a["return_entropy"] else (),  # the entropy
-    "linear_logprobs": lambda a: (1,) if a["return_entropy"] else (),
-}
-
-#: Ops whose backward operator returns its gradients as one flat tensor, back to back (the
-#: autograd formula takes views of it): attention's backward fills one buffer for dq, dk and
-#: dv, and an operator's outputs may not alias one another.
-PACKED_GRADS = frozenset({"attention"})
-
-#: Gradients that are another argument's: rms_norm's ``x`` and ``residual`` enter only through
-#: their sum, so the backward returns one tensor for both.
-SAME_GRAD = {"rms_norm": {"residual": "x"}}
+#: The ops of :func:`_encoded`, and the number of their leading positional tensors.
+ENCODED = {op: sum(k == "pos" for _, k in ARGS[op]) for op in SCHEMAS if _encoded(op)}
 
 
 def _names(op: str) -> tuple[str, ...]:
@@ -234,25 +135,6 @@ def _reject_options() -> tuple[str, ...]:
     return REJECT_OPTIONS
 
 
-def policy_metrics(a: Mapping[str, Any]) -> list[str]:
-    """The metrics policy_loss returns for its operator arguments ``a``, in their order."""
-    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
-    if a["clip_c"] is not None:
-        names.append("dual_clip_fraction")
-    if a["rollout_logprobs"] is not None and a["is_level"] is not None:
-        names.append("is_weight_mean")
-    if a["rollout_logprobs"] is not None and a["reject"]:
-        names.append("reject_fraction")
-    return names
-
-
-#: Per op returning ``(loss, metrics)``: the names of its metrics for its operator arguments.
-METRICS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
-    "policy_loss": policy_metrics,
-    "value_loss": lambda a: ["clip_fraction"],
-}
-
-
 def _encode(op: str, a: dict[str, Any]) -> None:
     """An op's keywords (as a backend gets them) as operator arguments, in place: a
     number-or-tensor count as two arguments; policy_loss's ``is_normalize`` as a kind and a
@@ -261,7 +143,7 @@ def _encode(op: str, a: dict[str, Any]) -> None:
     for n in ("num_tokens", "num_seqs"):
         v = a[n]
         a[n], a[f"{n}_tensor"] = (None, v) if isinstance(v, torch.Tensor) else (v, None)
-    if op != "policy_loss":
+    if "is_normalize" not in a:
         return
     norm = a["is_normalize"]
     a["is_normalize_value"], a["is_normalize_tensor"] = 0.0, None
@@ -288,7 +170,7 @@ def _decode(op: str, a: dict[str, Any]) -> None:
         t = a.pop(f"{n}_tensor")
         if t is not None:
             a[n] = t
-    if op != "policy_loss":
+    if "is_normalize" not in a:
         return
     kind = a.pop("is_normalize")
     value, tensor = a.pop("is_normalize_value"), a.pop("is_normalize_tensor")
@@ -303,14 +185,8 @@ def _decode(op: str, a: dict[str, Any]) -> None:
 
 
 def n_outputs(op: str, a: Mapping[str, Any]) -> int:
-    """How many outputs the operator returns before its extras (no tensor made)."""
-    if op == "rms_norm":
-        return 1 + (a["residual"] is not None)
-    if op == "apply_rotary":
-        return 1 + (a["k"] is not None)
-    if op in ("logprobs", "linear_logprobs"):
-        return 1 + bool(a["return_entropy"])
-    return 2 if op in ("policy_loss", "value_loss", "gae_advantages") else 1
+    """How many outputs the operator returns before its extras."""
+    return len(OUTPUTS[op](a))
 
 
 def backend_call(op: str, values: tuple) -> tuple[tuple, dict[str, Any]]:

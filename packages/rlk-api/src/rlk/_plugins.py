@@ -61,12 +61,13 @@ class OpAutograd:
 
     ``forward(*args, **kwargs)`` takes the op's arguments as ``ops[op]`` does and returns
     ``(outputs, extras)``: the outputs as a tuple (those of ``ops[op]``, contiguous), and the
-    tensors the backward needs besides the op's inputs and outputs, exactly as
-    ``rlk._library.EXTRAS`` lists them for the op (shapes, dtypes). ``backward(grads, outputs,
-    extras, needs, *args, **kwargs)`` gets the outputs' gradients (None for an output without
-    one), the outputs that ``rlk._library.SAVED_OUTPUTS`` names (None for the others), the
-    extras, and one bool per differentiable argument (``rlk._library.GRADS``: the catalog's
-    ``OpSpec.grad_args``, and apply_rotary's cos and sin);
+    tensors the backward needs besides the op's inputs and outputs, exactly as the op's
+    catalog entry lists them (``rlk.ops.SPECS[op].operator.extras``: shapes, dtypes).
+    ``backward(grads, outputs, extras, needs, *args, **kwargs)`` gets the outputs' gradients
+    (None for an output without one), the outputs that the entry's ``saved_outputs`` names
+    (None for the others), the extras, and one bool per differentiable argument
+    (``rlk._library.GRADS``: the catalog's ``OpSpec.grad_args``, or the operator's ``grads``
+    where it has them: apply_rotary's include cos and sin);
     it returns one gradient per differentiable argument, None where not needed.
     """
 

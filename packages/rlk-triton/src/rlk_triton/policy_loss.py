@@ -663,8 +663,8 @@ def policy_loss(
 
 def _split_forward(logprobs, old_logprobs, advantages, mask, *, table, **kw):
     """policy_loss's forward for the torch.compile path (rlk._library): the outputs (the loss,
-    the metrics it returns, stacked) and the extras its backward reads (``rlk._library``'s
-    ``EXTRAS``: the per-sequence statistics, the gradient's scale, the thresholds)."""
+    the metrics it returns, stacked) and the extras its backward reads (the catalog entry's
+    ``operator.extras``: the per-sequence statistics, the gradient's scale, the thresholds)."""
     plan, thr, names = _plan(**kw)
     norms, thr = _device_inputs(logprobs, thr, kw["num_tokens"], kw["num_seqs"],
                                 kw["norm_length"], kw["is_normalize"])  # fmt: skip

@@ -1,4 +1,5 @@
-"""What every op of :mod:`rlk.ops` uses: the call to the selected backend and the row view."""
+"""What every op of :mod:`rlk.ops` uses: the call to the selected backend, the row view, and
+the empty tensors of the operators' output shapes (:class:`rlk._catalog.Operator`)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _unrows(y: torch.Tensor, *shape: int) -> torch.Tensor:
     return y if y.dim() == len(shape) else y.reshape(shape)
+
+
+def f32(*shape: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 tensor of ``shape`` on ``like``'s device."""
+    return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+
+def rows_out(t: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty ``[t.shape[0], cols]`` tensor of ``dtype`` on ``t``'s device."""
+    return torch.empty((t.shape[0], cols), dtype=dtype, device=t.device)

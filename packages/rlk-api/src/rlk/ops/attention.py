@@ -9,8 +9,8 @@ import math
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
-from rlk.ops._common import _call
+from rlk._catalog import Operator, op
+from rlk.ops._common import _call, f32
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["attention", "paged_attention"]
@@ -31,7 +31,21 @@ def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else chk.positive_float("scale", scale)
 
 
-@op("attention", grad_args=("q", "k", "v"), unit_grads=("q", "k", "v"))
+@op(
+    "attention",
+    grad_args=("q", "k", "v"),
+    unit_grads=("q", "k", "v"),
+    operator=Operator(
+        "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, bool causal, "
+        "float scale, SymInt? max_seqlen_q, SymInt? max_seqlen_k",
+        outputs=lambda a: [torch.empty_like(a["q"])],
+        # each query row's log-sum-exp (natural log) of the scaled scores, [Tq, Hq]
+        extras=lambda a: [f32(a["q"].shape[0], a["q"].shape[1], like=a["q"])],
+        saved_outputs=lambda a: (0,),
+        omitted_if_none=("max_seqlen_q", "max_seqlen_k"),
+        packed_grads=True,  # the backward fills one buffer for dq, dk and dv
+    ),
+)
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -100,7 +114,14 @@ def attention(
     return _call("attention", device, q, k, v, cu_q, cu_k, causal, scale, **bounds)
 
 
-@op("paged_attention")
+@op(
+    "paged_attention",
+    operator=Operator(
+        "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor cu_seqlens_q, float scale",
+        outputs=lambda a: [torch.empty_like(a["q"])],
+    ),
+)
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

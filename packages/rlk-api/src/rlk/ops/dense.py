@@ -11,8 +11,8 @@ import math
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
-from rlk.ops._common import _call, _rows, _unrows
+from rlk._catalog import Operator, no_extras, op
+from rlk.ops._common import _call, _rows, _unrows, f32, rows_out
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["linear", "rms_norm", "silu_and_mul", "apply_rotary"]
@@ -68,7 +68,16 @@ def check_linear(x: object, weight: object, bias: object) -> torch.device:
     return device
 
 
-@op("gemm", grad_args=("x", "weight", "bias"), unit_grads=("x",))
+@op(
+    "gemm",
+    grad_args=("x", "weight", "bias"),
+    unit_grads=("x",),
+    operator=Operator(
+        "Tensor x, Tensor weight, Tensor? bias",
+        outputs=lambda a: [rows_out(a["x"], a["weight"].shape[0], a["x"].dtype)],
+        extras=no_extras,
+    ),
+)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant ``y = x @ weight.T + bias``.
 
@@ -119,7 +128,21 @@ def _plain_norm_args(x: object, weight: object, eps: object, residual: object) -
     )
 
 
-@op("norm", grad_args=("x", "weight", "residual"), unit_grads=("x", "residual"))
+@op(
+    "norm",
+    grad_args=("x", "weight", "residual"),
+    unit_grads=("x", "residual"),
+    operator=Operator(
+        "Tensor x, Tensor weight, float eps, Tensor? residual",
+        # the output, and the sum x + residual where there is a residual
+        outputs=lambda a: [
+            torch.empty_like(a["x"]) for _ in range(1 + (a["residual"] is not None))
+        ],
+        extras=lambda a: [f32(a["x"].shape[0], like=a["x"])],  # each row's 1 / rms
+        saved_outputs=lambda a: () if a["residual"] is None else (1,),  # s = x + residual
+        same_grad=(("residual", "x"),),  # x and residual enter through their sum
+    ),
+)
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -161,7 +184,19 @@ def rms_norm(
     return _unrows(y, *x.shape), _unrows(s, *x.shape)
 
 
-@op("activation", grad_args=("x", "up"), unit_grads=("x", "up"))
+@op(
+    "activation",
+    grad_args=("x", "up"),
+    unit_grads=("x", "up"),
+    operator=Operator(
+        "Tensor x, Tensor? up",
+        outputs=lambda a: [
+            rows_out(a["x"], a["x"].shape[1] // (1 if a["up"] is not None else 2), a["x"].dtype)
+        ],
+        extras=no_extras,
+        omitted_if_none=("up",),
+    ),
+)
 def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU activation: ``silu(x[..., :I]) * x[..., I:]``, or ``silu(x) * up``.
 
@@ -190,7 +225,18 @@ def silu_and_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tenso
     return _unrows(y, *x.shape[:-1], x.shape[-1] // 2)
 
 
-@op("rotary", grad_args=("x", "k"), unit_grads=("x", "k"))
+@op(
+    "rotary",
+    grad_args=("x", "k"),
+    unit_grads=("x", "k"),
+    operator=Operator(
+        "Tensor x, Tensor cos, Tensor sin, Tensor? k",
+        outputs=lambda a: [torch.empty_like(t) for t in (a["x"], a["k"]) if t is not None],
+        extras=no_extras,
+        grads=("x", "cos", "sin", "k"),  # the eager backward differentiates cos and sin too
+        omitted_if_none=("k",),
+    ),
+)
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
-from rlk.ops._common import _call
+from rlk._catalog import Operator, op
+from rlk.ops._common import _call, f32
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["logprobs", "linear_logprobs"]
@@ -22,7 +22,30 @@ def _check_targets(targets: object, t: int, vocab: int) -> torch.Tensor:
     return targets
 
 
-@op("logprobs", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32")
+def _outs(src: str):
+    """The outputs of a log-probability op whose rows are argument ``src``'s: the log-probs,
+    and the entropies where asked."""
+    return lambda a: [f32(a[src].shape[0], like=a[src]) for _ in range(1 + a["return_entropy"])]
+
+
+def _saved(a):
+    # The backward reads the entropy (output 1) where there is one.
+    return (1,) if a["return_entropy"] else ()
+
+
+@op(
+    "logprobs",
+    grad_args=("logits",),
+    unit_grads=("logits",),
+    out_dtype="float32",
+    operator=Operator(
+        "Tensor logits, Tensor targets, float temperature, bool return_entropy",
+        outputs=_outs("logits"),
+        # each row's log-sum-exp of the logits over the temperature
+        extras=lambda a: [f32(a["logits"].shape[0], like=a["logits"])],
+        saved_outputs=_saved,
+    ),
+)
 def logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -84,6 +107,13 @@ def check_linear_logprobs(hidden, weight, targets, bias, temperature, logits_dty
     grad_args=("hidden", "weight", "bias"),
     unit_grads=("hidden",),
     out_dtype="float32",
+    operator=Operator(
+        "Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, float temperature, "
+        "bool return_entropy, ScalarType logits_dtype",
+        outputs=_outs("hidden"),
+        extras=lambda a: [f32(a["hidden"].shape[0], like=a["hidden"])],
+        saved_outputs=_saved,
+    ),
 )
 def linear_logprobs(
     hidden: torch.Tensor,

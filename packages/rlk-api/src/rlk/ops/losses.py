@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
-from rlk.ops._common import _call
+from rlk._catalog import Operator, no_extras, op
+from rlk.ops._common import _call, f32
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["policy_loss", "kl_penalty", "grpo_advantages"]
@@ -278,8 +278,54 @@ def _reject(reject: object) -> dict[str, tuple[float | None, float]] | None:
     return out
 
 
+def policy_metrics(a: Mapping[str, Any]) -> list[str]:
+    """The metrics :func:`policy_loss` returns for its operator's arguments ``a``, in their
+    order."""
+    names = ["clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if a["clip_c"] is not None:
+        names.append("dual_clip_fraction")
+    if a["rollout_logprobs"] is not None and a["is_level"] is not None:
+        names.append("is_weight_mean")
+    if a["rollout_logprobs"] is not None and a["reject"]:
+        names.append("reject_fraction")
+    return names
+
+
+#: policy_loss's per-sequence statistics of its forward, which its backward reads: floats and
+#: integers per sequence (the layout of rlk-triton's kernels).
+POLICY_SEQ_STATS = (7, 5)
+
+
+def _policy_extras(a: Mapping[str, Any]) -> list[torch.Tensor]:
+    # The per-sequence statistics (fp32 [B, 7], int32 [B, 5]), the gradient's scale (fp32 [1])
+    # and the rejection thresholds (fp32, a lower and an upper bound per REJECT_OPTIONS).
+    lp = a["logprobs"]
+    b, (nf, ni) = lp.shape[0], POLICY_SEQ_STATS
+    seqi = torch.empty(b, ni, dtype=torch.int32, device=lp.device)
+    return [f32(b, nf, like=lp), seqi, f32(1, like=lp), f32(2 * len(REJECT_OPTIONS), like=lp)]
+
+
 # policy_loss aggregates over the batch: its gradient is checked for determinism only.
-@op("policy_loss", grad_args=("logprobs",), out_dtype="float32", aliases=("tis_cap",))
+@op(
+    "policy_loss",
+    grad_args=("logprobs",),
+    out_dtype="float32",
+    aliases=("tis_cap",),
+    operator=Operator(
+        "Tensor logprobs, Tensor old_logprobs, Tensor advantages, Tensor mask, float clip_low, "
+        "float clip_high, float? clip_c, str agg, str ratio_level, Tensor? rollout_logprobs, "
+        "str? is_level, str is_mode, float? is_min, float? is_max, str is_normalize, "
+        "float is_normalize_value, Tensor? is_normalize_tensor, float[] reject, "
+        "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
+        "float? norm_length, str loss_mode, float[] mode_params",
+        outputs=lambda a: [
+            f32(like=a["logprobs"]),
+            f32(len(policy_metrics(a)), like=a["logprobs"]),
+        ],
+        extras=_policy_extras,
+        metrics=policy_metrics,
+    ),
+)
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -524,7 +570,19 @@ def policy_loss(
     )
 
 
-@op("kl", grad_args=("logprobs",), unit_grads=("logprobs",), out_dtype="float32")
+@op(
+    "kl",
+    grad_args=("logprobs",),
+    unit_grads=("logprobs",),
+    out_dtype="float32",
+    operator=Operator(
+        "Tensor logprobs, Tensor ref_logprobs, str kind, float? clamp, Tensor? old_logprobs",
+        outputs=lambda a: [
+            torch.empty(a["logprobs"].shape, dtype=torch.float32, device=a["logprobs"].device)
+        ],
+        extras=no_extras,
+    ),
+)
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -568,7 +626,15 @@ def kl_penalty(
     )
 
 
-@op("advantages", out_dtype="float32")
+@op(
+    "advantages",
+    out_dtype="float32",
+    operator=Operator(
+        "Tensor rewards, SymInt? group_size, str norm_std, float eps, Tensor? group_ids, "
+        "str estimator, Tensor? mask",
+        outputs=lambda a: [f32(a["rewards"].shape[0], like=a["rewards"])],
+    ),
+)
 def grpo_advantages(
     rewards: torch.Tensor,
     group_size: int | None = None,

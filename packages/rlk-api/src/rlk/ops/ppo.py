@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
-from rlk.ops._common import _call
+from rlk._catalog import Operator, op
+from rlk.ops._common import _call, f32
 from rlk.ops.losses import AGG_MODES, _agg_args, _check_mask
 
 #: The ops declared here (``rlk`` exports them).
@@ -38,7 +38,17 @@ def _unit(name: str, v: object) -> float:
 
 # PPO's critic side: GAE (not differentiable) and the clipped value loss, which aggregates over
 # the batch (its gradient is checked for determinism only).
-@op("ppo", out_dtype="float32")
+@op(
+    "ppo",
+    out_dtype="float32",
+    operator=Operator(
+        "Tensor rewards, Tensor values, Tensor mask, float gamma, float lam, bool whiten",
+        outputs=lambda a: [
+            torch.empty(a["rewards"].shape, dtype=torch.float32, device=a["rewards"].device)
+            for _ in range(2)
+        ],
+    ),
+)
 def gae_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -86,7 +96,18 @@ def gae_advantages(
                  whiten=whiten)  # fmt: skip
 
 
-@op("ppo", grad_args=("values",), out_dtype="float32")
+@op(
+    "ppo",
+    grad_args=("values",),
+    out_dtype="float32",
+    operator=Operator(
+        "Tensor values, Tensor old_values, Tensor returns, Tensor mask, float? clip, str agg, "
+        "float? num_tokens, Tensor? num_tokens_tensor, float? num_seqs, Tensor? num_seqs_tensor, "
+        "float? norm_length",
+        outputs=lambda a: [f32(like=a["values"]), f32(1, like=a["values"])],
+        metrics=lambda a: ["clip_fraction"],
+    ),
+)
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -9,7 +9,7 @@ import math
 import torch
 
 from rlk import _validate as chk
-from rlk._catalog import op
+from rlk._catalog import Operator, op
 from rlk.ops._common import _call
 
 #: The ops declared here (``rlk`` exports them).
@@ -65,7 +65,17 @@ def _check_scaled(logits: torch.Tensor, temperature: torch.Tensor) -> None:
         )
 
 
-@op("sampling", out_dtype="int64")
+@op(
+    "sampling",
+    out_dtype="int64",
+    operator=Operator(
+        "Tensor logits, Tensor seeds, Tensor offsets, Tensor temperature, Tensor? top_k, "
+        "Tensor? top_p",
+        outputs=lambda a: [
+            torch.empty(a["logits"].shape[0], dtype=torch.int64, device=a["logits"].device)
+        ],
+    ),
+)
 def sample(
     logits: torch.Tensor,
     seeds: torch.Tensor,
