@@ -313,75 +313,102 @@ def _value_bwd_kernel(
     tl.store(dv_ptr + b * s_dv + offs[None, :], dv.to(dv_ptr.dtype.element_ty), mask=ok)
 
 
+def _value_forward(v, old, ret, mask, norms, clip, batch_flags, table):
+    """The value loss's launches: ``(loss, metrics, seqi, coef)``, the last two what the
+    backward reads (each sequence's integer statistics and the gradient's scale)."""
+    B, L = v.shape
+    v, old, ret, m = _rows(v), _rows(old), _rows(ret), _mask_rows(mask)
+    # Zeros: the batch kernel also reads the stats policy_loss's metrics come from.
+    seqf = torch.zeros(B, NF, dtype=torch.float32, device=v.device)
+    seqi = torch.zeros(B, NI, dtype=torch.int32, device=v.device)
+    if B:
+        cfg = dict(tuning.config(table, "value_loss.seq", B=B, L=L))
+        seqs = cfg.pop("SEQS")
+        _value_seq_kernel[(cdiv(B, seqs),)](
+            v,
+            old,
+            ret,
+            m,
+            seqf,
+            seqi,
+            B,
+            L,
+            v.stride(0),
+            old.stride(0),
+            ret.stride(0),
+            m.stride(0),
+            0.0 if clip is None else float(clip),
+            CLIP=clip is not None,
+            BLOCK_L=BLOCK_L,
+            LOG2_BLOCK_L=_log2(BLOCK_L),
+            SEQS=seqs,
+            **cfg,
+        )
+    loss, metrics, coef = aggregate(seqf, seqi, norms, batch_flags, table, "value_loss.batch", L)
+    return loss, metrics, seqi, coef
+
+
+def _value_backward(g_loss, v, old, ret, mask, seqi, coef, clip, per_seq_mean, table):
+    """The value loss's gradient with respect to ``v``: one launch on the forward's inputs
+    and its ``seqi`` and ``coef``."""
+    B, L = v.shape
+    v, old, ret, m = _rows(v), _rows(old), _rows(ret), _mask_rows(mask)
+    dv = torch.empty(B, L, dtype=v.dtype, device=v.device)
+    if B and L:
+        cfg = dict(tuning.config(table, "value_loss.bwd", B=B, L=L))
+        seqs, block = cfg.pop("SEQS"), cfg.pop("BLOCK")
+        g = g_loss.detach().float().reshape(1).contiguous()
+        _value_bwd_kernel[(cdiv(B, seqs), cdiv(L, block))](
+            g,
+            v,
+            old,
+            ret,
+            m,
+            seqi,
+            coef,
+            dv,
+            B,
+            L,
+            v.stride(0),
+            old.stride(0),
+            ret.stride(0),
+            m.stride(0),
+            dv.stride(0),
+            0.0 if clip is None else float(clip),
+            CLIP=clip is not None,
+            PER_SEQ_MEAN=per_seq_mean,
+            SEQS=seqs,
+            BLOCK=block,
+            **cfg,
+        )
+    return dv
+
+
 class ValueLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, old, ret, mask, norms, clip, batch_flags, table):
-        B, L = v.shape
-        v, old, ret, m = _rows(v), _rows(old), _rows(ret), _mask_rows(mask)
-        strides = (v.stride(0), old.stride(0), ret.stride(0), m.stride(0))
-        # Zeros: the batch kernel also reads the stats policy_loss's metrics come from.
-        seqf = torch.zeros(B, NF, dtype=torch.float32, device=v.device)
-        seqi = torch.zeros(B, NI, dtype=torch.int32, device=v.device)
-        scalar = (0.0 if clip is None else float(clip),)
-        if B:
-            cfg = dict(tuning.config(table, "value_loss.seq", B=B, L=L))
-            seqs = cfg.pop("SEQS")
-            _value_seq_kernel[(cdiv(B, seqs),)](
-                v,
-                old,
-                ret,
-                m,
-                seqf,
-                seqi,
-                B,
-                L,
-                *strides,
-                *scalar,
-                CLIP=clip is not None,
-                BLOCK_L=BLOCK_L,
-                LOG2_BLOCK_L=_log2(BLOCK_L),
-                SEQS=seqs,
-                **cfg,
-            )
-        loss, metrics, coef = aggregate(
-            seqf, seqi, norms, batch_flags, table, "value_loss.batch", L
+        loss, metrics, seqi, coef = _value_forward(
+            v, old, ret, mask, norms, clip, batch_flags, table
         )
-        ctx.save_for_backward(v, old, ret, m, seqi, coef)
-        ctx.strides, ctx.scalar, ctx.clip, ctx.table = strides, scalar, clip is not None, table
-        ctx.per_seq_mean, ctx.v_dtype = batch_flags["PER_SEQ_MEAN"], v.dtype
+        ctx.save_for_backward(v, old, ret, mask, seqi, coef)
+        ctx.clip, ctx.table, ctx.per_seq_mean = clip, table, batch_flags["PER_SEQ_MEAN"]
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, g_loss, _g_metrics):
-        v, old, ret, m, seqi, coef = ctx.saved_tensors
-        B, L = v.shape
-        dv = torch.empty(B, L, dtype=ctx.v_dtype, device=v.device)
-        if B and L:
-            cfg = dict(tuning.config(ctx.table, "value_loss.bwd", B=B, L=L))
-            seqs, block = cfg.pop("SEQS"), cfg.pop("BLOCK")
-            g = g_loss.detach().float().reshape(1).contiguous()
-            _value_bwd_kernel[(cdiv(B, seqs), cdiv(L, block))](
-                g,
-                v,
-                old,
-                ret,
-                m,
-                seqi,
-                coef,
-                dv,
-                B,
-                L,
-                *ctx.strides,
-                dv.stride(0),
-                *ctx.scalar,
-                CLIP=ctx.clip,
-                PER_SEQ_MEAN=ctx.per_seq_mean,
-                SEQS=seqs,
-                BLOCK=block,
-                **cfg,
-            )
+        v, old, ret, mask, seqi, coef = ctx.saved_tensors
+        dv = _value_backward(g_loss, v, old, ret, mask, seqi, coef, ctx.clip, ctx.per_seq_mean,
+                             ctx.table)  # fmt: skip
         return (dv,) + (None,) * 7
+
+
+def _value_plan(values, agg, num_tokens, num_seqs, norm_length):
+    """The forward's small device inputs (``norms``) and the batch kernel's flags."""
+    if norm_length is None:
+        norm_length = values.shape[1]
+    norms = _norms(values.device, num_tokens, num_seqs, norm_length, False)
+    return norms, agg_flags(agg, num_tokens, num_seqs)
 
 
 def value_loss(
@@ -406,15 +433,39 @@ def value_loss(
 
         loss, m = value_loss(v, old_v, ret, mask, clip=0.5, table=table)
     """
-    device = values.device
-    if norm_length is None:
-        norm_length = values.shape[1]
-    norms = _norms(device, num_tokens, num_seqs, norm_length, False)
-    batch_flags = agg_flags(agg, num_tokens, num_seqs)
+    norms, batch_flags = _value_plan(values, agg, num_tokens, num_seqs, norm_length)
     loss, buf = ValueLossFunction.apply(
         values, old_values.detach(), returns.detach(), mask, norms, clip, batch_flags, table
     )
     return loss, {"clip_fraction": buf[METRICS.index("clip_fraction")]}
+
+
+def _split_forward(values, old_values, returns, mask, *, clip, agg, num_tokens, num_seqs,
+                   norm_length, table):  # fmt: skip
+    """value_loss's forward for the torch.compile path (rlk._library): the outputs (the loss,
+    the clip fraction as a ``[1]`` tensor) and the extras its backward reads (``seqi``,
+    ``coef``)."""
+    norms, flags = _value_plan(values, agg, num_tokens, num_seqs, norm_length)
+    loss, buf, seqi, coef = _value_forward(values, old_values, returns, mask, norms, clip, flags,
+                                           table)  # fmt: skip
+    return (loss, buf[METRICS.index("clip_fraction")].reshape(1)), (seqi, coef)
+
+
+def _split_backward(grads, outs, extras, needs, values, old_values, returns, mask, *, clip, agg,
+                    num_tokens, num_seqs, norm_length, table):  # fmt: skip
+    """value_loss's backward for the torch.compile path: ValueLossFunction's one launch."""
+    seqi, coef = extras
+    g = grads[0]
+    if g is None:
+        g = torch.zeros((), dtype=torch.float32, device=values.device)
+    per_seq_mean = agg_flags(agg, num_tokens, num_seqs)["PER_SEQ_MEAN"]
+    dv = _value_backward(g, values, old_values, returns, mask, seqi, coef, clip, per_seq_mean,
+                         table)  # fmt: skip
+    return (dv,)
+
+
+#: Forward and backward as two calls, for the torch.compile path (rlk._library).
+AUTOGRAD = {"value_loss": (_split_forward, _split_backward)}
 
 
 def _choose_seqs(B: int, L: int) -> int:
