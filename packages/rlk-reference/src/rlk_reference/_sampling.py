@@ -25,7 +25,11 @@ def keep_mask(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         kth = torch.topk(z, top_k).values[-1]
         keep = z >= kth  # ties with the k-th value are kept
     if top_p < 1.0:
-        p = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+        z = z.masked_fill(~keep, float("-inf"))
+        top = z == math.inf
+        # With +inf logits the softmax's limit: their mass shared equally, none elsewhere (the
+        # softmax itself would give inf - inf = NaN everywhere).
+        p = top.double() / top.sum() if bool(top.any()) else torch.softmax(z, dim=-1)
         desc = p[keep].sort(descending=True).values
         mass = desc.cumsum(0)
         # The largest threshold t whose kept mass sum(p >= t) reaches top_p: the first sorted

@@ -190,10 +190,25 @@ def _sample(g: Gen) -> list[Case]:
     over["temperature"][0] = 0.0
     filters = dict(over, top_k=torch.full_like(over["top_k"], 5))
     filters["top_p"] = torch.full_like(over["top_p"], 0.9)
+    # +inf logits with the filters on: the +inf tokens hold all the mass, so top-k and top-p
+    # keep them and the draw is the first of them (row 1: two; row 2: with -inf beside).
+    top = g.randn(4, 50, scale=3.0)
+    top[0, 21] = INF
+    top[1, [8, 33]] = INF
+    top[2, 5], top[2, :4] = INF, -INF
+    inf_filters = {
+        "logits": top,
+        "seeds": torch.arange(4, device=g.device),
+        "offsets": torch.zeros(4, dtype=torch.int64, device=g.device),
+        "temperature": torch.ones(4, device=g.device),
+        "top_k": torch.tensor([0, 5, 0, 3], device=g.device),
+        "top_p": torch.tensor([0.9, 0.5, 0.95, 0.8], device=g.device),
+    }
     return [
         Case("sample", "fp32 NaN/+inf/-inf logits", FP32, args),
         Case("sample", "fp32 logits whose logit / temperature overflows", FP32, over),
         Case("sample", "fp32 overflowing logit / temperature, top-k and top-p", FP32, filters),
+        Case("sample", "fp32 +inf logits with top-k and top-p", FP32, inf_filters),
     ]
 
 
