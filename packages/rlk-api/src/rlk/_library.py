@@ -185,7 +185,8 @@ def _decode(op: str, a: dict[str, Any]) -> None:
 
 
 def n_outputs(op: str, a: Mapping[str, Any]) -> int:
-    """How many outputs the operator returns before its extras."""
+    """How many outputs the operator returns before its extras (counted from the op's
+    ``outputs``, which makes empty tensors: this runs while tracing, not per eager call)."""
     return len(OUTPUTS[op](a))
 
 

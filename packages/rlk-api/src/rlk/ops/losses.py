@@ -296,13 +296,18 @@ def policy_metrics(a: Mapping[str, Any]) -> list[str]:
 POLICY_SEQ_STATS = (7, 5)
 
 
+def seq_counts(t: torch.Tensor) -> torch.Tensor:
+    """An empty int32 ``[B, 5]`` of ``t``'s rows: the integer per-sequence statistics of
+    policy_loss's and value_loss's forwards, which their backwards read."""
+    return torch.empty(t.shape[0], POLICY_SEQ_STATS[1], dtype=torch.int32, device=t.device)
+
+
 def _policy_extras(a: Mapping[str, Any]) -> list[torch.Tensor]:
     # The per-sequence statistics (fp32 [B, 7], int32 [B, 5]), the gradient's scale (fp32 [1])
     # and the rejection thresholds (fp32, a lower and an upper bound per REJECT_OPTIONS).
     lp = a["logprobs"]
-    b, (nf, ni) = lp.shape[0], POLICY_SEQ_STATS
-    seqi = torch.empty(b, ni, dtype=torch.int32, device=lp.device)
-    return [f32(b, nf, like=lp), seqi, f32(1, like=lp), f32(2 * len(REJECT_OPTIONS), like=lp)]
+    seqf = f32(lp.shape[0], POLICY_SEQ_STATS[0], like=lp)
+    return [seqf, seq_counts(lp), f32(1, like=lp), f32(2 * len(REJECT_OPTIONS), like=lp)]
 
 
 # policy_loss aggregates over the batch: its gradient is checked for determinism only.

@@ -10,7 +10,7 @@ import torch
 from rlk import _validate as chk
 from rlk._catalog import Operator, op
 from rlk.ops._common import _call, f32
-from rlk.ops.losses import AGG_MODES, POLICY_SEQ_STATS, _agg_args, _check_mask
+from rlk.ops.losses import AGG_MODES, _agg_args, _check_mask, seq_counts
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["gae_advantages", "value_loss"]
@@ -107,15 +107,7 @@ def gae_advantages(
         outputs=lambda a: [f32(like=a["values"]), f32(1, like=a["values"])],
         # each sequence's integer statistics (int32 [B, 5], the layout of policy_loss's) and
         # the gradient's scale (fp32 [1])
-        extras=lambda a: [
-            torch.empty(
-                a["values"].shape[0],
-                POLICY_SEQ_STATS[1],
-                dtype=torch.int32,
-                device=a["values"].device,
-            ),
-            f32(1, like=a["values"]),
-        ],  # fmt: skip
+        extras=lambda a: [seq_counts(a["values"]), f32(1, like=a["values"])],
         metrics=lambda a: ["clip_fraction"],
     ),
 )
