@@ -425,6 +425,67 @@ def test_tuning_invariance_paged():
     _assert_all_equal(outs)
 
 
+def _split_table():
+    """TABLE with every attention kernel on the one-program-per-split config."""
+    cfgs = TABLE["paged_attention.fwd"].configs
+    i = next(i for i, c in enumerate(cfgs) if c.get("SPLIT"))
+    rule = tuning.Rule(cfgs, lambda **_: i)
+    return {**TABLE, "attention.fwd": rule, "paged_attention.fwd": rule}
+
+
+@pytest.mark.parametrize("split,dtype", [(64, torch.float32), (128, torch.bfloat16)])
+def test_kv_split_paths(monkeypatch, split, dtype):
+    """Rows of more than KV_SPLIT keys: training, prefill, chunked prefill, decode and paged
+    merge the same splits in the same order, whether one program runs a row's splits or one
+    program runs each split (SPLIT configs, then the merge kernel); and the split is real (other
+    bits than without it). fp32 outputs show a merge's last bits, which bf16 rounds away."""
+    n, hq, hk, d = 300, 2, 1, 32
+    q, k, v = _qkv(n, hq, hk, d, dtype, seed=80)
+    other = _qkv(70, hq, hk, d, dtype, seed=81)
+    paths = dict(chunkings=[(100, 200), (1, 129, 170)], page_sizes=(16, 64), decode_from=n - 3)
+    unsplit = _fwd(q, k, v, _cu([n]), _cu([n]))
+    monkeypatch.setattr(attn, "KV_SPLIT", split)
+    outs = _path_outputs(q, k, v, other=other, **paths)
+    split_grid = _path_outputs(q, k, v, other=other, table=_split_table(), **paths)
+    _assert_all_equal({**outs, **{f"{name} (a program per split)": o
+                                  for name, o in split_grid.items()}})  # fmt: skip
+    want = ref.attention(q.double(), k.double(), v.double(), _cu([n]), _cu([n]), True, d**-0.5)
+    _close(outs["training"], want, dtype, "output")
+    # Rows within the first split have the unsplit bits; some row past it has others.
+    assert torch.equal(outs["training"][:split], unsplit[:split])
+    assert not torch.equal(outs["training"], unsplit)
+
+
+def test_kv_split_backward_and_bad_pages(monkeypatch):
+    """With splits: the backward from the merged statistics is accurate and the same for both
+    kinds of launch; a bad page makes the rows that see it NaN in either."""
+    monkeypatch.setattr(attn, "KV_SPLIT", 64)
+    lens = [200, 30]
+    q, k, v = _qkv(sum(lens), 2, 1, 16, torch.float16, seed=82)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(83)).to(torch.float16)
+    cu = _cu(lens)
+    got = _fwd_bwd(q, k, v, cu, cu, do)
+    with tuning.force("attention", {"attention.fwd": _split_table()["attention.fwd"].configs[-1]}):
+        assert all(map(torch.equal, got, _fwd_bwd(q, k, v, cu, cu, do)))
+    leaves64 = [x.double().requires_grad_() for x in (q, k, v)]
+    ref.attention(*leaves64, cu, cu, True, 16**-0.5).backward(do.double())
+    _close(got[0], ref.attention(q.double(), k.double(), v.double(), cu, cu, True, 0.25),
+           torch.float16, "output")  # fmt: skip
+    for name, a, b in zip("qkv", got[1:], leaves64, strict=True):
+        _close(a, b.grad, torch.float16, f"d{name}")
+    kc, vc, bt = _paged_cache([(k[:200], v[:200])], 16)
+    bt[0, 6] = kc.shape[0] + 3  # keys 96..111: a page id out of range
+    lens_t = torch.tensor([200], dtype=torch.int32)
+    args = (q[190:200], kc, vc, bt, lens_t, _cu([10]), 0.25)
+    for table in (TABLE, _split_table()):
+        with pytest.raises(ValueError, match="page id"):
+            pattn.paged_attention(*args, table=table)
+    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    for table in (TABLE, _split_table()):
+        o = pattn.paged_attention(*args, table=table)
+        assert o.isnan().all(), "rows that see the bad page must be NaN"
+
+
 def test_paged_accuracy_and_nan_pages():
     hq, hk, d = 4, 2, 32
     lens, q_lens = [130, 5, 64], [1, 5, 3]

@@ -52,11 +52,20 @@ from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 
 #: KV tile of the forward pass and of the dQ reduction: fixes the softmax order. Never tune it.
 BLOCK_N = 64
+#: KV split: every path runs the online softmax over the keys ``[s*KV_SPLIT, (s+1)*KV_SPLIT)``
+#: from the empty state and merges the splits in ascending order (:func:`_merge`). A constant
+#: of the op like ``BLOCK_N`` (a multiple of it), never a tuning parameter: it fixes the bits of
+#: every row that sees more than ``KV_SPLIT`` keys. A launch may then run the splits of a row
+#: in one program (merging at each split's end) or in one program per split plus a merge
+#: kernel (``SPLIT`` configs: small-batch decode); both merge the same partials in the same
+#: order, so they give the same bits.
+KV_SPLIT = 1024
 _LOG2E = 1.4426950408889634
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
 # A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
-# the same instructions, so the same bits).
+# the same instructions, so the same bits), or run a program per KV split (``SPLIT``: the same
+# partials merged in the same order, so the same bits).
 # ``TMA``: the packed path reads full KV tiles through tensor descriptors (the same values, so
 # the same bits; the paged path and head dims a descriptor cannot express read through pointers
 # whatever the config).
@@ -70,6 +79,7 @@ _FWD_CONFIGS = (
     {"BLOCK_M": 128, "num_warps": 4, "num_stages": 3, "TMA": True},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "maxnreg": 128},
     {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5},
+    {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3, "SPLIT": True},
 )
 # Backward: BLOCK_M tiles the dQ kernel's queries, BLOCK_N the dK/dV kernel's keys; both
 # kernels take num_warps, so 8 warps go with BLOCK_M = BLOCK_N = 128 only (same family rule).
@@ -218,6 +228,86 @@ def _nan_rows(O, LSE, lo, hi, Tq, kvh, hc, stride_ot, stride_oh, Hq, GROUP, D, H
 
 
 @jit
+def _merge(A, M, L, acc, m, l):
+    """The state ``(A, M, L)`` of the splits so far, then split ``(acc, m, l)``: ``M`` is the
+    larger maximum, ``A`` and ``L`` the two sums rescaled to it (explicit fmas). A row with
+    nothing in the new split (``m = -inf``: its keys lie before the split) keeps its state bit
+    for bit. The one merge of every path: the forward's own splits and :func:`_merge_kernel`."""
+    m_new = tl.maximum(M, m)
+    a = tl.math.exp2(M - m_new)
+    b = tl.math.exp2(m - m_new)
+    l_new = tl.fma(l, b, L * a)
+    acc_new = tl.fma(acc, b[:, None], A * a[:, None])
+    keep = m == float("-inf")
+    return (
+        tl.where(keep[:, None], A, acc_new),
+        tl.where(keep, M, m_new),
+        tl.where(keep, L, l_new),
+    )
+
+
+@jit
+def _program(CU_Q, CU_K, SEQ_LENS, GROUP, Tq, Tk, max_nq, max_nk, N_SPLITS, HG: tl.constexpr,
+             PAGED: tl.constexpr):  # fmt: skip
+    """What a forward program works on: ``(b, kvh, hc, pid_m, n_pid_m, split, q_start, q_end,
+    k_start, k_end, seq_ok)``. Axis 0 enumerates (query tile, split) pairs, the last query
+    tiles first (causal: they do the most work); axis 1 (KV head, chunk of its query heads);
+    axis 2 the sequence. A paged sequence's keys are ``[0, seq_lens[b])`` of its block-table
+    row (Tk is then a row's capacity: pages per row x page size). ``seq_ok``: its offsets lie
+    inside q and k, and within the grid's bounds ``max_nq``/``max_nk`` (a caller's bound that
+    a sequence exceeds would leave its last rows unwritten)."""
+    n_pid_m = tl.num_programs(0) // N_SPLITS
+    pid_m = n_pid_m - 1 - tl.program_id(0) // N_SPLITS
+    split = tl.program_id(0) % N_SPLITS
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_hc = tl.cdiv(GROUP, HG)
+    q_start = tl.load(CU_Q + b)
+    q_end = tl.load(CU_Q + b + 1)
+    if PAGED:
+        k_start = 0
+        k_end = tl.load(SEQ_LENS + b)
+    else:
+        k_start = tl.load(CU_K + b)
+        k_end = tl.load(CU_K + b + 1)
+    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
+    seq_ok = seq_ok & (q_end - q_start <= max_nq) & (k_end - k_start <= max_nk)
+    return (b, pid_h // n_hc, pid_h % n_hc, pid_m, n_pid_m, split, q_start, q_end, k_start,
+            k_end, seq_ok)  # fmt: skip
+
+
+@jit
+def _rows(t0, nq, q_start, kvh, hc, GROUP, D, Hq, HG: tl.constexpr, TOK: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """The rows of a forward program: ``TOK`` tokens from ``t0`` x ``HG`` query heads of KV
+    head ``kvh``'s chunk ``hc`` -> ``(r, tok, h, row_ok, d, d_ok, f32_off)``, ``f32_off`` the
+    rows' offsets in an fp32 ``[Tq, Hq, D]`` buffer (the scratch, split 0 of the partials)."""
+    r = tl.arange(0, BLOCK_M)
+    tok = t0 + r // HG
+    g = hc * HG + r % HG
+    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
+    h = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    f32_off = (((q_start + tok).to(tl.int64) * Hq + h) * D)[:, None] + d[None, :]
+    return r, tok, h, row_ok, d, d_ok, f32_off
+
+
+@jit
+def _tile_range(nk, nq, t0, TOK, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(n_full, n_tiles)`` of the program whose first query row is ``t0``: tiles ``[0,
+    n_full)`` are visible to all its rows, ``[0, n_tiles)`` to at least one."""
+    t_last = tl.minimum(t0 + TOK, nq) - 1
+    if CAUSAL:
+        n_full = (nk - nq + t0 + 1) // BLOCK_N
+        n_tiles = (nk - nq + t_last) // BLOCK_N + 1
+    else:
+        n_full = nk // BLOCK_N
+        n_tiles = tl.cdiv(nk, BLOCK_N)
+    return n_full, n_tiles
+
+
+@jit
 def _fwd_kernel(
     Q,
     K,
@@ -229,6 +319,9 @@ def _fwd_kernel(
     SEQ_LENS,
     BT,
     OK,
+    SCR,
+    PART,
+    PART_ML,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -249,6 +342,7 @@ def _fwd_kernel(
     n_pages,
     max_nq,
     max_nk,
+    N_SPLITS,
     K_DESC,
     V_DESC,
     HG: tl.constexpr,
@@ -260,37 +354,26 @@ def _fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SPLIT_T: tl.constexpr,
+    SPLIT_GRID: tl.constexpr = False,
     TMA: tl.constexpr = False,
 ):
+    # SPLIT_T: tiles per KV split. With SPLIT_GRID, axis 0 enumerates (query tile, split)
+    # pairs, N_SPLITS splits per query tile: a program runs one split of its rows and stores
+    # the partial state (PART: acc [N_SPLITS, Tq, Hq, D], PART_ML: m, l [N_SPLITS, 2, Tq, Hq],
+    # fp32) for _merge_kernel; otherwise it runs every split, merging each at its end (SCR:
+    # fp32 [Tq, Hq, D] scratch, used by rows of more than one split).
     TOK: tl.constexpr = BLOCK_M // HG
-    # Causal: the last query tiles do the most work; start them first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_h = tl.program_id(1)
-    b = tl.program_id(2)
-    n_hc = tl.cdiv(GROUP, HG)
-    kvh = pid_h // n_hc
-    hc = pid_h % n_hc
-
-    q_start = tl.load(CU_Q + b)
-    q_end = tl.load(CU_Q + b + 1)
+    b, kvh, hc, pid_m, n_pid_m, split, q_start, q_end, k_start, k_end, seq_ok = _program(
+        CU_Q, CU_K, SEQ_LENS, GROUP, Tq, Tk, max_nq, max_nk, N_SPLITS, HG, PAGED
+    )
     nq = q_end - q_start
-    if PAGED:
-        # Tk is the capacity of a block-table row (pages per row x page size).
-        k_start = 0
-        k_end = tl.load(SEQ_LENS + b)
-    else:
-        k_start = tl.load(CU_K + b)
-        k_end = tl.load(CU_K + b + 1)
     nk = k_end - k_start
     t0 = pid_m * TOK
     # Bad offsets (possible in default mode, see rlk_triton._bounds): the sequence's rows that
     # lie inside q are NaN, rows that no sequence can reach are NaN, and the flag is cleared.
-    seq_ok = _offsets_ok(q_start, q_end, k_start, k_end, Tq, Tk)
-    # The grid covers max_nq queries per sequence (and the backward's max_nk keys): a caller's
-    # bound (max_seqlen_q/_k) that a sequence exceeds would leave its last rows unwritten.
-    seq_ok = seq_ok & (nq <= max_nq) & (nk <= max_nk)
     edges_ok = _edges_ok(b, tl.num_programs(2), q_start, q_end, k_start, k_end, Tq, Tk, not PAGED)
-    if ~(seq_ok & edges_ok):
+    if ~(seq_ok & edges_ok) & (split == 0):
         tl.store(OK, 0)
         # NaN rows: before the first sequence, after the last one, and this program's own
         # when its sequence is bad (the last program's reach to the sequence's end: rows past
@@ -302,36 +385,34 @@ def _fwd_kernel(
             _nan_rows(O, LSE, q_end, Tq, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
         if ~seq_ok:
             hi = tl.minimum(q_start + t0 + TOK, q_end)
-            if pid_m == tl.num_programs(0) - 1:
+            if pid_m == n_pid_m - 1:
                 hi = q_end
             _nan_rows(O, LSE, q_start + t0, hi, *nan_args, HG, BLOCK_M, BLOCK_D, STORE_LSE)
     if ~seq_ok | (t0 >= nq):
         return
+    n_full, n_tiles = _tile_range(nk, nq, t0, TOK, BLOCK_N, CAUSAL)
+    s_lo = 0
+    s_hi = tl.cdiv(n_tiles, SPLIT_T)
+    if SPLIT_GRID:
+        if split >= s_hi:
+            return
+        s_lo = split
+        s_hi = split + 1
 
-    r = tl.arange(0, BLOCK_M)
-    tok = t0 + r // HG
-    g = hc * HG + r % HG
-    row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
-    h = kvh * GROUP + g
+    r, tok, h, row_ok, d, d_ok, f32_off = _rows(t0, nq, q_start, kvh, hc, GROUP, D, Hq, HG,
+                                                 TOK, BLOCK_M, BLOCK_D)  # fmt: skip
     pos = nk - nq + tok
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    out_mask = row_ok[:, None] & d_ok[None, :]
 
     q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
     q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    # The merged state of the splits before the current one (its acc waits in SCR).
+    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    L = tl.zeros([BLOCK_M], tl.float32)
+    m = M
+    l = L
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    t_last = tl.minimum(t0 + TOK, nq) - 1
-    if CAUSAL:
-        n_full = (nk - nq + t0 + 1) // BLOCK_N
-        n_tiles = (nk - nq + t_last) // BLOCK_N + 1
-    else:
-        n_full = nk // BLOCK_N
-        n_tiles = tl.cdiv(nk, BLOCK_N)
-
     n = tl.arange(0, BLOCK_N)
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
@@ -339,68 +420,137 @@ def _fwd_kernel(
     # Paged: the first key position whose page id is out of range (nk when none is). Such a
     # page is never read, and the rows that see it are NaN.
     bad_from = nk
-    for j in range(0, n_full):
-        if TMA:
-            # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
-            # sequence's own keys, the very values the pointer loads read.
-            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-        else:
+    # One split per iteration, from the empty state: the tile loops inside hold no branch, so
+    # the compiler pipelines them as it would the unsplit loop.
+    for sp in range(s_lo, s_hi):
+        j_lo = sp * SPLIT_T
+        j_hi = tl.minimum(j_lo + SPLIT_T, n_tiles)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for j in range(j_lo, tl.minimum(n_full, j_hi)):
+            if TMA:
+                # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
+                # sequence's own keys, the very values the pointer loads read.
+                k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+                v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+            else:
+                kpos = j * BLOCK_N + n
+                k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                           stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+                v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt,
+                                     stride_vp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+                if PAGED:
+                    kv_mask = page_ok[:, None] & d_ok[None, :]
+                    bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+                else:
+                    kv_mask = d_ok[None, :]
+                k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False,
+                                  DOT_PREC)  # fmt: skip
+        for j in range(tl.maximum(n_full, j_lo), j_hi):
             kpos = j * BLOCK_N + n
+            k_ok = kpos < nk
             k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
                                        stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
             v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp,
                                  n_pages, PAGED, PAGE_SIZE)  # fmt: skip
             if PAGED:
-                kv_mask = page_ok[:, None] & d_ok[None, :]
-                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
+                kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
             else:
-                kv_mask = d_ok[None, :]
+                kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False, DOT_PREC)
-    for j in range(n_full, n_tiles):
-        kpos = j * BLOCK_N + n
-        k_ok = kpos < nk
-        k_rows, page_ok = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, n_pages, PAGED, PAGE_SIZE
-        )
-        v_rows, _ = _kv_rows(
-            b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp, n_pages, PAGED, PAGE_SIZE
-        )
-        if PAGED:
-            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
-            kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
-        else:
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
-        visible = k_ok[None, :] & (r >= 0)[:, None]
-        if CAUSAL:
-            visible = visible & (kpos[None, :] <= pos[:, None])
-            active = j * BLOCK_N <= pos
-        else:
-            active = r >= 0
-        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
+            # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
+            visible = k_ok[None, :] & (r >= 0)[:, None]
+            if CAUSAL:
+                visible = visible & (kpos[None, :] <= pos[:, None])
+                active = j * BLOCK_N <= pos
+            else:
+                active = r >= 0
+            acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
+        if not SPLIT_GRID:
+            # The split merged into the state so far (the first split is the state); a state
+            # that more splits follow waits in the scratch rows, registers holding one
+            # accumulator. The barrier orders the store before the next split's load whatever
+            # layouts the compiler gives the two.
+            if sp > 0:
+                A = tl.load(SCR + f32_off, mask=out_mask, other=0.0)
+                acc, m, l = _merge(A, M, L, acc, m, l)
+            if sp + 1 < s_hi:
+                tl.store(SCR + f32_off, acc, mask=out_mask)
+                tl.debug_barrier()
+                M = m
+                L = l
 
-    l_safe = tl.where(row_ok, l, 1.0)
-    o = acc / l_safe[:, None] + 0.0
+    # A row sees a bad page when it is causal-visible to it.
+    sees_bad = (pos >= bad_from) & (bad_from < nk)
     if PAGED:
         if bad_from < nk:
             tl.store(OK, 0)
-        # A row sees the bad page when it is causal-visible to it.
-        sees_bad = (pos >= bad_from) & (bad_from < nk)
+    if SPLIT_GRID:
+        if PAGED:
+            acc = tl.where(sees_bad[:, None], float("nan"), acc)
+            l = tl.where(sees_bad, float("nan"), l)
+        part = split.to(tl.int64) * Tq * Hq
+        tl.store(PART + part * D + f32_off, acc, mask=out_mask)
+        ml_off = part * 2 + (q_start + tok).to(tl.int64) * Hq + h
+        tl.store(PART_ML + ml_off, m, mask=row_ok)
+        tl.store(PART_ML + ml_off + Tq * Hq, l, mask=row_ok)
+        return
+    l_safe = tl.where(row_ok, l, 1.0)
+    o = acc / l_safe[:, None] + 0.0
+    if PAGED:
         o = tl.where(sees_bad[:, None], float("nan"), o)
     o_off = (q_start + tok).to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
-    tl.store(
-        O + o_off[:, None] + d[None, :],
-        o.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    tl.store(O + o_off[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=out_mask)
     if STORE_LSE:
         lse = m + tl.math.log2(l_safe)
         tl.store(LSE + (q_start + tok).to(tl.int64) * Hq + h, lse, mask=row_ok)
+
+
+@jit
+def _merge_kernel(
+    PART, PART_ML, O, LSE, CU_Q, CU_K, SEQ_LENS, stride_ot, stride_oh, GROUP, D, Hq, Tq, Tk,
+    max_nq, max_nk, HG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
+    SPLIT_T: tl.constexpr,
+):  # fmt: skip
+    """The epilogue of a ``SPLIT_GRID`` forward: the rows of one of its query tiles (the same
+    grid without the splits), their partials merged in ascending split order from split 0,
+    as the one-program forward merges them. Rows of bad sequences were written by the forward."""
+    TOK: tl.constexpr = BLOCK_M // HG
+    b, kvh, hc, pid_m, _, _, q_start, q_end, k_start, k_end, seq_ok = _program(
+        CU_Q, CU_K, SEQ_LENS, GROUP, Tq, Tk, max_nq, max_nk, 1, HG, PAGED
+    )
+    nq = q_end - q_start
+    nk = k_end - k_start
+    t0 = pid_m * TOK
+    if ~seq_ok | (t0 >= nq):
+        return
+    _, n_tiles = _tile_range(nk, nq, t0, TOK, BLOCK_N, CAUSAL)
+    _, tok, h, row_ok, d, d_ok, f32_off = _rows(t0, nq, q_start, kvh, hc, GROUP, D, Hq, HG,
+                                                 TOK, BLOCK_M, BLOCK_D)  # fmt: skip
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    rows = (q_start + tok).to(tl.int64) * Hq + h
+    acc = tl.load(PART + f32_off, mask=out_mask, other=0.0)
+    m = tl.load(PART_ML + rows, mask=row_ok, other=float("-inf"))
+    l = tl.load(PART_ML + Tq * Hq + rows, mask=row_ok, other=0.0)
+    for s in range(1, tl.cdiv(n_tiles, SPLIT_T)):
+        part = (s * Hq).to(tl.int64) * Tq
+        A = tl.load(PART + part * D + f32_off, mask=out_mask, other=0.0)
+        ms = tl.load(PART_ML + part * 2 + rows, mask=row_ok, other=float("-inf"))
+        ls = tl.load(PART_ML + part * 2 + Tq * Hq + rows, mask=row_ok, other=0.0)
+        acc, m, l = _merge(acc, m, l, A, ms, ls)
+    l_safe = tl.where(row_ok, l, 1.0)
+    o = acc / l_safe[:, None] + 0.0
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+    tl.store(O + o_off[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=out_mask)
+    if STORE_LSE:
+        lse = m + tl.math.log2(l_safe)
+        tl.store(LSE + rows, lse, mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,11 +640,6 @@ def _forward(
         max_nq, max_nk = bounds
     if max_nq == 0:
         return o, lse
-    cfg = tuning.config(table, key, rows=max_nq * group, group=group, head_dim=d, programs=b * hk)
-    block_m = cfg["BLOCK_M"]
-    hg = _group_tile(group, block_m)
-    tok = block_m // hg
-    grid = (cdiv(max_nq, tok), hk * cdiv(group, hg), b)
     if paged:
         # Caches [pages, page_size, Hk, D]: "t" = slot, "p" = page.
         skt, skh, skp = k.stride(1), k.stride(2), k.stride(0)
@@ -511,6 +656,28 @@ def _forward(
     # Without a caller's bound on the keys, the kernels' own checks (keys inside k, at least as
     # many as queries) are the whole bound.
     max_nk = tk if max_nk is None else max_nk
+    keys = min(tk, max_nk)  # no sequence has more keys
+    cfg = tuning.config(
+        table, key, rows=max_nq * group, group=group, head_dim=d, programs=b * hk, keys=keys
+    )
+    block_m = cfg["BLOCK_M"]
+    hg = _group_tile(group, block_m)
+    tok = block_m // hg
+    grid_m = cdiv(max_nq, tok)
+    # KV splits: one program per split (SPLIT configs) writes partials for _merge_kernel;
+    # else a program merges its rows' splits, the state between splits in fp32 scratch.
+    if KV_SPLIT % BLOCK_N:
+        raise ValueError(f"KV_SPLIT ({KV_SPLIT}) must be a multiple of BLOCK_N ({BLOCK_N})")
+    split_grid = bool(cfg.get("SPLIT")) and keys > KV_SPLIT
+    n_splits = cdiv(keys, KV_SPLIT) if split_grid else 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    scratch = part = part_ml = o
+    if split_grid:
+        part = torch.empty((n_splits, tq, hq, d), **f32)
+        part_ml = torch.empty((n_splits, 2, tq, hq), **f32)
+    elif keys > KV_SPLIT:
+        scratch = torch.empty((tq, hq, d), **f32)
+    grid = (grid_m * n_splits, hk * cdiv(group, hg), b)
     k_desc = v_desc = None
     # Causal FLOPs if every sequence had max_nq queries and keys: a call below the host-bound
     # size reads through pointers (tuning.HOST_BOUND_FLOPS).
@@ -534,6 +701,9 @@ def _forward(
         lens,
         bt,
         ok,
+        scratch,
+        part,
+        part_ml,
         q.stride(0),
         q.stride(1),
         skt,
@@ -554,6 +724,7 @@ def _forward(
         n_pages,
         max_nq,
         max_nk,
+        n_splits,
         k_desc,
         v_desc,
         HG=hg,
@@ -565,11 +736,20 @@ def _forward(
         PAGE_SIZE=page_size,
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
+        SPLIT_T=KV_SPLIT // BLOCK_N,
+        SPLIT_GRID=split_grid,
         TMA=tma,
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
     )
+    if split_grid:
+        _merge_kernel[(grid_m, grid[1], b)](
+            part, part_ml, o, lse, cu_q, cu_k_arg, lens, o.stride(0), o.stride(1), group, d, hq,
+            tq, tk, max_nq, max_nk, HG=hg, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            BLOCK_D=next_power_of_2(max(d, 16)), CAUSAL=causal, PAGED=paged,
+            STORE_LSE=store_lse, SPLIT_T=KV_SPLIT // BLOCK_N, num_warps=cfg["num_warps"],
+        )  # fmt: skip
     if paged:
         _bounds.report(
             ok,

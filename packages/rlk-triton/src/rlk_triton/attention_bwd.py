@@ -26,6 +26,7 @@ from rlk_triton.attention import (
     _max_len,
     _nan_rows,
     _offsets_ok,
+    _tile_range,
 )
 
 #: Query chunk (rows = tokens x heads) of the dK/dV reduction. Never tune it.
@@ -143,13 +144,7 @@ def _dq_kernel(
     q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
     qmask = row_ok[:, None] & d_ok[None, :]
 
-    t_last = tl.minimum(t0 + TOK, nq) - 1
-    if CAUSAL:
-        n_full = (nk - nq + t0 + 1) // BLOCK_N
-        n_tiles = (nk - nq + t_last) // BLOCK_N + 1
-    else:
-        n_full = nk // BLOCK_N
-        n_tiles = tl.cdiv(nk, BLOCK_N)
+    n_full, n_tiles = _tile_range(nk, nq, t0, TOK, BLOCK_N, CAUSAL)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)

@@ -14,15 +14,24 @@ import math
 import torch
 
 from rlk_triton import tuning
+from rlk_triton import attention as _attention
 from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
 
+#: Decode grids of fewer programs than this run a program per KV split (the SPLIT config) once
+#: a sequence may hold more than ``attention.KV_SPLIT`` keys.
+SPLIT_BELOW_PROGRAMS = 264
+_SPLIT = next(i for i, c in enumerate(_FWD_CONFIGS) if c.get("SPLIT"))
 
-def _choose_paged(rows: int, head_dim: int, programs: int, **_: int) -> int:
-    # programs: sequences x KV heads, the decode grid's size (_forward passes it).
+
+def _choose_paged(rows: int, head_dim: int, programs: int, keys: int = 0, **_: int) -> int:
+    # programs: sequences x KV heads, the decode grid's size; keys: the bound on any
+    # sequence's keys (_forward passes both).
     if head_dim > 128:
         return 1
     if rows >= 1024:
         return _long_rows(head_dim)
+    if keys > _attention.KV_SPLIT and programs < SPLIT_BELOW_PROGRAMS:
+        return _SPLIT
     # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
     # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->
     # 287); at 64, 3 stages with registers capped at 128 per thread (4 programs per SM instead

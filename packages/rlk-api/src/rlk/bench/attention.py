@@ -27,13 +27,16 @@ from rlk.bench import timing as _timing
 SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
 QUICK_SHAPES = SHAPES[:1]
 # (B, ctx, Hq, Hk, D, page): the rollout batch sizes, and the corners of B = 1-256 with
-# contexts of 512-8192 (one long sequence; a few short ones).
+# contexts of 512-32768 (one long sequence; a few short ones; mid-size batches).
 DECODE = [
     (64, 4096, 32, 8, 128, 16),
     (64, 4096, 32, 8, 128, 128),
     (256, 2048, 14, 2, 64, 32),
     (1, 8192, 32, 8, 128, 16),
     (8, 512, 14, 2, 64, 16),
+    (1, 32768, 32, 8, 128, 16),
+    (8, 2048, 28, 4, 128, 16),
+    (16, 8192, 32, 8, 128, 16),
 ]
 QUICK_DECODE = DECODE[:1]
 
