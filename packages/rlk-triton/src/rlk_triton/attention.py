@@ -59,7 +59,7 @@ BLOCK_N = 64
 #: in one program (merging at each split's end) or in one program per split plus a merge
 #: kernel (``SPLIT`` configs: small-batch decode); both merge the same partials in the same
 #: order, so they give the same bits.
-KV_SPLIT = 1024
+KV_SPLIT = 4096
 _LOG2E = 1.4426950408889634
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
