@@ -620,7 +620,11 @@ def test_gpu_backward_determinism_batch_and_tuning(causal, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_paged_tuning_and_decode_batch():
+@pytest.mark.parametrize("kv_split", [attn.KV_SPLIT, 1024])
+def test_gpu_paged_tuning_and_decode_batch(kv_split, monkeypatch):
+    # At 1024 the sequences of 4096, 1000 and 2500 keys cross split boundaries: every config
+    # (a program per split among them) and the packed prefill merge at the same positions.
+    monkeypatch.setattr(attn, "KV_SPLIT", kv_split)
     hq, hk, d = 32, 8, 128
     lens = [4096, 17, 1000, 2500]
     seqs = [

@@ -308,6 +308,66 @@ def _tile_range(nk, nq, t0, TOK, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @jit
+def _keys(j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_start, kvh,
+          k_head, v_head, stride_btb, stride_kt, stride_kp, stride_vt, stride_vp, n_pages, d,
+          d_ok, r, pos, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+          PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The online softmax of a program's rows over KV tiles ``[j_lo, j_hi)`` from the empty
+    state -> ``(acc, m, l, bad_from)``: the tiles before ``n_full`` without masks, the rest
+    masked. ``bad_from`` (paged): the first key position whose page id is out of range."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    dummy = r < BLOCK_M
+    for j in range(j_lo, tl.minimum(n_full, j_hi)):
+        if TMA:
+            # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
+            # sequence's own keys, the very values the pointer loads read.
+            k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+            v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
+        else:
+            kpos = j * BLOCK_N + n
+            k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                       stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+            v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt,
+                                 stride_vp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+            if PAGED:
+                kv_mask = page_ok[:, None] & d_ok[None, :]
+                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+            else:
+                kv_mask = d_ok[None, :]
+            k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False,
+                              DOT_PREC)  # fmt: skip
+    for j in range(tl.maximum(n_full, j_lo), j_hi):
+        kpos = j * BLOCK_N + n
+        k_ok = kpos < nk
+        k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                   stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+        v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp,
+                             n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+        if PAGED:
+            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
+            kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
+        visible = k_ok[None, :] & (r >= 0)[:, None]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= pos[:, None])
+            active = j * BLOCK_N <= pos
+        else:
+            active = r >= 0
+        acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
+    return acc, m, l, bad_from
+
+
+@jit
 def _fwd_kernel(
     Q,
     K,
@@ -355,6 +415,7 @@ def _fwd_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SPLIT_T: tl.constexpr,
+    SPLITS: tl.constexpr = False,
     SPLIT_GRID: tl.constexpr = False,
     TMA: tl.constexpr = False,
 ):
@@ -391,13 +452,9 @@ def _fwd_kernel(
     if ~seq_ok | (t0 >= nq):
         return
     n_full, n_tiles = _tile_range(nk, nq, t0, TOK, BLOCK_N, CAUSAL)
-    s_lo = 0
-    s_hi = tl.cdiv(n_tiles, SPLIT_T)
     if SPLIT_GRID:
-        if split >= s_hi:
+        if split * SPLIT_T >= n_tiles:
             return
-        s_lo = split
-        s_hi = split + 1
 
     r, tok, h, row_ok, d, d_ok, f32_off = _rows(t0, nq, q_start, kvh, hc, GROUP, D, Hq, HG,
                                                  TOK, BLOCK_M, BLOCK_D)  # fmt: skip
@@ -407,83 +464,54 @@ def _fwd_kernel(
     q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
     q = tl.load(Q + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # The merged state of the splits before the current one (its acc waits in SCR).
-    M = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    L = tl.zeros([BLOCK_M], tl.float32)
-    m = M
-    l = L
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
     k_head = kvh.to(tl.int64) * stride_kh
     v_head = kvh.to(tl.int64) * stride_vh
-    dummy = r < BLOCK_M
     # Paged: the first key position whose page id is out of range (nk when none is). Such a
     # page is never read, and the rows that see it are NaN.
     bad_from = nk
-    # One split per iteration, from the empty state: the tile loops inside hold no branch, so
-    # the compiler pipelines them as it would the unsplit loop.
-    for sp in range(s_lo, s_hi):
-        j_lo = sp * SPLIT_T
-        j_hi = tl.minimum(j_lo + SPLIT_T, n_tiles)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
+    if SPLITS:
+        # Every split of the rows in this program, one per iteration from the empty state,
+        # merged into the state so far (the first split is the state). A state that more
+        # splits follow waits in the fp32 scratch rows (registers hold one accumulator); the
+        # barrier orders the store before the next split's load whatever layouts the compiler
+        # gives the two. Only launches whose rows may see more than KV_SPLIT keys compile this
+        # loop: the plain one below keeps the register budget and pipeline of the unsplit op.
+        M = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        L = tl.zeros([BLOCK_M], tl.float32)
+        m = M
+        l = L
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for j in range(j_lo, tl.minimum(n_full, j_hi)):
-            if TMA:
-                # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
-                # sequence's own keys, the very values the pointer loads read.
-                k = K_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-                v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
-            else:
-                kpos = j * BLOCK_N + n
-                k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
-                                           stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-                v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt,
-                                     stride_vp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-                if PAGED:
-                    kv_mask = page_ok[:, None] & d_ok[None, :]
-                    bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
-                else:
-                    kv_mask = d_ok[None, :]
-                k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, dummy[:, None], dummy, False,
-                                  DOT_PREC)  # fmt: skip
-        for j in range(tl.maximum(n_full, j_lo), j_hi):
-            kpos = j * BLOCK_N + n
-            k_ok = kpos < nk
-            k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
-                                       stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-            v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp,
-                                 n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-            if PAGED:
-                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
-                kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
-            else:
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + v_head + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            # Padding rows (row_ok false) hold q = 0 and stay finite; they are never stored.
-            visible = k_ok[None, :] & (r >= 0)[:, None]
-            if CAUSAL:
-                visible = visible & (kpos[None, :] <= pos[:, None])
-                active = j * BLOCK_N <= pos
-            else:
-                active = r >= 0
-            acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
-        if not SPLIT_GRID:
-            # The split merged into the state so far (the first split is the state); a state
-            # that more splits follow waits in the scratch rows, registers holding one
-            # accumulator. The barrier orders the store before the next split's load whatever
-            # layouts the compiler gives the two.
+        n_splits = tl.cdiv(n_tiles, SPLIT_T)
+        for sp in range(0, n_splits):
+            j_lo = sp * SPLIT_T
+            j_hi = tl.minimum(j_lo + SPLIT_T, n_tiles)
+            acc, m, l, bad_from = _keys(
+                j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_start, kvh,
+                k_head, v_head, stride_btb, stride_kt, stride_kp, stride_vt, stride_vp, n_pages,
+                d, d_ok, r, pos, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, PAGED, PAGE_SIZE,
+                DOT_PREC, TMA,
+            )  # fmt: skip
             if sp > 0:
                 A = tl.load(SCR + f32_off, mask=out_mask, other=0.0)
                 acc, m, l = _merge(A, M, L, acc, m, l)
-            if sp + 1 < s_hi:
+            if sp + 1 < n_splits:
                 tl.store(SCR + f32_off, acc, mask=out_mask)
                 tl.debug_barrier()
                 M = m
                 L = l
+    else:
+        # One split (SPLIT_GRID), or every key of rows that see at most KV_SPLIT.
+        j_lo = 0
+        j_hi = n_tiles
+        if SPLIT_GRID:
+            j_lo = split * SPLIT_T
+            j_hi = tl.minimum(j_lo + SPLIT_T, n_tiles)
+        acc, m, l, bad_from = _keys(
+            j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_start, kvh,
+            k_head, v_head, stride_btb, stride_kt, stride_kp, stride_vt, stride_vp, n_pages, d,
+            d_ok, r, pos, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, PAGED, PAGE_SIZE,
+            DOT_PREC, TMA,
+        )  # fmt: skip
 
     # A row sees a bad page when it is causal-visible to it.
     sees_bad = (pos >= bad_from) & (bad_from < nk)
@@ -737,6 +765,7 @@ def _forward(
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
         SPLIT_T=KV_SPLIT // BLOCK_N,
+        SPLITS=keys > KV_SPLIT and not split_grid,
         SPLIT_GRID=split_grid,
         TMA=tma,
         num_warps=cfg["num_warps"],

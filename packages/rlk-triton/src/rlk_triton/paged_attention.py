@@ -17,8 +17,8 @@ from rlk_triton import tuning
 from rlk_triton import attention as _attention
 from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
 
-#: Once a sequence may hold more than ``attention.KV_SPLIT`` keys, decode runs a program per KV
-#: split (the SPLIT config) at head_dim 128, and at 64 in grids of fewer programs than this.
+#: Decode grids of fewer programs than this run a program per KV split (the SPLIT config) once
+#: a sequence may hold more than ``attention.KV_SPLIT`` keys.
 SPLIT_BELOW_PROGRAMS = 264
 _SPLIT = next(i for i, c in enumerate(_FWD_CONFIGS) if c.get("SPLIT"))
 
@@ -30,7 +30,7 @@ def _choose_paged(rows: int, head_dim: int, programs: int, keys: int = 0, **_: i
         return 1
     if rows >= 1024:
         return _long_rows(head_dim)
-    if keys > _attention.KV_SPLIT and (programs < SPLIT_BELOW_PROGRAMS or head_dim > 64):
+    if keys > _attention.KV_SPLIT and programs < SPLIT_BELOW_PROGRAMS:
         return _SPLIT
     # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
     # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->
