@@ -12,6 +12,13 @@ Why every path gives the same bits (training, prefill, chunked prefill, decode, 
   in ascending order up to the tile holding its own position; the paged path gathers each
   tile's keys by logical position (``block_table[b, pos // page_size]``, slot
   ``pos % page_size``), so it feeds the very same tile to the very same arithmetic.
+* The keys are split at fixed positions too: every ``KV_SPLIT`` keys from position 0 (a
+  multiple of ``BLOCK_N``). Each split's online softmax starts from the empty state, and the
+  splits merge in ascending order through one helper (:func:`_merge`). A program either runs
+  all splits of its rows, keeping the merged state in fp32 scratch between them, or (decode
+  configs with ``SPLIT``: many more programs when the batch is small) one split, whose
+  partial state :func:`_merge_kernel` merges in the same order. Rows that see at most
+  ``KV_SPLIT`` keys have one split, and their launches compile no merge.
 * A program holds up to ``BLOCK_M`` rows, each a (query token, query head) pair: the query heads
   sharing a KV head (GQA/MQA) are packed into the M dimension with the tokens, so decode
   (one token) still fills part of the tile and K/V are read once per KV head. Rows never
