@@ -454,6 +454,11 @@ def test_kv_split_paths(monkeypatch, split, dtype):
     # Rows within the first split have the unsplit bits; some row past it has others.
     assert torch.equal(outs["training"][:split], unsplit[:split])
     assert not torch.equal(outs["training"], unsplit)
+    # Sequences that each fit in one split, under one set of offsets (cu_k is cu_q): the launch
+    # compiles no split loop, and gives the bits of one that does (cu_k another tensor).
+    cu = _cu([split, split // 2])
+    t = int(cu[-1])
+    assert torch.equal(_fwd(q[:t], k[:t], v[:t], cu, cu), _fwd(q[:t], k[:t], v[:t], cu, cu.clone()))
 
 
 def test_kv_split_backward_and_bad_pages(monkeypatch):

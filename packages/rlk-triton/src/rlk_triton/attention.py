@@ -689,7 +689,11 @@ def _forward(
         bt, sbt, lens, cu_k_arg = cu_k, 0, cu_k, cu_k
         tk, n_pages = k.shape[0], 0
     # Without a caller's bound on the keys, the kernels' own checks (keys inside k, at least as
-    # many as queries) are the whole bound.
+    # many as queries) are the whole bound; one set of offsets for queries and keys (packed
+    # self-attention: every nk == nq) bounds them by max_nq, so that a launch whose sequences
+    # fit in one KV split compiles no split loop.
+    if max_nk is None and cu_k is cu_q and not paged:
+        max_nk = max_nq
     max_nk = tk if max_nk is None else max_nk
     keys = min(tk, max_nk)  # no sequence has more keys
     cfg = tuning.config(
