@@ -459,7 +459,7 @@ def _fwd_kernel(
     if ~seq_ok | (t0 >= nq):
         return
     n_full, n_tiles = _tile_range(nk, nq, t0, TOK, BLOCK_N, CAUSAL)
-    if SPLIT_GRID:
+    if SPLIT_GRID:  # noqa: SIM102 (a compile-time branch)
         if split * SPLIT_T >= n_tiles:
             return
 
@@ -522,7 +522,7 @@ def _fwd_kernel(
 
     # A row sees a bad page when it is causal-visible to it.
     sees_bad = (pos >= bad_from) & (bad_from < nk)
-    if PAGED:
+    if PAGED:  # noqa: SIM102 (a compile-time branch)
         if bad_from < nk:
             tl.store(OK, 0)
     if SPLIT_GRID:

@@ -13,12 +13,15 @@ import math
 
 import torch
 
-from rlk_triton import tuning
 from rlk_triton import attention as _attention
+from rlk_triton import tuning
 from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
 
 #: Decode grids of fewer programs than this run a program per KV split (the SPLIT config) once
-#: a sequence may hold more than ``attention.KV_SPLIT`` keys.
+#: a sequence may hold more than ``attention.KV_SPLIT`` keys. H200, ctx 8192, page 16, us, a
+#: program per split against one program running its splits: 128 programs (B = 16, 8 KV heads,
+#: head_dim 128; B = 64, 2 KV heads, 64) 163.6 / 218.0 and 120.4 / 193.2; 512 programs (B = 64,
+#: 8 KV heads, 128; B = 256, 2 KV heads, 64) 599.5 / 590.3 and 366.2 / 321.0.
 SPLIT_BELOW_PROGRAMS = 264
 _SPLIT = next(i for i, c in enumerate(_FWD_CONFIGS) if c.get("SPLIT"))
 
