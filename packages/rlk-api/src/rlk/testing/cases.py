@@ -705,6 +705,9 @@ def attention(gen: Gen, quick: bool) -> OpCases:
         path = [
             _attn_path(gen, BF16, [1, 129, 1500], *a, decode=128, chunks=(64, 257, 1024)),
             _attn_path(gen, FP16, [2000, 77], *b, decode=80, chunks=(128, 1000)),
+            # Past 4096 keys: the rows that cross the KV split (rlk_triton.attention.KV_SPLIT)
+            # merge at the same positions on every path.
+            _attn_path(gen, BF16, [4500, 300], *b, decode=64, chunks=(1024, 3000)),
         ]
     return OpCases(acc, inv, path)
 
@@ -729,6 +732,8 @@ def paged_attention(gen: Gen, quick: bool) -> OpCases:
         acc = [
             _paged(gen, BF16, [(1, 3000), (16, 1024), (1, 1), (300, 300)], *a, 16),
             _paged(gen, FP16, [(1, 777), (1, 2048), (100, 500)], *b, 64),
+            # A small batch past 4096 keys: a program per KV split, then the merge.
+            _paged(gen, BF16, [(1, 8200), (1, 100)], *a, 16),
         ]
         inv = [
             _paged(gen, BF16, [(1, 3000), (1, 1), (64, 700), (1, 200), (1, 1500)], *a, 32, batch=3),
@@ -736,6 +741,7 @@ def paged_attention(gen: Gen, quick: bool) -> OpCases:
         path = [
             _attn_path(gen, BF16, [1, 129, 1500, 3000], *a, decode=0, chunks=()),
             _attn_path(gen, FP16, [2000, 77, 16], *b, decode=0, chunks=()),
+            _attn_path(gen, BF16, [4500, 16], *b, decode=0, chunks=()),
         ]
     return OpCases(acc, inv, path)
 
