@@ -429,8 +429,9 @@ def _fwd_kernel(
     # SPLIT_T: tiles per KV split. With SPLIT_GRID, axis 0 enumerates (query tile, split)
     # pairs, N_SPLITS splits per query tile: a program runs one split of its rows and stores
     # the partial state (PART: acc [N_SPLITS, Tq, Hq, D], PART_ML: m, l [N_SPLITS, 2, Tq, Hq],
-    # fp32) for _merge_kernel; otherwise it runs every split, merging each at its end (SCR:
-    # fp32 [Tq, Hq, D] scratch, used by rows of more than one split).
+    # fp32) for _merge_kernel. With SPLITS a program runs every split of its rows, merging
+    # each at its end (SCR: fp32 [Tq, Hq, D] scratch, used by rows of more than one split).
+    # With neither, no row of the launch sees more than one split.
     TOK: tl.constexpr = BLOCK_M // HG
     b, kvh, hc, pid_m, n_pid_m, split, q_start, q_end, k_start, k_end, seq_ok = _program(
         CU_Q, CU_K, SEQ_LENS, GROUP, Tq, Tk, max_nq, max_nk, N_SPLITS, HG, PAGED
