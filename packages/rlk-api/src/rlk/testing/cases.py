@@ -687,7 +687,12 @@ def attention(gen: Gen, quick: bool) -> OpCases:
         acc += [_attn(gen, BF16, [(1, 70), (5, 40), (20, 20)], *h, grad=False)]
         acc += [_attn(gen, FP16, [(17, 17), (30, 30)], 2, 2, 64, causal=False)]
         inv = [_attn(gen, BF16, [(45, 45), (133, 133), (1, 1), (20, 20), (70, 70)], *h, batch=3)]
-        path = [_attn_path(gen, BF16, [1, 45, 133], *h, decode=6, chunks=(16, 64))]
+        path = [
+            _attn_path(gen, BF16, [1, 45, 133], *h, decode=6, chunks=(16, 64)),
+            # Past 4096 keys (one KV head, small D: the interpreter's cost): the rows that
+            # cross the KV split merge at the same positions on every path.
+            _attn_path(gen, BF16, [4160], 2, 1, 16, decode=2, chunks=(4096,)),
+        ]
     else:
         a, b = (32, 8, 128), (14, 2, 64)
         acc = [
@@ -726,7 +731,11 @@ def paged_attention(gen: Gen, quick: bool) -> OpCases:
         h = (4, 2, 32)
         acc = [_paged(gen, dt, [(1, 70), (5, 40), (33, 33)], *h, 16) for dt in (BF16, FP16)]
         inv = [_paged(gen, BF16, [(1, 70), (5, 40), (33, 33), (1, 20), (3, 100)], *h, 16, batch=3)]
-        path = [_attn_path(gen, BF16, [1, 45, 133, 20], *h, decode=0, chunks=())]
+        path = [
+            _attn_path(gen, BF16, [1, 45, 133, 20], *h, decode=0, chunks=()),
+            # Decode past 4096 keys (the KV split), against the training call.
+            _attn_path(gen, BF16, [4160, 45], 2, 1, 16, decode=0, chunks=()),
+        ]
     else:
         a, b = (32, 8, 128), (14, 2, 64)
         acc = [
