@@ -427,9 +427,7 @@ def test_tuning_invariance_paged():
 
 def _split_table():
     """TABLE with every attention kernel on the one-program-per-split config."""
-    cfgs = TABLE["paged_attention.fwd"].configs
-    i = next(i for i, c in enumerate(cfgs) if c.get("SPLIT"))
-    rule = tuning.Rule(cfgs, lambda **_: i)
+    rule = tuning.Rule(TABLE["paged_attention.fwd"].configs, lambda **_: pattn._SPLIT)
     return {**TABLE, "attention.fwd": rule, "paged_attention.fwd": rule}
 
 
@@ -470,7 +468,7 @@ def test_kv_split_backward_and_bad_pages(monkeypatch):
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(83)).to(torch.float16)
     cu = _cu(lens)
     got = _fwd_bwd(q, k, v, cu, cu, do)
-    with tuning.force("attention", {"attention.fwd": _split_table()["attention.fwd"].configs[-1]}):
+    with tuning.force("attention", {"attention.fwd": attn._FWD_CONFIGS[pattn._SPLIT]}):
         assert all(map(torch.equal, got, _fwd_bwd(q, k, v, cu, cu, do)))
     leaves64 = [x.double().requires_grad_() for x in (q, k, v)]
     ref.attention(*leaves64, cu, cu, True, 16**-0.5).backward(do.double())

@@ -709,13 +709,14 @@ def _forward(
     if KV_SPLIT % BLOCK_N:
         raise ValueError(f"KV_SPLIT ({KV_SPLIT}) must be a multiple of BLOCK_N ({BLOCK_N})")
     split_grid = bool(cfg.get("SPLIT")) and keys > KV_SPLIT
+    splits_in_program = keys > KV_SPLIT and not split_grid
     n_splits = cdiv(keys, KV_SPLIT) if split_grid else 1
     f32 = dict(dtype=torch.float32, device=q.device)
     scratch = part = part_ml = o
     if split_grid:
         part = torch.empty((n_splits, tq, hq, d), **f32)
         part_ml = torch.empty((n_splits, 2, tq, hq), **f32)
-    elif keys > KV_SPLIT:
+    elif splits_in_program:
         scratch = torch.empty((tq, hq, d), **f32)
     grid = (grid_m * n_splits, hk * cdiv(group, hg), b)
     k_desc = v_desc = None
@@ -777,7 +778,7 @@ def _forward(
         STORE_LSE=store_lse,
         DOT_PREC=_dot_precision(q.dtype),
         SPLIT_T=KV_SPLIT // BLOCK_N,
-        SPLITS=keys > KV_SPLIT and not split_grid,
+        SPLITS=splits_in_program,
         SPLIT_GRID=split_grid,
         TMA=tma,
         num_warps=cfg["num_warps"],
