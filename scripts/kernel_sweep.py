@@ -17,7 +17,9 @@ the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), `
 (its module-level knobs: blocks per part of a threshold pass, the candidate step's warps),
 ``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes), ``attnbwd``
 (the GPU time of each kernel of a causal forward + backward, with and without the dK/dV
-kernel's early dO V^T product).
+kernel's early dO V^T product), ``gemm`` (every GEMM candidate at the bench's shapes below
+0.9x cuBLAS and at projections no config was chosen on, M = 1-4096; and one eager M = 1 call
+split into its layers).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -46,6 +48,7 @@ import functools
 import json
 import math
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -906,6 +909,125 @@ def sample_knobs_part(rows) -> None:
                 print(json.dumps(r), flush=True)
 
 
+#: Launch configs outside ``gemm._CONFIGS``, timed beside them by the ``gemm`` part: persistent
+#: and narrower descriptor tiles (wave quantization at mid M), deeper pointer pipelines.
+_G = gemm.gemm_config
+GEMM_EXTRA = [
+    _G(64, 128, 4, 4, tma=True, persistent=True), _G(64, 128, 4, 6, tma=True, persistent=True),
+    _G(128, 128, 8, 4, tma=True), _G(128, 128, 8, 4, tma=True, persistent=True),
+    _G(128, 128, 4, 4, tma=True), _G(128, 64, 4, 4, tma=True), _G(128, 64, 4, 6, tma=True),
+    _G(64, 256, 8, 4, tma=True), _G(64, 256, 8, 3, tma=True), _G(64, 32, 4, 8, tma=True),
+    _G(64, 32, 4, 6, tma=True), _G(64, 64, 4, 6, tma=True, persistent=True),
+    _G(128, 256, 8, 4, tma=True, persistent=True), _G(128, 256, 8, 4, tma=True),
+    _G(256, 128, 8, 3, tma=True), _G(256, 128, 8, 3, tma=True, persistent=True),
+    _G(64, 32, 4, 8, unroll=4), _G(64, 16, 4, 8), _G(64, 32, 4, 10),
+]  # fmt: skip
+#: (K, N, Ms) per projection: the bench's shapes below 0.9x cuBLAS, and projections no config
+#: was chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down).
+GEMM_SHAPES = {
+    "q05_up": (896, 4864, [1, 16, 64, 256, 512, 1024, 2048]),
+    "o_proj": (4096, 4096, [64, 128, 256, 512]),
+    "lm_head": (4096, 151936, [128, 256, 512]),
+    "q25_qkv": (3584, 4608, [16, 64, 256, 1024, 2048]),
+    "q25_o": (3584, 3584, [256, 1024]),
+    "q3_4b_qkv": (2560, 6144, [256, 1024]),
+    "q3_4b_down": (9728, 2560, [64, 256, 1024]),
+    "q05_down": (4864, 896, [256, 1024, 4096]),
+    "up": (4096, 14336, [64, 256]),
+}
+
+
+def gemm_part(rows) -> None:
+    """Every bf16 candidate of ``gemm._CONFIGS`` and :data:`GEMM_EXTRA` at :data:`GEMM_SHAPES`
+    (CUDA graphs, bits compared with the chosen config's), and one eager M = 1 call split into
+    its layers (wall time per call, host enqueue time, GPU time)."""
+    from rlk import ops
+    from rlk._plugins import backend_impl
+
+    dev, dt = "cuda", torch.bfloat16
+    table = backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
+    x = torch.randn(1, 4096, device=dev, dtype=dt)
+    w = torch.randn(4096, 4096, device=dev, dtype=dt) / 64
+    cfg = tuning.config(table, "linear.fwd", M=1, N=4096, K=4096, dtype_bytes=2)
+    c = torch.empty(1, 4096, device=dev, dtype=dt)
+    layers = {
+        "F.linear": lambda: F.linear(x, w),
+        "rlk.linear": lambda: rlk.linear(x, w),
+        "check_linear": lambda: ops.check_linear(x, w, None),
+        "backend_impl": lambda: backend_impl(x.device),
+        "gemm.linear": lambda: gemm.linear(x, w, None, table=table),
+        "gemm._matmul": lambda: gemm._matmul(x, w.t(), None, dt, table, "linear.fwd"),
+        "gemm._launch": lambda: gemm._launch(x, w.t(), None, c, cfg),
+        "torch.empty": lambda: torch.empty(1, 4096, device=dev, dtype=dt),
+    }
+    r = {"part": "gemm_eager", **{k: round(_timing.eager_call_us(f), 2) for k, f in layers.items()}}
+    for k in ("F.linear", "rlk.linear", "gemm._launch"):  # enqueue only, the GPU not waited for
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(50):
+            layers[k]()
+        r["host " + k] = round((time.perf_counter() - t) / 50 * 1e6, 2)
+        torch.cuda.synchronize()
+    r["gpu rlk"] = round(graph_ms(layers["rlk.linear"], 1) * 1e3, 2)
+    r["gpu F.linear"] = round(graph_ms(layers["F.linear"], 1) * 1e3, 2)
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+    cands = [c for i, c in enumerate(gemm._CONFIGS) if i not in (8, 9)] + GEMM_EXTRA  # bf16
+    for name, (K, N, ms) in GEMM_SHAPES.items():
+        n = max(1, min(16, math.ceil(STREAM_BYTES / (N * K * 2))))
+        ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(n)]
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            n_w = n if M <= 256 else 1  # as rlk bench: distinct weights at decode sizes
+
+            def us(op, ws=ws[:n_w], x=x):
+                return graph_ms(lambda: [op(x, w_) for w_ in ws], len(ws)) * 1e3
+
+            ref = rlk.linear(x, ws[0])
+            r = {"part": "gemm", "shape": name, "M": M, "K": K, "N": N,
+                 "cublas_us": round(us(F.linear), 2), "chosen_us": round(us(rlk.linear), 2),
+                 "chosen_cfg": tuning.config(table, "linear.fwd", M=M, N=N, K=K)}  # fmt: skip
+            timed, equal = [], True
+            for cf in cands:
+                if cf["BLOCK_M"] > max(64, 2 * M):
+                    continue
+                with tuning.force("linear", {"linear.fwd": cf}):
+                    try:
+                        equal &= torch.equal(rlk.linear(x, ws[0]), ref)
+                        timed.append((round(us(rlk.linear), 2), cf))
+                    except Exception as e:  # out of shared memory
+                        print("skip", name, M, cf, type(e).__name__, flush=True)
+            timed.sort(key=lambda t: t[0])
+            rows.append({**r, "bits_equal": bool(equal), "top": timed[:4]})
+            print(json.dumps(rows[-1]), flush=True)
+
+
+def _gemm_cfg(cf) -> str:
+    s = "{BLOCK_M}x{BLOCK_N}w{num_warps}s{num_stages}".format(**cf)
+    s += ",tma" if cf.get("TMA") else ""
+    s += ",persistent" if cf.get("PERSISTENT") else ""
+    return s + (f",u{cf['UNROLL']}" if cf.get("UNROLL", 1) > 1 else "")
+
+
+def print_gemm(rows) -> None:
+    for r in rows:
+        if r["part"] == "gemm_eager":
+            print("\neager M=1 o_proj, us:", {k: v for k, v in r.items() if k != "part"})
+    gm = [r for r in rows if r["part"] == "gemm"]
+    if gm:
+        print(f"\n{'shape':11} {'M':>5} {'cublas':>8} {'chosen':>8} {'r_ch':>5} {'best':>8} "
+              f"{'r_best':>6} bits  chosen -> best / second")  # fmt: skip
+    for r in gm:
+        top = r["top"]
+        second = f"{_gemm_cfg(top[1][1])} {top[1][0]}" if len(top) > 1 else ""
+        print(
+            f"{r['shape']:11} {r['M']:>5} {r['cublas_us']:>8} {r['chosen_us']:>8} "
+            f"{r['cublas_us'] / r['chosen_us']:>5.2f} {top[0][0]:>8} "
+            f"{r['cublas_us'] / top[0][0]:>6.2f} {'ok' if r['bits_equal'] else 'DIFF'}  "
+            f"{_gemm_cfg(r['chosen_cfg'])} -> {_gemm_cfg(top[0][1])} / {second}"
+        )
+
+
 def print_memory_bound(rows) -> None:
     """Per part and shape: the chosen config, the fastest one, and the peer, in us."""
     groups: dict = {}
@@ -980,6 +1102,7 @@ def main() -> None:
         "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
         "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
+        "gemm": gemm_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
@@ -993,6 +1116,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     print_tables(rows)
     print_memory_bound(rows)
+    print_gemm(rows)
 
 
 def decode_part(rows) -> None:

@@ -1,11 +1,12 @@
 """GEMM: ``rlk.linear`` against cuBLAS (``torch.nn.functional.linear``), bf16.
 
 Shapes are the projections of Llama-3-8B and Qwen2-0.5B at the M of decode (1-256 running
-requests) and of prefill / training (1024-16384 tokens). ``x [M, K] @ W[N, K].T``; TFLOP/s
-counts ``2 M N K``. Where one weight fits in the 60 MB L2, each timed call runs the product
-over several distinct weights (their sum far above L2), so that W is read from memory as in a
-model, and ``ms`` is per product. Forward + backward (dX and dW) at M = 8192 for the two MLP
-projections.
+requests) and of prefill / training (1024-16384 tokens), and two projections no launch config
+was chosen on (Qwen2.5-7B's fused qkv, Qwen3-4B's down): the choice must generalise.
+``x [M, K] @ W[N, K].T``; TFLOP/s counts ``2 M N K``. Where one weight fits in the 60 MB L2,
+each timed call runs the product over several distinct weights (their sum far above L2), so
+that W is read from memory as in a model, and ``ms`` is per product. Forward + backward (dX
+and dW) at M = 8192 for the two MLP projections.
 
 Rows are GPU time, timed as CUDA graphs (``rlk.bench.timing``), as a decode loop runs in a
 serving engine. The host's cost of a launch is its own row, ``linear.eager_call``: the wall time
@@ -27,6 +28,8 @@ SHAPES = [
     ("down", 14336, 4096),
     ("qwen2-0.5b up", 896, 4864),
     ("lm_head", 4096, 151936),
+    ("qwen2.5-7b qkv, held out", 3584, 4608),
+    ("qwen3-4b down, held out", 9728, 2560),
 ]
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 QUICK_SHAPES = [SHAPES[0], SHAPES[2]]
