@@ -136,27 +136,21 @@ CPU_TUNING = {
 
 
 @jit
-def _kv_rows(
-    b,
-    kpos,
-    nk,
-    k_start,
-    BT,
-    stride_btb,
-    stride_kt,
-    stride_kp,
-    n_pages,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """Element offsets (int64) of the cache rows holding logical key positions ``kpos``, and
-    (paged) whether each page id is in ``[0, n_pages)``: a row of another page is never read."""
+def _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, stride_vt, stride_vp,
+             n_pages, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Element offsets (int64) of the K and V cache rows holding logical key positions ``kpos``,
+    and (paged) whether each page id is in ``[0, n_pages)``: a row of another page is never
+    read. The page ids are loaded once for both caches."""
     if PAGED:
         page = tl.load(BT + b * stride_btb + kpos // PAGE_SIZE, mask=kpos < nk, other=0)
-        rows = page.to(tl.int64) * stride_kp + (kpos % PAGE_SIZE).to(tl.int64) * stride_kt
-        return rows, (page >= 0) & (page < n_pages)
+        slot = (kpos % PAGE_SIZE).to(tl.int64)
+        page64 = page.to(tl.int64)
+        k_rows = page64 * stride_kp + slot * stride_kt
+        v_rows = page64 * stride_vp + slot * stride_vt
+        return k_rows, v_rows, (page >= 0) & (page < n_pages)
     else:
-        return (k_start + kpos).to(tl.int64) * stride_kt, kpos >= 0
+        pos = (k_start + kpos).to(tl.int64)
+        return pos * stride_kt, pos * stride_vt, kpos >= 0
 
 
 @jit
@@ -328,6 +322,9 @@ def _keys(j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_st
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
     dummy = r < BLOCK_M
+    # Paged: per key lane, the first position whose page id is out of range (nk when none
+    # is), reduced to one position after the loops: no cross-warp reduction per tile.
+    bad = tl.full([BLOCK_N], 0, tl.int32) + nk
     for j in range(j_lo, tl.minimum(n_full, j_hi)):
         if TMA:
             # Tensor descriptors over [Tk, Hk * D] (D == BLOCK_D): a full tile is the
@@ -336,13 +333,12 @@ def _keys(j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_st
             v = V_DESC.load([k_start + j * BLOCK_N, kvh * BLOCK_D])
         else:
             kpos = j * BLOCK_N + n
-            k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
-                                       stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-            v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt,
-                                 stride_vp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+            k_rows, v_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                               stride_kp, stride_vt, stride_vp, n_pages, PAGED,
+                                               PAGE_SIZE)  # fmt: skip
             if PAGED:
                 kv_mask = page_ok[:, None] & d_ok[None, :]
-                bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok, nk, kpos), 0))
+                bad = tl.minimum(bad, tl.where(page_ok, nk, kpos))
             else:
                 kv_mask = d_ok[None, :]
             k = tl.load(K + k_head + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -352,12 +348,11 @@ def _keys(j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_st
     for j in range(tl.maximum(n_full, j_lo), j_hi):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
-        k_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
-                                   stride_kp, n_pages, PAGED, PAGE_SIZE)  # fmt: skip
-        v_rows, _ = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_vt, stride_vp,
-                             n_pages, PAGED, PAGE_SIZE)  # fmt: skip
+        k_rows, v_rows, page_ok = _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt,
+                                           stride_kp, stride_vt, stride_vp, n_pages, PAGED,
+                                           PAGE_SIZE)  # fmt: skip
         if PAGED:
-            bad_from = tl.minimum(bad_from, tl.min(tl.where(page_ok | ~k_ok, nk, kpos), 0))
+            bad = tl.minimum(bad, tl.where(page_ok | ~k_ok, nk, kpos))
             kv_mask = (k_ok & page_ok)[:, None] & d_ok[None, :]
         else:
             kv_mask = k_ok[:, None] & d_ok[None, :]
@@ -371,6 +366,8 @@ def _keys(j_lo, j_hi, n_full, bad_from, q, K, V, K_DESC, V_DESC, BT, b, nk, k_st
         else:
             active = r >= 0
         acc, m, l = _fwd_tile(acc, m, l, q, k, v, qk_scale, visible, active, True, DOT_PREC)
+    if PAGED:
+        bad_from = tl.minimum(bad_from, tl.min(bad, 0))
     return acc, m, l, bad_from
 
 
