@@ -325,6 +325,36 @@ def test_length_bounds_change_no_bits():
             assert torch.equal(a, b), f"{name} changed with the bounds {bq}, {bk}"
 
 
+def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
+    """The forward computes K/V row offsets in int32 when every row of both caches lies below
+    element 2^31 (``OFF32``), else in int64: the same rows, so the same bits, packed and paged;
+    a bad page id is NaN either way. ``_span`` is one past the last element's offset."""
+    x = torch.empty(5, 3, 4)
+    assert attn._span(x) == 60 and attn._span(x[:, 1:]) == 56 and attn._span(x[::2]) == 60
+    assert attn._span(torch.empty(0, 4)) == 0
+    lens = [90, 33]
+    q, k, v = _qkv(sum(lens), 4, 2, 16, torch.float16, seed=91)
+    cu = _cu(lens)
+    seqs = [(k[:90], v[:90]), (k[90:], v[90:])]
+    q_dec = q[:2]
+
+    def both():
+        return _fwd(q, k, v, cu, cu), _paged(q_dec, seqs, [1, 1], 16)
+
+    narrow = both()
+    monkeypatch.setattr(attn, "_span", lambda t: 2**31)
+    wide = both()
+    assert all(map(torch.equal, narrow, wide))
+    kc, vc, bt = _paged_cache([seqs[0]], 16)
+    bt[0, 2] = -1  # keys 32..47: a page id out of range
+    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    args = (q[:1], kc, vc, bt, torch.tensor([90], dtype=torch.int32), _cu([1]), 0.25)
+    assert pattn.paged_attention(*args, table=TABLE).isnan().all()
+    monkeypatch.undo()
+    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    assert pattn.paged_attention(*args, table=TABLE).isnan().all()
+
+
 def _pointers_and_descriptors(cfg, q, k, v, cu_q, cu_k, causal=True):
     """The forward under ``cfg`` without and with ``TMA``."""
     plain = {key: val for key, val in cfg.items() if key != "TMA"}
