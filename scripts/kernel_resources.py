@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the attention kernels, compiled for sm_90 without a GPU.
 
-    python3 scripts/kernel_resources.py [--maxnreg N] [--head-dims 64,128]
+    python3 scripts/kernel_resources.py [--maxnreg N] [--head-dims 64,128] [--loops]
 
 Compiles ``rlk_triton.attention``'s forward (packed and paged) and ``rlk_triton.attention_bwd``'s
 dQ and dK/dV kernels at every
@@ -9,6 +9,12 @@ launch gets (pointers and the harness shapes' strides divisible by 16), and prin
 ``cuobjdump --dump-resource-usage`` reports: registers per thread, stack bytes (spills) and
 shared memory. With those specialisations the figures match Nsight Compute's on the H200 (the
 dQ kernel at head_dim 64, GQA 7: 136 registers); without them every kernel looks spilled.
+
+``--loops`` adds, per kernel, the machine instructions of each loop body (one warp's count per
+iteration, from ``cuobjdump --dump-sass``) and the ``cp.async.wait_group`` depths of its PTX
+(0: an iteration waits for every copy in flight, so nothing is prefetched): the issue cost of a
+tile, which bounds a latency-bound launch (a few programs, one warpgroup each, as small-batch
+decode runs).
 
 Runs on a CPU machine: Triton's wheel brings the NVIDIA compiler and ``cuobjdump``. The figures
 are those of the installed Triton; the GPU image runs Triton 3.6.
@@ -39,13 +45,15 @@ DIV16 = {
 POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16",
     "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "CU_Q": "*i32",
-    "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32",
+    "CU_K": "*i32", "SEQ_LENS": "*i32", "BT": "*i32", "OK": "*i32", "SCR": "*fp32",
+    "PART": "*fp32", "PART_ML": "*fp32",
 }  # fmt: skip
 FLOATS = {"qk_scale", "scale"}
 
 
 def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None):
-    """``(registers, stack bytes, shared bytes)`` of ``kernel`` compiled for sm_90."""
+    """``(registers, stack bytes, shared bytes, compiled kernel)`` of ``kernel`` compiled for
+    sm_90."""
     params = list(inspect.signature(kernel.fn).parameters)
     sig = {}
     for p in params:
@@ -70,21 +78,41 @@ def resources(kernel, consts: dict, num_warps: int, num_stages: int, maxnreg: in
     if maxnreg:
         options["maxnreg"] = maxnreg
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    out = _cuobjdump(ck, "--dump-resource-usage")
+    regs = int(re.search(r"REG:(\d+)", out).group(1))
+    stack = int(re.search(r"STACK:(\d+)", out).group(1))
+    return regs, stack, ck.metadata.shared, ck
+
+
+def _cuobjdump(ck, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    regs = int(re.search(r"REG:(\d+)", out).group(1))
-    stack = int(re.search(r"STACK:(\d+)", out).group(1))
-    return regs, stack, ck.metadata.shared
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def loops(ck) -> str:
+    """The instruction count of each loop body of the compiled kernel ``ck`` (a backward branch
+    and its target; nested loops count their inner loops too, the largest last), and the
+    distinct ``cp.async.wait_group`` depths of its PTX."""
+    sass = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(ck, "--dump-sass"))
+    index = {int(a, 16): i for i, (a, _) in enumerate(sass)}
+    sizes = []
+    for i, (a, text) in enumerate(sass):
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < int(a, 16) and int(m.group(1), 16) in index:
+            sizes.append(i - index[int(m.group(1), 16)] + 1)
+    waits = sorted({int(w) for w in re.findall(r"cp\.async\.wait_group\s+(\d+)", ck.asm["ptx"])})
+    return f"loops {sorted(sizes)} instructions; cp.async waits {waits}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--maxnreg", type=int, default=None, help="cap every kernel's registers")
     ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--loops", action="store_true", help="each loop's instructions per iteration")
     args = ap.parse_args()
     # (head_dim, query heads per KV head) of the harness shapes; HG packs the whole group.
     groups = {64: 7, 128: 4}
@@ -99,7 +127,7 @@ def main() -> None:
                     HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=attention.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
                     PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="tf32",
-                    TMA=bool(cfg.get("TMA")) and not paged,
+                    TMA=bool(cfg.get("TMA")) and not paged, OFF32=True,
                 )  # fmt: skip
                 if not consts["TMA"]:
                     consts.update(K_DESC=None, V_DESC=None)
@@ -118,12 +146,14 @@ def main() -> None:
         for name, kernel, consts, cfg in runs:
             stages = attention._stages(cfg, d)
             cap = args.maxnreg or cfg.get("maxnreg")
-            regs, stack, smem = resources(kernel, consts, cfg["num_warps"], stages, cap)
+            regs, stack, smem, ck = resources(kernel, consts, cfg["num_warps"], stages, cap)
             desc = f"BLOCK_M {consts['BLOCK_M']} BLOCK_N {consts['BLOCK_N']} "
             desc += f"warps {cfg['num_warps']} stages {stages}"
             desc += " TMA" if consts.get("TMA") else ""
             desc += f" maxnreg {cap}" if cap else ""
             print(f"{name:8} {d:>4} {desc:56} {regs:>5} {stack:>6} {smem:>7}", flush=True)
+            if args.loops:
+                print(f"{'':14}{loops(ck)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), `
 (the GPU time of each kernel of a causal forward + backward, with and without the dK/dV
 kernel's early dO V^T product), ``gemm`` (every GEMM candidate at the bench's shapes below
 0.9x cuBLAS and at projections no config was chosen on, M = 1-4096; and one eager M = 1 call
-split into its layers).
+split into its layers), ``offsets`` (the attention forward, paged decode and packed, with its
+K/V row offsets in int32 and in int64).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -360,6 +361,47 @@ def paged_part(rows) -> None:
         configs += [c for c in PAGED_EXTRA if c not in configs]
         _config_sweep(rows, "paged", f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}", fn,
                       "paged_attention.fwd", configs, kv_bytes, float("nan"))  # fmt: skip
+
+
+def offsets_part(rows) -> None:
+    """The attention forward with its K/V row offsets in int32 (``OFF32``: the launch's choice
+    for caches below 2^31 elements) and in int64: ``rlk.paged_attention`` at the harness's
+    decode shapes and the packed causal forward at ATTN_SHAPES, CUDA-graph GPU time of each,
+    bits compared."""
+    from rlk.bench import attention as battn
+    from rlk_triton import attention
+
+    span = attention._span
+    cases = [
+        (f"decode B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}",
+         functools.partial(rlk.paged_attention, *battn.decode_inputs(b, ctx, hq, hk, d, page,
+                                                                     device="cuda")))
+        for b, ctx, hq, hk, d, page in battn.DECODE
+    ]  # fmt: skip
+    for b, s, hq, hk, d in ATTN_SHAPES:
+        q, k, v, _, cu, _, _ = _attention_case(b, s, hq, hk, d)
+        cases.append((f"fwd B={b} S={s} Hq={hq} Hk={hk} D={d}",
+                      functools.partial(rlk.attention, q, k, v, cu, cu, causal=True)))  # fmt: skip
+    for name, fn in cases:
+        r = {"part": "offsets", "shape": name}
+        outs = {}
+        for width, patch in (("int32", span), ("int64", lambda t: 2**31)):
+            attention._span = patch
+            try:
+                outs[width] = fn()
+                r[width + "_us"] = round(graph_ms(fn, 1) * 1e3, 2)
+            finally:
+                attention._span = span
+        r["bits_equal"] = torch.equal(outs["int32"], outs["int64"])
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+
+def print_offsets(rows) -> None:
+    for r in (r for r in rows if r["part"] == "offsets"):
+        bits = "ok" if r["bits_equal"] else "DIFF"
+        print(f"{r['shape']:44} int32 {r['int32_us']:>9} us  int64 {r['int64_us']:>9} us  "
+              f"{r['int64_us'] / r['int32_us']:.2f}x  {bits}")  # fmt: skip
 
 
 def attention_part(rows) -> None:
@@ -1102,7 +1144,7 @@ def main() -> None:
         "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
         "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
-        "gemm": gemm_part,
+        "gemm": gemm_part, "offsets": offsets_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
@@ -1117,6 +1159,7 @@ def main() -> None:
     print_tables(rows)
     print_memory_bound(rows)
     print_gemm(rows)
+    print_offsets(rows)
 
 
 def decode_part(rows) -> None:
