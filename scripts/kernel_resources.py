@@ -134,7 +134,7 @@ def main() -> None:
                 name = "paged" if paged else "fwd"
                 runs.append((name, attention._fwd_kernel, consts, cfg))
         for cfg in attention.TUNING["attention.bwd"].configs:
-            common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="tf32")
+            common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="tf32", OFF32=True)
             dq = dict(HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_N=attention.BLOCK_N, **common)  # fmt: skip
             dkdv = dict(HG=attention._group_tile(group, attention_bwd.BWD_BLOCK_M),

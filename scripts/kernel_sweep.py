@@ -364,10 +364,10 @@ def paged_part(rows) -> None:
 
 
 def offsets_part(rows) -> None:
-    """The attention forward with its K/V row offsets in int32 (``OFF32``: the launch's choice
-    for caches below 2^31 elements) and in int64: ``rlk.paged_attention`` at the harness's
-    decode shapes and the packed causal forward at ATTN_SHAPES, CUDA-graph GPU time of each,
-    bits compared."""
+    """Attention with its row offsets in int32 (``OFF32``: the launch's choice for tensors
+    below 2^31 elements) and in int64: ``rlk.paged_attention`` at the harness's decode shapes,
+    the packed causal forward and forward + backward at ATTN_SHAPES, CUDA-graph GPU time of
+    each, bits compared."""
     from rlk.bench import attention as battn
     from rlk_triton import attention
 
@@ -379,9 +379,10 @@ def offsets_part(rows) -> None:
         for b, ctx, hq, hk, d, page in battn.DECODE
     ]  # fmt: skip
     for b, s, hq, hk, d in ATTN_SHAPES:
-        q, k, v, _, cu, _, _ = _attention_case(b, s, hq, hk, d)
+        q, k, v, _, cu, _, step = _attention_case(b, s, hq, hk, d)
         cases.append((f"fwd B={b} S={s} Hq={hq} Hk={hk} D={d}",
                       functools.partial(rlk.attention, q, k, v, cu, cu, causal=True)))  # fmt: skip
+        cases.append((f"fwd+bwd B={b} S={s} Hq={hq} Hk={hk} D={d}", step))
     for name, fn in cases:
         r = {"part": "offsets", "shape": name}
         outs = {}
@@ -392,7 +393,9 @@ def offsets_part(rows) -> None:
                 r[width + "_us"] = round(graph_ms(fn, 1) * 1e3, 2)
             finally:
                 attention._span = span
-        r["bits_equal"] = torch.equal(outs["int32"], outs["int64"])
+        a, b_ = outs["int32"], outs["int64"]
+        pairs = zip(a, b_, strict=True) if isinstance(a, tuple) else [(a, b_)]
+        r["bits_equal"] = all(torch.equal(x, y) for x, y in pairs)
         rows.append(r)
         print(json.dumps(r), flush=True)
 

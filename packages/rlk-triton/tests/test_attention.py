@@ -326,9 +326,10 @@ def test_length_bounds_change_no_bits():
 
 
 def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
-    """The forward computes K/V row offsets in int32 when every row of both caches lies below
-    element 2^31 (``OFF32``), else in int64: the same rows, so the same bits, packed and paged;
-    a bad page id is NaN either way. ``_span`` is one past the last element's offset."""
+    """Forward and backward compute row offsets in int32 when every element of the tensors they
+    address lies below 2^31 (``OFF32``), else in int64: the same rows, so the same bits,
+    packed (forward and backward) and paged; a bad page id is NaN either way. ``_span`` is one
+    past the last element's offset."""
     x = torch.empty(5, 3, 4)
     assert attn._span(x) == 60 and attn._span(x[:, 1:]) == 56 and attn._span(x[::2]) == 60
     assert attn._span(torch.empty(0, 4)) == 0
@@ -338,8 +339,10 @@ def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
     seqs = [(k[:90], v[:90]), (k[90:], v[90:])]
     q_dec = q[:2]
 
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(92)).to(torch.float16)
+
     def both():
-        return _fwd(q, k, v, cu, cu), _paged(q_dec, seqs, [1, 1], 16)
+        return *_fwd_bwd(q, k, v, cu, cu, do), _paged(q_dec, seqs, [1, 1], 16)
 
     narrow = both()
     monkeypatch.setattr(attn, "_span", lambda t: 2**31)

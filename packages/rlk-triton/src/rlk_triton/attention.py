@@ -626,6 +626,12 @@ def _span(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
+def _off32(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` lies below offset 2^31 from its first one: the
+    kernels may then compute row offsets in int32 (``OFF32``)."""
+    return all(_span(t) < 2**31 for t in tensors)
+
+
 def _descriptors_fit(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     """Whether the packed forward can read K and V through tensor descriptors: contiguous
     16-bit ``[Tk, Hk, D]`` with D a power of two (a box of D columns is one head's row), 16-byte
@@ -795,7 +801,7 @@ def _forward(
         SPLITS=splits_in_program,
         SPLIT_GRID=split_grid,
         TMA=tma,
-        OFF32=_span(k) < 2**31 and _span(v) < 2**31,
+        OFF32=_off32(k, v),
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),

@@ -25,6 +25,7 @@ from rlk_triton.attention import (
     _group_tile,
     _max_len,
     _nan_rows,
+    _off32,
     _offsets_ok,
     _tile_range,
 )
@@ -52,13 +53,25 @@ def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.const
 
 
 @jit
-def _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh, Hq, d, d_ok):
-    """A backward program's query rows: q, dO, lse and delta (zeros where ``row_ok`` is false)."""
-    q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+def _rows64(rows, OFF32: tl.constexpr):
+    """Row (or head) indices as they are under OFF32, else widened to int64 before they scale
+    a stride."""
+    if not OFF32:
+        rows = rows.to(tl.int64)
+    return rows
+
+
+@jit
+def _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh, Hq, d, d_ok,
+            OFF32: tl.constexpr):  # fmt: skip
+    """A backward program's query rows: q, dO, lse and delta (zeros where ``row_ok`` is false).
+    OFF32: int32 offsets (q below element 2^31, see the forward's ``_kv_rows``)."""
+    row = _rows64(q_start + tok, OFF32)
+    q_off = row * stride_qt + _rows64(h, OFF32) * stride_qh
     qmask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + q_off[:, None] + d[None, :], mask=qmask, other=0.0)
-    stat_off = (q_start + tok).to(tl.int64) * Hq + h
+    stat_off = row * Hq + h
     lse = tl.load(LSE + stat_off, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + stat_off, mask=row_ok, other=0.0)
     return q, do, lse, delta
@@ -105,6 +118,7 @@ def _dq_kernel(
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    OFF32: tl.constexpr = False,
 ):
     # q, do, dq share strides (contiguous [Tq, Hq, D]); k, v likewise ([Tk, Hk, D]).
     TOK: tl.constexpr = BLOCK_M // HG
@@ -140,7 +154,7 @@ def _dq_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
-                                Hq, d, d_ok)  # fmt: skip
+                                Hq, d, d_ok, OFF32)  # fmt: skip
     q_off = (q_start + tok).to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
     qmask = row_ok[:, None] & d_ok[None, :]
 
@@ -148,18 +162,18 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    kv_head = kvh.to(tl.int64) * stride_kh
+    kv_head = _rows64(kvh, OFF32) * stride_kh
     dummy = r < BLOCK_M
     for j in range(0, n_full):
         kpos = j * BLOCK_N + n
-        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        off = kv_head + _rows64(k_start + kpos, OFF32)[:, None] * stride_kt + d[None, :]
         k = tl.load(K + off, mask=d_ok[None, :], other=0.0)
         v = tl.load(V + off, mask=d_ok[None, :], other=0.0)
         dq = _dq_tile(dq, q, do, lse, delta, k, v, qk_scale, dummy[:, None], False, DOT_PREC)
     for j in range(n_full, n_tiles):
         kpos = j * BLOCK_N + n
         k_ok = kpos < nk
-        off = kv_head + (k_start + kpos).to(tl.int64)[:, None] * stride_kt + d[None, :]
+        off = kv_head + _rows64(k_start + kpos, OFF32)[:, None] * stride_kt + d[None, :]
         k = tl.load(K + off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         visible = k_ok[None, :] & (r >= 0)[:, None]
@@ -175,6 +189,7 @@ def _dkdv_chunk(
     dk, dv, it, hc, kvh, Q, DO, LSE, DELTA, k, v, kpos, k_ok, r, q_start, nq, nk, stride_qt,
     stride_qh, qk_scale, GROUP, Hq, d, d_ok, HG: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr, EARLY_DP: tl.constexpr,
+    OFF32: tl.constexpr,
 ):  # fmt: skip
     """dK/dV of one KV tile += the query chunk ``it`` of head chunk ``hc``. Without MASK the
     caller knows every row of the chunk sees every key; rows the loads zero (a chunk's padding
@@ -186,7 +201,7 @@ def _dkdv_chunk(
     tok = it * TOK + r // HG
     row_ok = (r // HG < TOK) & (tok < nq) & (g < GROUP)
     q, do, lse, delta = _q_rows(Q, DO, LSE, DELTA, q_start, tok, h, row_ok, stride_qt, stride_qh,
-                                Hq, d, d_ok)  # fmt: skip
+                                Hq, d, d_ok, OFF32)  # fmt: skip
 
     st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
     if EARLY_DP:
@@ -237,6 +252,7 @@ def _dkdv_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     EARLY_DP: tl.constexpr,
+    OFF32: tl.constexpr = False,
 ):
     # BLOCK_N (KV rows of this program) is tunable; BLOCK_M (the query chunk summed by each
     # dot) is the constant BWD_BLOCK_M, so dK/dV add the same partial sums in the same order.
@@ -304,17 +320,17 @@ def _dkdv_kernel(
         if SPLIT:
             for it in range(it0, it_vis):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC, EARLY_DP)  # fmt: skip
+                                     DOT_PREC, EARLY_DP, OFF32)  # fmt: skip
             for it in range(it_vis, it_end):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, False,
-                                     DOT_PREC, EARLY_DP)  # fmt: skip
+                                     DOT_PREC, EARLY_DP, OFF32)  # fmt: skip
             for it in range(it_end, n_it):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC, EARLY_DP)  # fmt: skip
+                                     DOT_PREC, EARLY_DP, OFF32)  # fmt: skip
         else:
             for it in range(it0, n_it):
                 dk, dv = _dkdv_chunk(dk, dv, it, hc, kvh, *args, HG, BLOCK_M, CAUSAL, True,
-                                     DOT_PREC, EARLY_DP)  # fmt: skip
+                                     DOT_PREC, EARLY_DP, OFF32)  # fmt: skip
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -374,6 +390,9 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
         CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
     )
     hg = _group_tile(group, BWD_BLOCK_M)
+    # int32 row offsets (OFF32) where every element of q and k (v, do and the gradients share
+    # their layouts) lies below 2^31: the same rows, so the same bits.
+    common["OFF32"] = _off32(q, k)
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
