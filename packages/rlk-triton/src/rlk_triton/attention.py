@@ -43,6 +43,8 @@ Why every path gives the same bits (training, prefill, chunked prefill, decode, 
 * How a tile reaches the kernel is a launch choice: the packed path's full tiles may come
   through tensor descriptors (TMA, a config's ``TMA``) instead of pointer loads. A full tile
   holds only the sequence's own keys, so both bring the same values to the same arithmetic.
+  Likewise the row offsets are int32 where every element of the tensors addressed lies below
+  offset 2^31 (``OFF32``, :func:`_off32`), else int64: the same rows either way.
 
 The backward kernels and their launcher are in :mod:`rlk_triton.attention_bwd`; the paged
 op's public function is in :mod:`rlk_triton.paged_attention`, on :func:`_forward` here.
