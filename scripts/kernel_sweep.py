@@ -18,9 +18,8 @@ the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), `
 ``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes), ``attnbwd``
 (the GPU time of each kernel of a causal forward + backward, with and without the dK/dV
 kernel's early dO V^T product), ``gemm`` (every GEMM candidate at the bench's shapes below
-0.9x cuBLAS and at projections no config was chosen on, M = 1-4096; and one eager M = 1 call
-split into its layers), ``offsets`` (the attention forward, paged decode and packed, with its
-K/V row offsets in int32 and in int64).
+0.9x cuBLAS and at projections no config was chosen on, M = 1-4096), ``offsets`` (attention,
+paged decode and packed forward and backward, with its row offsets in int32 and in int64).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -49,7 +48,6 @@ import functools
 import json
 import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -984,39 +982,12 @@ GEMM_SHAPES = {
 
 def gemm_part(rows) -> None:
     """Every bf16 candidate of ``gemm._CONFIGS`` and :data:`GEMM_EXTRA` at :data:`GEMM_SHAPES`
-    (CUDA graphs, bits compared with the chosen config's), and one eager M = 1 call split into
-    its layers (wall time per call, host enqueue time, GPU time)."""
-    from rlk import ops
+    (CUDA graphs, bits compared with the chosen config's). An eager call's host cost, layer by
+    layer: ``scripts/host_overhead.py``."""
     from rlk._plugins import backend_impl
 
     dev, dt = "cuda", torch.bfloat16
     table = backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
-    x = torch.randn(1, 4096, device=dev, dtype=dt)
-    w = torch.randn(4096, 4096, device=dev, dtype=dt) / 64
-    cfg = tuning.config(table, "linear.fwd", M=1, N=4096, K=4096, dtype_bytes=2)
-    c = torch.empty(1, 4096, device=dev, dtype=dt)
-    layers = {
-        "F.linear": lambda: F.linear(x, w),
-        "rlk.linear": lambda: rlk.linear(x, w),
-        "check_linear": lambda: ops.check_linear(x, w, None),
-        "backend_impl": lambda: backend_impl(x.device),
-        "gemm.linear": lambda: gemm.linear(x, w, None, table=table),
-        "gemm._matmul": lambda: gemm._matmul(x, w.t(), None, dt, table, "linear.fwd"),
-        "gemm._launch": lambda: gemm._launch(x, w.t(), None, c, cfg),
-        "torch.empty": lambda: torch.empty(1, 4096, device=dev, dtype=dt),
-    }
-    r = {"part": "gemm_eager", **{k: round(_timing.eager_call_us(f), 2) for k, f in layers.items()}}
-    for k in ("F.linear", "rlk.linear", "gemm._launch"):  # enqueue only, the GPU not waited for
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(50):
-            layers[k]()
-        r["host " + k] = round((time.perf_counter() - t) / 50 * 1e6, 2)
-        torch.cuda.synchronize()
-    r["gpu rlk"] = round(graph_ms(layers["rlk.linear"], 1) * 1e3, 2)
-    r["gpu F.linear"] = round(graph_ms(layers["F.linear"], 1) * 1e3, 2)
-    rows.append(r)
-    print(json.dumps(r), flush=True)
     cands = [c for i, c in enumerate(gemm._CONFIGS) if i not in (8, 9)] + GEMM_EXTRA  # bf16
     for name, (K, N, ms) in GEMM_SHAPES.items():
         n = max(1, min(16, math.ceil(STREAM_BYTES / (N * K * 2))))
@@ -1055,9 +1026,6 @@ def _gemm_cfg(cf) -> str:
 
 
 def print_gemm(rows) -> None:
-    for r in rows:
-        if r["part"] == "gemm_eager":
-            print("\neager M=1 o_proj, us:", {k: v for k, v in r.items() if k != "part"})
     gm = [r for r in rows if r["part"] == "gemm"]
     if gm:
         print(f"\n{'shape':11} {'M':>5} {'cublas':>8} {'chosen':>8} {'r_ch':>5} {'best':>8} "

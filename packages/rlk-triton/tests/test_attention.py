@@ -338,7 +338,6 @@ def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
     cu = _cu(lens)
     seqs = [(k[:90], v[:90]), (k[90:], v[90:])]
     q_dec = q[:2]
-
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(92)).to(torch.float16)
 
     def both():

@@ -138,6 +138,15 @@ CPU_TUNING = {
 
 
 @jit
+def _rows64(rows, OFF32: tl.constexpr):
+    """Row (or page, or head) indices as they are under OFF32, else widened to int64 before
+    they scale a stride."""
+    if not OFF32:
+        rows = rows.to(tl.int64)
+    return rows
+
+
+@jit
 def _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, stride_vt, stride_vp,
              n_pages, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, OFF32: tl.constexpr):  # fmt: skip
     """Element offsets of the K and V cache rows holding logical key positions ``kpos``, and
@@ -148,17 +157,13 @@ def _kv_rows(b, kpos, nk, k_start, BT, stride_btb, stride_kt, stride_kp, stride_
     sm_90 compile; rows whose load is masked off may wrap, and are never read."""
     if PAGED:
         page = tl.load(BT + b * stride_btb + kpos // PAGE_SIZE, mask=kpos < nk, other=0)
-        slot = kpos % PAGE_SIZE
-        if not OFF32:
-            page = page.to(tl.int64)
-            slot = slot.to(tl.int64)
-        k_rows = page * stride_kp + slot * stride_kt
-        v_rows = page * stride_vp + slot * stride_vt
+        rows = _rows64(page, OFF32)
+        slot = _rows64(kpos % PAGE_SIZE, OFF32)
+        k_rows = rows * stride_kp + slot * stride_kt
+        v_rows = rows * stride_vp + slot * stride_vt
         return k_rows, v_rows, (page >= 0) & (page < n_pages)
     else:
-        pos = k_start + kpos
-        if not OFF32:
-            pos = pos.to(tl.int64)
+        pos = _rows64(k_start + kpos, OFF32)
         return pos * stride_kt, pos * stride_vt, kpos >= 0
 
 
@@ -622,9 +627,10 @@ _max_len_memo: list = []
 
 def _span(t: torch.Tensor) -> int:
     """One past the largest element offset of ``t`` from its first element (non-negative
-    strides; 0 when empty): the kernels' int32 row offsets (``OFF32``) need it below 2^31."""
-    if t.numel() == 0:
-        return 0
+    strides; 0 when empty): the kernels' int32 row offsets (``OFF32``) need it below 2^31.
+    A contiguous tensor's span is its size (the common case, checked on every call)."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t.numel()
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 

@@ -27,6 +27,7 @@ from rlk_triton.attention import (
     _nan_rows,
     _off32,
     _offsets_ok,
+    _rows64,
     _tile_range,
 )
 
@@ -50,15 +51,6 @@ def _delta_kernel(O, DO, DELTA, n_rows, D, ROWS: tl.constexpr, BLOCK_D: tl.const
     o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + r, tl.sum(o * do, 1), mask=r < n_rows)
-
-
-@jit
-def _rows64(rows, OFF32: tl.constexpr):
-    """Row (or head) indices as they are under OFF32, else widened to int64 before they scale
-    a stride."""
-    if not OFF32:
-        rows = rows.to(tl.int64)
-    return rows
 
 
 @jit
