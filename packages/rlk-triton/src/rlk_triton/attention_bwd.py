@@ -383,8 +383,9 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
     )
     hg = _group_tile(group, BWD_BLOCK_M)
     # int32 row offsets (OFF32) where every element of q and k (v, do and the gradients share
-    # their layouts) lies below 2^31: the same rows, so the same bits.
-    common["OFF32"] = _off32(q, k)
+    # their layouts) lies below 2^31: the same rows, so the same bits (int64 under an OFF64
+    # config, which the tuning-invariance check runs).
+    common["OFF32"] = _off32(q, k) and not cfg.get("OFF64")
     _dkdv_kernel[(cdiv(max_nk, cfg["BLOCK_N"]), hk, b)](
         q,
         k,
