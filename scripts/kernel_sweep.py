@@ -18,8 +18,9 @@ the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), `
 ``paged`` (``rlk.paged_attention``'s launch configs at the harness's decode shapes), ``attnbwd``
 (the GPU time of each kernel of a causal forward + backward, with and without the dK/dV
 kernel's early dO V^T product), ``gemm`` (every GEMM candidate at the bench's shapes below
-0.9x cuBLAS and at projections no config was chosen on, M = 1-4096), ``offsets`` (attention,
-paged decode and packed forward and backward, with its row offsets in int32 and in int64).
+0.9x cuBLAS, at projections no config was chosen on and at a k/v projection, M = 1-1024),
+``offsets`` (attention, paged decode and packed forward and backward, with its row offsets in
+int32 and in int64).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -965,8 +966,9 @@ GEMM_EXTRA = [
     _G(256, 128, 8, 3, tma=True), _G(256, 128, 8, 3, tma=True, persistent=True),
     _G(64, 32, 4, 8, unroll=4), _G(64, 16, 4, 8), _G(64, 32, 4, 10),
 ]  # fmt: skip
-#: (K, N, Ms) per projection: the bench's shapes below 0.9x cuBLAS, and projections no config
-#: was chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down).
+#: (K, N, Ms) per projection: the bench's shapes below 0.9x cuBLAS, projections no config was
+#: chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down), and Llama-3-8B's
+#: k/v projection at decode sizes (N = 1024: a few dozen tiles for 132 SMs).
 GEMM_SHAPES = {
     "q05_up": (896, 4864, [1, 16, 64, 256, 1024]),
     "o_proj": (4096, 4096, [64, 256]),
@@ -977,6 +979,7 @@ GEMM_SHAPES = {
     "q3_4b_down": (9728, 2560, [64, 256]),
     "q05_down": (4864, 896, [1024]),
     "up": (4096, 14336, [64]),
+    "kv_proj": (4096, 1024, [16, 64]),
 }
 
 
