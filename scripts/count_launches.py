@@ -1,6 +1,13 @@
 """Triton launches and torch kernels of one rlk training step, per decoder layer and for the head.
 
     python scripts/count_launches.py [--models qwen2-0.5b,llama3-8b-4layers] [--seqs 8] [--len 512]
+    python scripts/count_launches.py --decode [--seqs 64]
+
+``--decode``: the paged rollout's decode step instead (``rlk_integrations.paged_step``: the
+step that the engine replays as a CUDA graph, here run eagerly, ``--seqs`` requests of one new
+token each). Inside a graph a launch costs no host time, but each kernel boundary still leaves
+the GPU idle for the next kernel's start and its last wave's tail, so the count bounds that
+idle time.
 
 The step is the e2e benchmark's (``rlk_integrations.e2e_bench``): a packed row of random
 sequences through the patched model, ``rlk.linear_logprobs``, their sum, backward. It runs on
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launch path below
@@ -57,8 +65,8 @@ def _count(self, *args, **kwargs) -> None:
     LAUNCHES[self.fn.__name__] += 1
 
 
-def step_launches(name: str, layers: int, seqs: int, length: int) -> collections.Counter[str]:
-    """Launches per kernel of one training step of ``name`` cut to ``layers`` decoder layers."""
+def _model(name: str, layers: int) -> torch.nn.Module:
+    """``name`` cut to ``layers`` decoder layers, bf16 on the CPU, patched."""
     cls, config = models.CONFIGS[name]
     key = f"{name}-{layers}-layers"
     models.CONFIGS[key] = (cls, dict(config, num_hidden_layers=layers))
@@ -67,6 +75,12 @@ def step_launches(name: str, layers: int, seqs: int, length: int) -> collections
     finally:
         del models.CONFIGS[key]
     patch_model(model)
+    return model
+
+
+def step_launches(name: str, layers: int, seqs: int, length: int) -> collections.Counter[str]:
+    """Launches per kernel of one training step of ``name`` cut to ``layers`` decoder layers."""
+    model = _model(name, layers)
     samples = e2e_bench._train_samples(model.config.vocab_size, seqs, length)
     e2e_bench._rlk_step(model, samples)  # first call: lazily built tables stay out
     model.zero_grad(set_to_none=True)
@@ -76,11 +90,32 @@ def step_launches(name: str, layers: int, seqs: int, length: int) -> collections
     return collections.Counter(LAUNCHES)
 
 
+def decode_launches(name: str, layers: int, seqs: int) -> collections.Counter[str]:
+    """Launches per kernel of one decode step of ``seqs`` requests (the graphed step, eager)."""
+    from rlk_integrations import paged
+
+    model = _model(name, layers)
+    padded, paged._EAGER_PADDED_DECODE = paged._EAGER_PADDED_DECODE, True
+    try:
+        engine = paged.PagedEngine(model, max_len=64, max_batch=seqs, cuda_graphs=False)
+    finally:
+        paged._EAGER_PADDED_DECODE = padded
+    graphs = engine.graphs
+    graphs._fill([], seqs, {})  # every row padding: one cached token each
+    graphs._step(seqs)  # first call: lazily built tables stay out
+    LAUNCHES.clear()
+    with _TorchKernels():
+        graphs._step(seqs)
+    return collections.Counter(LAUNCHES)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="qwen2-0.5b,qwen3-0.6b,llama3-8b-4layers")
-    ap.add_argument("--seqs", type=int, default=e2e_bench.TRAIN_SEQS)
+    ap.add_argument("--seqs", type=int, default=None, help=f"default {e2e_bench.TRAIN_SEQS}, "
+                    f"with --decode {e2e_bench.BATCHES[-1]}")  # fmt: skip
     ap.add_argument("--len", type=int, default=e2e_bench.TRAIN_LEN)
+    ap.add_argument("--decode", action="store_true", help="the paged rollout's decode step")
     a = ap.parse_args()
     interpreter.InterpretedFunction.run = _count
     _validate.value_checks_enabled = lambda t: False  # as on a GPU; they read garbage here
@@ -88,9 +123,14 @@ def main() -> None:
     _bounds.flag = lambda device: ok
     _bounds.report = lambda flag, message: LAUNCHES.update(["torch:_assert_async"])
     table = []
+    if a.decode:
+        seqs = a.seqs or e2e_bench.BATCHES[-1]
+        count = functools.partial(decode_launches, seqs=seqs)
+    else:
+        seqs = a.seqs or e2e_bench.TRAIN_SEQS
+        count = functools.partial(step_launches, seqs=seqs, length=a.len)
     for name in a.models.split(","):
-        one = step_launches(name, 1, a.seqs, a.len)
-        two = step_launches(name, 2, a.seqs, a.len)
+        one, two = count(name, 1), count(name, 2)
         layer = two - one
         head = one - layer
         print(f"{name}: per layer {_kinds(layer)}, outside the layers {_kinds(head)}")
