@@ -353,6 +353,7 @@ _CONFIGS = (
     gemm_config(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
     gemm_config(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
     gemm_config(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
+    gemm_config(64, 128, 4, 4, tma=True),  # 22: M 65-256, more 64x128 tiles than SMs
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -369,23 +370,28 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     Where N is narrower than a 64-wide tile per SM (o_proj and down at 4096), W is streamed by
     64x32 tiles through pointers that load two K tiles per loop step: such a product is bound
     by the loop's per-step latency, not by bytes in flight, so the wider step is what moves W
-    faster (0.72 -> 0.93x cuBLAS at 14336 -> 4096, M = 1); a short K (<= 1024) keeps one tile
-    a step on 64x64. Wider N: up to M = 16 the pointer kernel, the widest N tile that still
-    gives every SM a program, with the deepest pipeline that fits shared memory (a
-    descriptor's 64-row box of A, mostly out of range there, made it slower); from M = 17
-    descriptors, 64x128 where N gives every SM a program at that width, else 64x64. Up to
-    M = 256: 128x256 for N >= 8192 or where it fills the GPU, else 64x128 where that gives
-    three quarters of the SMs a program (0.77 -> 0.90x at 14336 -> 4096, M = 256), else 64x64
-    (a 4-stage pipeline for a short K, <= 1024). Above: 128x256 persistent, or 64x256
-    persistent for a short K (<= 1024) until there are four 128x256 tiles per SM. Chosen from
+    faster (0.72 -> 0.93x cuBLAS at 14336 -> 4096, M = 1); but only while those tiles fit one
+    wave (a second, nearly empty wave doubles the time: 3584 -> 4608 at M = 64, 144 tiles,
+    0.50 -> 0.83x on 64x64 tiles); a short K (<= 1024) keeps one tile a step on 64x64. Wider N:
+    up to M = 16 the pointer kernel, the widest N tile that still gives every SM a program,
+    with the deepest pipeline that fits shared memory (a descriptor's 64-row box of A, mostly
+    out of range there, made it slower); from M = 17 descriptors, 64x128 where N gives every
+    SM a program at that width, else 64x64. Up to M = 256: 128x256 for N >= 8192 or where it
+    fills the GPU; else 64x128 tiles, at 4 stages (two programs per SM) where there are more
+    of them than SMs (3584 -> 4608 and 2560 -> 6144 at M = 256: 0.60 -> 0.74x and
+    0.68 -> 0.83x), at 6 stages where they give at least half the SMs a program (0.77 -> 0.90x
+    at 14336 -> 4096, 0.74 -> 0.81x at 9728 -> 2560, M = 256), else 64x64 (a 4-stage pipeline
+    for a short K, <= 1024). Above: 64x128 where 128x256 tiles would leave half the SMs idle
+    (4864 -> 896 at M = 1024: 0.34 -> 0.88x), else 128x256 persistent, or 64x256 persistent
+    for a short K (<= 1024) until there are four 128x256 tiles per SM. Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
-    cuBLAS at the Llama-3-8B and Qwen2-0.5B projections).
+    cuBLAS at the Llama-3-8B, Qwen2-0.5B, Qwen2.5-7B and Qwen3-4B projections).
     """
     if dtype_bytes == 4:
         return 9 if M <= 64 or _tiles(M, N, _CONFIGS[8]) < _NUM_SMS else 8
     if M <= 64:
         if cdiv(N, 64) < _NUM_SMS:
-            if K > 1024:
+            if K > 1024 and cdiv(N, 32) <= _NUM_SMS:
                 return 20
             return 21 if M <= 16 else 15
         if M <= 16:
@@ -396,7 +402,12 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
             return 13
         if K <= 1024:
             return 19
-        return 16 if 4 * _tiles(M, N, _CONFIGS[16]) >= 3 * _NUM_SMS else 17
+        tiles = _tiles(M, N, _CONFIGS[16])
+        if tiles > _NUM_SMS:
+            return 22
+        return 16 if 2 * tiles >= _NUM_SMS else 17
+    if 2 * _tiles(M, N, _CONFIGS[14]) < _NUM_SMS:
+        return 16
     if K <= 1024 and _tiles(M, N, _CONFIGS[14]) < 4 * _NUM_SMS:
         return 18
     return 14
