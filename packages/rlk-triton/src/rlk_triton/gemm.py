@@ -375,8 +375,9 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     0.50 -> 0.83x on 64x64 tiles); a short K (<= 1024) keeps one tile a step on 64x64. Wider N:
     up to M = 16 the pointer kernel, the widest N tile that still gives every SM a program,
     with the deepest pipeline that fits shared memory (a descriptor's 64-row box of A, mostly
-    out of range there, made it slower); from M = 17 descriptors, 64x128 where N gives every
-    SM a program at that width, else 64x64. Up to M = 256: 128x256 for N >= 8192 or where it
+    out of range there, made it slower); from M = 17 descriptors, 64x128 where N gives at least
+    half the SMs a program at that width (4096 -> 14336 at M = 64, 112 tiles: 0.94 -> 1.04x
+    against 224 tiles of 64x64), else 64x64. Up to M = 256: 128x256 for N >= 8192 or where it
     fills the GPU; else 64x128 tiles, at 4 stages (two programs per SM) where there are more
     of them than SMs (3584 -> 4608 and 2560 -> 6144 at M = 256: 0.60 -> 0.74x and
     0.68 -> 0.83x), at 6 stages where they give at least half the SMs a program (0.77 -> 0.90x
@@ -396,7 +397,7 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
             return 21 if M <= 16 else 15
         if M <= 16:
             return 2 if _tiles(M, N, _CONFIGS[2]) >= _NUM_SMS else 1
-        return 16 if _tiles(M, N, _CONFIGS[16]) >= _NUM_SMS else 15
+        return 16 if 2 * _tiles(M, N, _CONFIGS[16]) >= _NUM_SMS else 15
     if M <= 256:
         if N >= 8192 or _tiles(M, N, _CONFIGS[13]) >= _NUM_SMS:
             return 13
