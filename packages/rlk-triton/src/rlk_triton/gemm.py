@@ -343,7 +343,7 @@ _CONFIGS = (
     gemm_config(64, 64, 4, 3),  # 9: fp32 FMA path, small smem
     gemm_config(64, 128, 4, 6),  # 10: M 64-256, N > ~4k
     gemm_config(256, 128, 8, 4),  # 11: large M, tall tile, deeper pipeline
-    gemm_config(64, 128, 4, 4, tma=True),  # 12: M 64-256 at N ~4k, descriptors
+    gemm_config(64, 128, 4, 4, tma=True),  # 12: M 65-256, more 64x128 tiles than SMs
     gemm_config(128, 256, 8, 3, tma=True),  # 13: mid M, descriptors
     gemm_config(128, 256, 8, 3, tma=True, persistent=True),  # 14: large M, persistent
     gemm_config(64, 64, 4, 8, tma=True),  # 15: decode M 17-64, N up to ~8k, descriptors
@@ -353,7 +353,6 @@ _CONFIGS = (
     gemm_config(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
     gemm_config(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
     gemm_config(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
-    gemm_config(64, 128, 4, 4, tma=True),  # 22: M 65-256, more 64x128 tiles than SMs
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -405,7 +404,7 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
             return 19
         tiles = _tiles(M, N, _CONFIGS[16])
         if tiles > _NUM_SMS:
-            return 22
+            return 12
         return 16 if 2 * tiles >= _NUM_SMS else 17
     if 2 * _tiles(M, N, _CONFIGS[14]) < _NUM_SMS:
         return 16
