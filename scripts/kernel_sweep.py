@@ -1128,6 +1128,7 @@ def main() -> None:
             if name in parts:
                 part(rows)
     finally:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
             json.dump(rows, f, indent=1)
     print_tables(rows)
