@@ -4,7 +4,8 @@
 #   OUT=... bash scripts/gpu_bench.sh   (env: QUICK=1 for --quick; ONLY=fam,fam to run those
 #                                        families alone; DEADLINE seconds, default 560;
 #                                        LANE0, LANE1: each lane's steps, default below;
-#                                        CHECK_OPS: the ops of `checks`; TESTS: test files of
+#                                        CHECK_OPS: the ops of `checks`, CHECK_SECS its time
+#                                        limit, default 300; TESTS: test files of
 #                                        `gputests`, TESTS_SECS its time limit, default 240;
 #                                        RLK_E2E_MODELS: the models of the e2e families)
 # The default lanes leave out e2e-long (the long rollouts, about 5 minutes): run it on its own,
@@ -33,7 +34,8 @@ step() {  # step NAME SECONDS CMD...: output to NAME.txt, status and wall time t
 }
 fam() { step "bench_$1" "$2" rlk bench "${Q[@]}" --only "$1" --json "$OUT/bench_$1.json"; }
 checks() {  # real-shape conformance of the kernels changed since the last GPU run
-  RLK_VALIDATE=1 step conformance 150 rlk conformance --backend cuda --full --quiet \
+  # (attention and paged_attention alone took longer than 150 s with --full on the H200)
+  RLK_VALIDATE=1 step conformance "${CHECK_SECS:-300}" rlk conformance --backend cuda --full --quiet \
     --ops "${CHECK_OPS:-linear,attention,paged_attention,apply_rotary}"
 }
 gputests() {  # the GPU tests of the files changed since the last GPU run
