@@ -102,10 +102,11 @@ def decode_launches(name: str, layers: int, seqs: int) -> collections.Counter[st
         paged._EAGER_PADDED_DECODE = padded
     graphs = engine.graphs
     graphs._fill([], seqs, {})  # every row padding: one cached token each
-    graphs._step(seqs)  # first call: lazily built tables stay out
-    LAUNCHES.clear()
-    with _TorchKernels():
-        graphs._step(seqs)
+    with torch.no_grad():  # as PagedEngine.generate runs it
+        graphs._step(seqs)  # first call: lazily built tables stay out
+        LAUNCHES.clear()
+        with _TorchKernels():
+            graphs._step(seqs)
     return collections.Counter(LAUNCHES)
 
 

@@ -1,6 +1,7 @@
 """Where a paged rollout's decode step spends its GPU time, per kernel, against the HBM roofline.
 
     python scripts/profile_decode.py [--model llama3-8b-4layers] [--batch 64] [--new 128]
+                                     [--no-fuse]
 
 Runs the e2e benchmark's paged rollout (``rlk_integrations.e2e_bench``: random prompts of
 16-64 tokens, every request admitted at once, CUDA graphs on, one engine kept across the runs)
@@ -48,6 +49,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=e2e.NEW_TOKENS)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--padded", action="store_true", help="the eager padded rollout instead")
+    p.add_argument("--no-fuse", action="store_true", help="q/k/v and gate/up as separate GEMMs")
     a = p.parse_args()
     device = torch.device("cuda")
     model = load_model(a.model, dtype=e2e.DTYPE, device=device, seed=0)
@@ -57,7 +59,8 @@ def main() -> None:
         padded(model, prompts, a.new, a.top)
         return
 
-    engine, seeds = engines.create("paged"), list(range(a.batch))
+    options = engines.RolloutOptions(fuse_projections=not a.no_fuse)
+    engine, seeds = engines.create("paged", options), list(range(a.batch))
 
     def run():  # the engine keeps its KV cache and CUDA graphs for the same model
         return engine.generate(model, prompts, a.new, seeds)
@@ -84,7 +87,8 @@ def main() -> None:
     copy = ceilings()["copy_GBps"]
     achieved = (weight_bytes + kv_bytes) / step_s / 1e9
 
-    print(f"model {a.model}  B={a.batch}  new={a.new}  prompts {e2e.PROMPT_LEN}")
+    fuse = "separate" if a.no_fuse else "fused"
+    print(f"model {a.model}  B={a.batch}  new={a.new}  prompts {e2e.PROMPT_LEN}  {fuse} q/k/v")
     print(f"{'kernel':<60} {'us/step':>9} {'calls/step':>10} {'share':>6}")
     for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[: a.top]:
         print(f"{name:<60} {us / a.new:9.1f} {n / a.new:10.1f} {us / gpu_us:6.1%}")

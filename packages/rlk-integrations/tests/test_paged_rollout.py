@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk_integrations import models, paged, rollout, training  # noqa: E402
+from rlk_integrations import fused, models, paged, rollout, training  # noqa: E402
 from rlk_integrations import transformers as rt  # noqa: E402
 
 VOCAB = 512
@@ -287,16 +287,20 @@ def test_gpu_engine_replays_its_graphs_and_recaptures_moved_weights(monkeypatch)
     engine = paged.PagedEngine(model, max_len=max(LENGTHS) + NEW, max_batch=8)
     first = engine.generate(prompts, NEW, seeds=seeds)
     graphs, captured = engine.graphs, dict(engine.graphs.graphs)
+    captured_qkv = fused.fused(model.model.layers[0].self_attn).weight.data_ptr()
     again = engine.generate(prompts, NEW, seeds=seeds)
     assert engine.graphs is graphs and engine.graphs.graphs == captured  # replayed, not captured
     assert first.extra["graph_steps"] == again.extra["graph_steps"] > 0
     for a, b in zip(first.samples, again.samples):
         _same(a, b)
-    # New values at a new address: a graph replaying the old address would miss them.
-    weight = model.get_output_embeddings().weight
-    weight.data = weight.data * 2
+    # New values at a new address: a graph replaying the old address would miss them. A moved
+    # projection is fused again (its fused product would read the old buffer).
+    attn = model.model.layers[0].self_attn
+    for weight in (model.get_output_embeddings().weight, attn.v_proj.weight):
+        weight.data = weight.data * 2
     moved = engine.generate(prompts, NEW, seeds=seeds)
     assert engine.graphs is not graphs
+    assert fused.fused(attn).weight.data_ptr() != captured_qkv
     fresh = paged.generate_paged(model, prompts, NEW, seeds=seeds, max_batch=8)
     assert [s.response for s in moved.samples] != [s.response for s in first.samples]
     for a, b in zip(fresh.samples, moved.samples):

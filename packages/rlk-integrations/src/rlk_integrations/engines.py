@@ -48,12 +48,14 @@ class RolloutOptions:
     ``page_size``: tokens per KV page (``paged``). ``max_batch``: requests running at once
     (``paged``; None: every prompt of the call). ``leaves`` and ``tp``: the tensor-parallel
     layout of rlk's ops the run asks for (``--leaves``, ``--rollout-tp``); an engine that cannot
-    sample with it says so in :meth:`RolloutEngine.unavailable`."""
+    sample with it says so in :meth:`RolloutEngine.unavailable`. ``fuse_projections``: q/k/v
+    and gate/up as one GEMM each (``paged``; :class:`~rlk_integrations.paged.PagedEngine`)."""
 
     page_size: int = 16
     max_batch: int | None = None
     leaves: int | None = None
     tp: int = 1
+    fuse_projections: bool = True
 
 
 class RolloutEngine(Protocol):

@@ -53,6 +53,7 @@ import torch
 
 import rlk
 from rlk.validate import validate_requested
+from rlk_integrations import fused
 from rlk_integrations.paged_step import _DecodeGraphs, _eager_step, _Launched
 from rlk_integrations.rollout import RolloutResult, Sample
 from rlk_integrations.tp import local_kv_heads
@@ -101,6 +102,9 @@ class PagedKVCache:
 
     # Duck-typed marker read by the patched attention forward.
     rlk_paged = True
+    #: Whether the steps run the model's fused projections (:mod:`rlk_integrations.fused`)
+    #: where it has them; set by the engine.
+    fuse_projections = False
 
     def __init__(
         self,
@@ -222,10 +226,16 @@ class PagedEngine:
     :func:`generate_paged`'s; the default ``num_pages`` holds ``max_batch`` requests of
     ``max_len`` tokens.
 
+    ``fuse_projections`` (default True): each layer's q/k/v and gate/up projections run as one
+    :func:`rlk.linear` each, over one buffer per group that the model's parameters are moved
+    into and then view (:func:`rlk_integrations.fused.fuse_projections`: no second copy of the
+    weights, the same bits as the separate products, fewer and fuller GEMM launches per step).
+    The parameters stay the model's: training on them, in place, goes on as before.
+
     The cache (``num_pages`` pages) stays allocated while the engine lives. The graphs read the
     model's weights where they were at capture: updating them in place (an optimizer step,
     ``load_state_dict``) is fine; when a parameter, a buffer or the rotary table has moved,
-    :meth:`generate` captures the graphs again.
+    :meth:`generate` fuses the moved projections again and captures the graphs again.
 
     Example::
 
@@ -249,6 +259,7 @@ class PagedEngine:
         max_step_tokens: int = 2048,
         prefill_chunk: int | None = None,
         cuda_graphs: bool | None = None,
+        fuse_projections: bool = True,
     ) -> None:
         from rlk_integrations.transformers import decoder, is_patched
 
@@ -273,6 +284,10 @@ class PagedEngine:
             cuda_graphs = device.type == "cuda" and not validate_requested()
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool or None, got {type(cuda_graphs).__name__}")
+        if not isinstance(fuse_projections, bool):
+            raise TypeError(
+                f"fuse_projections must be a bool, got {type(fuse_projections).__name__}"
+            )
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA model, this one is on {device.type}")
         dtype = next(model.parameters()).dtype
@@ -325,6 +340,9 @@ class PagedEngine:
         self.graphs: _DecodeGraphs | None = None
         if padded_decode:
             self.graphs = self._new_graphs()
+        self.fuse_projections = self.cache.fuse_projections = fuse_projections
+        if fuse_projections:  # before the addresses the graphs will read are taken
+            fused.fuse_projections(model)
         self._state = graph_reads(model, device)
 
     def _new_graphs(self) -> _DecodeGraphs:
@@ -368,6 +386,8 @@ class PagedEngine:
             )
         state = graph_reads(self.model, self.device)
         if state != self._state:  # the graphs would read where the weights used to be
+            if self.fuse_projections:  # a moved projection is fused again
+                fused.fuse_projections(self.model)
             self.base.rotary_emb._rlk_table.gather(torch.tensor([self.max_len], device=self.device))
             if self.graphs is not None:
                 self.graphs = self._new_graphs()
@@ -548,6 +568,7 @@ def generate_paged(
     prefill_chunk: int | None = None,
     cuda_graphs: bool | None = None,
     progress: bool | Callable[[str], None] | None = None,
+    fuse_projections: bool = True,
 ) -> RolloutResult:
     """Sample up to ``max_new_tokens`` per prompt with continuous batching on a paged KV cache.
 
@@ -573,6 +594,9 @@ def generate_paged(
     instead of every kernel of every layer; the host reads a graph step's tokens only after it
     has launched the next one. Steps with prompt chunks run eagerly.
 
+    ``fuse_projections``: as :class:`PagedEngine`'s (the model's q/k/v and gate/up weights
+    are moved into one buffer per group, which the parameters then view).
+
     ``progress``: ``None`` (default) draws a progress bar on stderr (tokens, tokens/s, running
     and waiting requests) when stderr is a terminal; ``True`` always, ``False`` never; a
     callable gets a line every 16 steps instead.
@@ -592,7 +616,7 @@ def generate_paged(
         model, max_len=longest + max(max_new_tokens, 0), temperature=temperature, top_k=top_k,
         top_p=top_p, page_size=page_size, max_batch=max_batch, num_pages=num_pages,
         kv_memory_fraction=kv_memory_fraction, max_step_tokens=max_step_tokens,
-        prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs,
+        prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs, fuse_projections=fuse_projections,
     )  # fmt: skip
     return engine.generate(
         prompts, max_new_tokens, seeds=seeds, eos_token_id=eos_token_id, progress=progress
@@ -643,7 +667,8 @@ class PagedRollout:
             kept = self._kept = None  # the old cache is freed before the next one is allocated
             kept = self._kept = PagedEngine(
                 model, max_len=max_len, page_size=self.options.page_size, max_batch=max_batch,
-                max_step_tokens=max(2048, max_batch), **sample_kw,
+                max_step_tokens=max(2048, max_batch),
+                fuse_projections=self.options.fuse_projections, **sample_kw,
             )  # fmt: skip
         return kept.generate(
             prompts, new_tokens, seeds=seeds, eos_token_id=eos_token_id,

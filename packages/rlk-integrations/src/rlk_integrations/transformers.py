@@ -26,7 +26,9 @@ names for it (no new classes, no weight copies, the state dict is unchanged), so
   sequence's last tokens, rlk.attention's bottom-right convention).
 - a :class:`rlk_integrations.paged.PagedKVCache` passed as ``past_key_values`` takes the
   attention over instead: one packed ``[1, T]`` row, K/V written into its pages,
-  :func:`rlk.paged_attention` (the continuous-batching rollout drives it).
+  :func:`rlk.paged_attention` (the continuous-batching rollout drives it). On that path a
+  layer whose projections :func:`rlk_integrations.fused.fuse_projections` has fused runs q/k/v
+  and gate/up as one :func:`rlk.linear` each (the same bits).
 
 The residual add at the end of a decoder layer stays a plain elementwise ``torch`` add (it is
 batch-invariant by nature). Embedding lookups stay ``nn.Embedding`` (a gather).
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 import rlk
+from rlk_integrations import fused
 from rlk_integrations.architectures import (
     LLAMA,
     QWEN2,
@@ -302,9 +305,12 @@ def _attention_forward(
 
     b, s, _ = hidden_states.shape
     hidden_shape = (b, s, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(hidden_shape)
-    k = self.k_proj(hidden_states).view(hidden_shape)
-    v = self.v_proj(hidden_states).view(hidden_shape)
+    paged = getattr(past_key_values, "rlk_paged", False)
+    if paged and past_key_values.fuse_projections:  # one product where the model is fused
+        q, k, v = fused.qkv(self, hidden_states)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
         q = self.q_norm(q)
         k = self.k_norm(k)
@@ -317,7 +323,7 @@ def _attention_forward(
         q.reshape(b * s, -1, self.head_dim), cos, sin, k=k.reshape(b * s, -1, self.head_dim)
     )
     q, k = q.view(hidden_shape), k.view(hidden_shape)
-    if getattr(past_key_values, "rlk_paged", False):
+    if paged:
         # rlk_integrations.paged: one packed row, K/V into pages, rlk.paged_attention.
         if b != 1:
             raise ValueError(f"the paged KV cache takes one packed row, got a batch of {b}")
@@ -386,6 +392,9 @@ def layer_step(
     a, _ = layer.self_attn(hidden_states=x, **attn_kwargs)
     norm = layer.post_attention_layernorm
     x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
+    cache = attn_kwargs.get("past_key_values")
+    if getattr(cache, "rlk_paged", False) and cache.fuse_projections:
+        return fused.mlp(layer.mlp, x), residual  # gate and up by one product where fused
     return layer.mlp(x), residual
 
 
@@ -672,6 +681,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             del module._rlk_table
         if hasattr(module, "_rlk_leaves"):
             del module._rlk_leaves
+        if hasattr(module, "_rlk_fused"):  # fused.fuse_projections (the weights stay views)
+            del module._rlk_fused
     model.config._attn_implementation = attn_impl
     model._rlk_patched = None
     model._rlk_leaves = None

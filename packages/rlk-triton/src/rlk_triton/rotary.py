@@ -16,16 +16,19 @@ from rlk_triton.tuning import Rule
 
 @jit
 def _rotate_tile(
-    X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, BACKWARD: tl.constexpr
-):
-    # Rotates the tile [tokens, heads, half] of X [T, n_heads, 2 * HALF] into Y.
+    X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, stride_x, stride_y,
+    BACKWARD: tl.constexpr,
+):  # fmt: skip
+    # Rotates the tile [tokens, heads, half] of X [T, n_heads, 2 * HALF] into Y, each with its
+    # own token stride (heads and head_dim contiguous: a column slice of a fused qkv product).
     # Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2.
     # Backward applies the transpose: dx1 = d1 c1 + d2 s2, dx2 = d2 c2 - d1 s1.
     mask = tc_ok[:, None, :] & (heads < n_heads)[None, :, None]
-    rows = t[:, None] * n_heads + heads[None, :]  # [tokens, heads]
-    offs = rows[:, :, None] * (2 * HALF) + cols[None, None, :]
+    in_head = heads[None, :, None] * (2 * HALF) + cols[None, None, :]  # [1, heads, half]
+    offs = t[:, None, None] * stride_x + in_head
     a1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     a2 = tl.load(X + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    offs = t[:, None, None] * stride_y + in_head
     if BACKWARD:
         o1 = a1 * c1 + a2 * s2
         o2 = a2 * c2 - a1 * s1
@@ -48,6 +51,10 @@ def _rotary_kernel(
     n_heads,
     k_heads,
     HALF,
+    stride_x,
+    stride_y,
+    stride_k,
+    stride_ky,
     BACKWARD: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
@@ -73,10 +80,12 @@ def _rotary_kernel(
     s2 = tl.load(SIN + cs + HALF, mask=tc_ok, other=0.0).to(tl.float32)[:, None, :]
     if j * BLOCK_HEADS < n_heads:
         heads = j * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-        _rotate_tile(X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, BACKWARD)
+        _rotate_tile(X, Y, t, tc_ok, c1, c2, s1, s2, heads, n_heads, cols, HALF, stride_x,
+                     stride_y, BACKWARD)  # fmt: skip
     if j * BLOCK_HEADS_K < k_heads:
         heads_k = j * BLOCK_HEADS_K + tl.arange(0, BLOCK_HEADS_K)
-        _rotate_tile(K, KY, t, tc_ok, c1, c2, s1, s2, heads_k, k_heads, cols, HALF, BACKWARD)
+        _rotate_tile(K, KY, t, tc_ok, c1, c2, s1, s2, heads_k, k_heads, cols, HALF, stride_k,
+                     stride_ky, BACKWARD)  # fmt: skip
 
 
 @jit
@@ -138,7 +147,8 @@ CPU_TUNING = {
 
 
 def _rotate(x, k, cos, sin, backward, table):
-    """``(rotate(x), rotate(k) or None)`` in one launch (the transpose when ``backward``)."""
+    """``(rotate(x), rotate(k) or None)`` in one launch (the transpose when ``backward``).
+    ``x`` and ``k`` as :func:`_token_rows` leaves them; the outputs are ``empty_like``'s."""
     T, NH, D = x.shape
     NK = k.shape[1] if k is not None else 0
     y = torch.empty_like(x)
@@ -161,6 +171,10 @@ def _rotate(x, k, cos, sin, backward, table):
             NH,
             NK,
             D // 2,
+            x.stride(0),
+            y.stride(0),
+            k.stride(0) if k is not None else 0,
+            ky.stride(0) if ky is not None else 0,
             BACKWARD=backward,
             HEAD_BLOCKS=head_blocks,
             BLOCK_TOKENS=block_tokens,
@@ -225,6 +239,15 @@ class ApplyRotaryFunction(torch.autograd.Function):
         return (*_grads(dy, dky, x, cos, sin, k, (needs[0], *needs[1:4]), ctx.table), None)
 
 
+def _token_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t [T, H, D]`` as the kernel reads it: any token stride, heads and head_dim
+    contiguous (q or k as column views of a fused qkv product are read in place); any other
+    layout is copied first."""
+    if t is None or (t.stride(2) == 1 and t.stride(1) == t.shape[2]):
+        return t
+    return t.contiguous()
+
+
 def _contiguous(x, cos, sin, k):
     return x.contiguous(), cos.contiguous(), sin.contiguous(), (k if k is None else k.contiguous())
 
@@ -263,11 +286,11 @@ def apply_rotary(
     Returns ``[T, H, D]`` in ``x.dtype``, or ``(x', k')`` with ``k``: one launch, each bitwise
     the result of its own call. Differentiable in ``x``, ``k``, ``cos`` and ``sin``.
     """
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    k = k.contiguous() if k is not None else None
+    cos, sin = cos.contiguous(), sin.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, cos, sin, k)):
+        x, k = x.contiguous(), (k.contiguous() if k is not None else None)
         return ApplyRotaryFunction.apply(x, cos, sin, k, table)
     # Nothing to differentiate: the forward alone, without an autograd.Function call's host
-    # cost; the same kernel, so the same bits.
-    y, ky = _rotate(x, k, cos, sin, False, table)
+    # cost; the same kernel, so the same bits. x and k keep their token stride.
+    y, ky = _rotate(_token_rows(x), _token_rows(k), cos, sin, False, table)
     return y if k is None else (y, ky)

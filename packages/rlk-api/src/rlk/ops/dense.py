@@ -250,17 +250,20 @@ def apply_rotary(
     ``(x', k')``, both rotated by one kernel that reads cos and sin once for both: each is
     bitwise what its own call returns.
 
+    ``x`` and ``k`` may be views with any token stride (a column slice of a fused q/k/v
+    product); backends read such rows in place or copy them first, the bits are the same.
+
     Contract: elementwise; each element depends only on its own input, cos and sin.
 
     Example::
 
         q, k = rlk.apply_rotary(q, cos[position_ids], sin[position_ids], k=k)
     """
-    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=3)
+    chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
     chk.tensor("cos", cos, dtypes=chk.FLOAT_DTYPES, ndim=2)
     chk.tensor("sin", sin, dtypes=chk.FLOAT_DTYPES, ndim=2)
     if k is not None:
-        chk.tensor("k", k, dtypes=chk.FLOAT_DTYPES, ndim=3)
+        chk.tensor("k", k, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
         chk.same_dtype(x=x, k=k)
     device = chk.same_device(x=x, cos=cos, sin=sin, k=k)
     chk.same_dtype(cos=cos, sin=sin)

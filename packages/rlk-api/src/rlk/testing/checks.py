@@ -564,9 +564,19 @@ def _without_k(args: dict[str, Any], x: torch.Tensor) -> dict[str, Any]:
     return {**{k: v for k, v in args.items() if k != "k"}, "x": x}
 
 
+def _token_strided(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, H, D]`` and ``k [T, Hk, D]`` as column views of one ``[T, (H + Hk + 1) D]``
+    tensor (the layout of a fused q/k/v product): the same values, a token stride of their
+    own."""
+    T, H, D = x.shape
+    wide = torch.cat([x.reshape(T, -1), k.reshape(T, -1), torch.full_like(x[:, 0], 7.0)], 1)
+    return wide[:, : H * D].view(T, H, D), wide[:, H * D : -D].view(T, -1, D)
+
+
 def rotary_paths(fn: Callable, cases: list[Case]) -> Outcome:
     """apply_rotary(x, cos, sin, k) == (apply_rotary(x, cos, sin), apply_rotary(k, cos, sin)):
-    the outputs and the gradients of x and k."""
+    the outputs and the gradients of x and k; and x and k as token-strided column views of
+    one tensor (a fused q/k/v product) give the outputs of their contiguous copies."""
     diffs = _Diffs()
     for case in cases:
         a = case.args
@@ -578,7 +588,14 @@ def rotary_paths(fn: Callable, cases: list[Case]) -> Outcome:
         for name, i in (("x", 0), ("k", 1)):
             diffs.compare(f"{case.label}: {name}", pair[f"out{i}"], alone[i]["out"])
             diffs.compare(f"{case.label}: grad {name}", pair[f"grad.{name}"], alone[i]["grad.x"])
-    return diffs.outcome(f"{diffs.compared} pair results bitwise equal to separate calls")
+        x, k = _token_strided(a["x"], a["k"])
+        strided = run_case(fn, Case(case.op, case.label, case.dtype, {**a, "x": x, "k": k}, ()))
+        for i in (0, 1):
+            diffs.compare(f"{case.label}: strided out{i}", strided[f"out{i}"], pair[f"out{i}"])
+    return diffs.outcome(
+        f"{diffs.compared} pair and token-strided results bitwise equal to separate, "
+        "contiguous calls"
+    )
 
 
 __all__ = [
