@@ -967,9 +967,14 @@ GEMM_EXTRA = [
     _G(64, 32, 4, 8, unroll=4), _G(64, 16, 4, 8), _G(64, 32, 4, 10),
 ]  # fmt: skip
 #: (K, N, Ms) per projection: the bench's shapes below 0.9x cuBLAS, projections no config was
-#: chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down), and Llama-3-8B's
-#: k/v projection at decode sizes (N = 1024: a few dozen tiles for 132 SMs).
+#: chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down), Llama-3-8B's
+#: k/v projection at decode sizes (N = 1024: a few dozen tiles for 132 SMs), and the fused
+#: projections the paged rollout runs (rlk_integrations.fused: Llama-3-8B's q/k/v and gate/up,
+#: Qwen2.5-7B's gate/up).
 GEMM_SHAPES = {
+    "qkv_fused": (4096, 6144, [16, 64, 256]),
+    "gate_up": (4096, 28672, [16, 64, 256]),
+    "q25_gate_up": (3584, 37888, [64]),
     "q05_up": (896, 4864, [1, 16, 64, 256, 1024]),
     "o_proj": (4096, 4096, [64, 256]),
     "lm_head": (4096, 151936, [256]),
@@ -993,6 +998,8 @@ def gemm_part(rows) -> None:
     table = backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
     cands = [c for i, c in enumerate(gemm._CONFIGS) if i not in (8, 9)] + GEMM_EXTRA  # bf16
     for name, (K, N, ms) in GEMM_SHAPES.items():
+        if DECODE["shapes"] and name not in DECODE["shapes"]:
+            continue
         n = max(1, min(16, math.ceil(STREAM_BYTES / (N * K * 2))))
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(n)]
         for M in ms:
@@ -1084,7 +1091,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="decode,tma,rotary,attention")
-    ap.add_argument("--shapes", default=None, help="decode: GEMM shapes (o_proj,up,down,q05_up)")
+    ap.add_argument("--shapes", default=None, help="decode, gemm: the shapes (o_proj,up,...)")
     ap.add_argument("--ms", default=None, help="decode: comma-separated M (default 1,16,64,256)")
     ap.add_argument("--stages", default=None, help="decode: pipeline depths (default 3,4,6,8)")
     ap.add_argument("--no-leaf", action="store_true", help="decode: skip the split-K variant")
