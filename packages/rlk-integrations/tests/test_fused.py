@@ -42,6 +42,17 @@ def test_fuse_moves_the_weights_into_one_buffer_per_group():
     assert fused.fused(attn) is f
 
 
+def test_a_fused_model_saves_and_loads(tmp_path):
+    """save_pretrained handles the groups' shared storage (disjoint views of one buffer)."""
+    model = _model()
+    fused.fuse_projections(model)
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    want = model.state_dict()
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
 def test_fused_products_are_the_separate_products_bits():
     model = _model()
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
