@@ -122,13 +122,6 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
-def unfuse(model: nn.Module) -> None:
-    """Forget ``model``'s fused groups (the parameters keep viewing their buffers)."""
-    for module in model.modules():
-        if hasattr(module, "_rlk_fused"):
-            del module._rlk_fused
-
-
 def qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` projections of ``x [..., H]`` by ``attn``: column views of one fused
     product when ``attn`` is fused and current, else its three projections (the same bits)."""
