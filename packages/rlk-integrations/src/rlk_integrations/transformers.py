@@ -306,7 +306,8 @@ def _attention_forward(
     b, s, _ = hidden_states.shape
     hidden_shape = (b, s, -1, self.head_dim)
     paged = getattr(past_key_values, "rlk_paged", False)
-    if paged and past_key_values.fuse_projections:  # one product where the model is fused
+    # fuse_projections: set by rlk's own paged cache; other paged caches (vLLM's) lack it.
+    if paged and getattr(past_key_values, "fuse_projections", False):
         q, k, v = fused.qkv(self, hidden_states)
     else:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
@@ -393,7 +394,7 @@ def layer_step(
     norm = layer.post_attention_layernorm
     x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
     cache = attn_kwargs.get("past_key_values")
-    if getattr(cache, "rlk_paged", False) and cache.fuse_projections:
+    if getattr(cache, "rlk_paged", False) and getattr(cache, "fuse_projections", False):
         return fused.mlp(layer.mlp, x), residual  # gate and up by one product where fused
     return layer.mlp(x), residual
 
