@@ -14,7 +14,9 @@ For each op it runs five checks, one per guarantee of ``rlk.GUARANTEES``:
 5. ``path_invariance``: attention training == prefill == chunked prefill == decode ==
    paged_attention (page sizes 16..128, shuffled pages); ``linear_logprobs`` == ``logprobs`` of
    ``linear``; ``rms_norm`` with a residual == the unfused add and norm; ``silu_and_mul`` of
-   gate and up == of their concatenation; ``apply_rotary`` of q and k == two calls.
+   gate and up == of their concatenation; ``apply_rotary`` of q and k == two calls, and of q
+   and k as token-strided column views of one tensor (a fused q/k/v product) == of their
+   contiguous copies.
 
 A check of a guarantee the backend does not claim (``impl.claims``) is a skip, never a pass. An op
 the backend does not implement is a FAIL row, and so is an exception inside a check (the run goes
