@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import rlk
+
 #: (the layer's submodule, its projections in output-column order).
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 
@@ -125,8 +127,6 @@ def fuse_projections(model: nn.Module) -> int:
 def qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` projections of ``x [..., H]`` by ``attn``: column views of one fused
     product when ``attn`` is fused and current, else its three projections (the same bits)."""
-    import rlk
-
     f = fused(attn)
     if f is None:
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
@@ -138,8 +138,6 @@ def mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The SwiGLU MLP ``module`` on ``x``: gate and up by one fused product, whose ``[..., 2I]``
     output :func:`rlk.silu_and_mul` takes whole, when ``module`` is fused and current; else
     ``module(x)`` (the same bits)."""
-    import rlk
-
     f = fused(module)
     if f is None:
         return module(x)

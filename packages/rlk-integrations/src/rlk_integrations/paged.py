@@ -340,7 +340,7 @@ class PagedEngine:
         self.graphs: _DecodeGraphs | None = None
         if padded_decode:
             self.graphs = self._new_graphs()
-        self.fuse_projections = self.cache.fuse_projections = fuse_projections
+        self.cache.fuse_projections = fuse_projections
         if fuse_projections:  # before the addresses the graphs will read are taken
             fused.fuse_projections(model)
         self._state = graph_reads(model, device)
@@ -386,7 +386,7 @@ class PagedEngine:
             )
         state = graph_reads(self.model, self.device)
         if state != self._state:  # the graphs would read where the weights used to be
-            if self.fuse_projections:  # a moved projection is fused again
+            if self.cache.fuse_projections:  # a moved projection is fused again
                 fused.fuse_projections(self.model)
             self.base.rotary_emb._rlk_table.gather(torch.tensor([self.max_len], device=self.device))
             if self.graphs is not None:

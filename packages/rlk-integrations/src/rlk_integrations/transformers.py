@@ -306,8 +306,7 @@ def _attention_forward(
     b, s, _ = hidden_states.shape
     hidden_shape = (b, s, -1, self.head_dim)
     paged = getattr(past_key_values, "rlk_paged", False)
-    # fuse_projections: set by rlk's own paged cache; other paged caches (vLLM's) lack it.
-    if paged and getattr(past_key_values, "fuse_projections", False):
+    if _fused_step(past_key_values):
         q, k, v = fused.qkv(self, hidden_states)
     else:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
@@ -375,6 +374,13 @@ def _decoder_layer_forward(
     return residual + out
 
 
+def _fused_step(cache: Any) -> bool:
+    """Whether a step on ``cache`` runs the fused projections where a layer has them: rlk's
+    paged cache says so (``PagedKVCache.fuse_projections``); other caches, vLLM's paged one
+    included, lack the flag."""
+    return getattr(cache, "fuse_projections", False)
+
+
 def layer_step(
     layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,8 +399,7 @@ def layer_step(
     a, _ = layer.self_attn(hidden_states=x, **attn_kwargs)
     norm = layer.post_attention_layernorm
     x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
-    cache = attn_kwargs.get("past_key_values")
-    if getattr(cache, "rlk_paged", False) and getattr(cache, "fuse_projections", False):
+    if _fused_step(attn_kwargs.get("past_key_values")):
         return fused.mlp(layer.mlp, x), residual  # gate and up by one product where fused
     return layer.mlp(x), residual
 
