@@ -117,6 +117,34 @@ def test_no_grad_path_equals_autograd_path(residual):
     assert all(torch.equal(a, b) for a, b in zip(plain, recorded))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_heads_view_reads_in_place(monkeypatch, chunked):
+    """A heads view [T, heads, D] of a wider tensor (q in a fused q/k/v product): read in place
+    with no grad, copied with one, the bits of its rows' contiguous copy either way; through
+    rlk.rms_norm too, which refuses other non-contiguous layouts by name."""
+    import rlk
+
+    if chunked:  # rows longer than MAX_BLOCK go through the chunked loops
+        monkeypatch.setattr(norm, "MAX_BLOCK", 16)
+    T, heads, D = 5, 3, 32
+    x, _, _, _, _ = _inputs(T, 2 * heads * D, torch.bfloat16, False, seed=3)
+    w = _inputs(1, D, torch.bfloat16, False, seed=4)[1]
+    x3 = x[:, : heads * D].view(T, heads, D)
+    assert not x3.is_contiguous()
+    want = norm.rms_norm(x3.reshape(-1, D), w, EPS, None, table=TABLE).view(T, heads, D)
+    with torch.no_grad():
+        assert torch.equal(norm.rms_norm(x3, w, EPS, None, table=TABLE), want)
+        got = rlk.rms_norm(x.view(1, T, -1)[..., : heads * D].view(1, T, heads, D), w, EPS)
+        assert got.shape == (1, T, heads, D) and torch.equal(got[0], want)
+    leaf = x.clone().requires_grad_()
+    y = norm.rms_norm(leaf[:, : heads * D].view(T, heads, D), w, EPS, None, table=TABLE)
+    assert y.grad_fn is not None and torch.equal(y, want)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        rlk.rms_norm(x3.transpose(1, 2), w[:heads], EPS)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        rlk.rms_norm(x3, w, EPS, residual=torch.zeros_like(x3))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_batch_invariance(dtype):
     T, H = 9, 80

@@ -65,7 +65,7 @@ def _rms_norm(npu: Any) -> Callable:
         if residual is not None:
             s = (x.float() + residual.float()).to(x.dtype)
             return npu.npu_rms_norm(s, weight, epsilon=eps)[0], s
-        return npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+        return npu.npu_rms_norm(x.contiguous(), weight, epsilon=eps)[0]  # (a heads view)
 
     return rms_norm
 

@@ -238,7 +238,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x, weight, eps=1e-6, residual=None, *, table=None):
-    """RMSNorm of ``x [T, H]`` with ``weight [H]``; with ``residual`` returns ``(y, x + r)``."""
+    """RMSNorm of ``x [T, H]`` with ``weight [H]``; with ``residual`` returns ``(y, x + r)``.
+    ``x`` may be a heads view ``[tokens, heads, H]`` (no residual): normalised as its rows."""
+    if x.dim() == 3:
+        return _RMSNorm.apply(x.reshape(-1, x.shape[-1]), weight, eps, None).view(x.shape)
     return _RMSNorm.apply(x, weight, eps, residual)
 
 

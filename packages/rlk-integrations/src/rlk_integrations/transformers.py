@@ -274,7 +274,12 @@ def _tree_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return rlk.rms_norm(x.contiguous(), self.weight, self.variance_epsilon)
+    # Qwen3's q/k norm on a fused q/k/v product gets column views [..., heads, head_dim]:
+    # rlk.rms_norm reads those in place; any other layout is copied first.
+    heads_view = x.dim() >= 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if not (heads_view or x.is_contiguous()):
+        x = x.contiguous()
+    return rlk.rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

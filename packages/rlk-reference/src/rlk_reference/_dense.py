@@ -37,9 +37,10 @@ def rms_norm(
     table=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x [T, H]`` with ``weight [H]``; with ``residual [T, H]`` returns
-    ``(rms_norm(s), s)`` where ``s = x + residual`` rounded to x's dtype."""
+    ``(rms_norm(s), s)`` where ``s = x + residual`` rounded to x's dtype. ``x`` may be a heads
+    view ``[tokens, heads, H]`` (no residual): normalised as its rows, returned in its shape."""
     if residual is None:
-        return _rms(x, weight, eps).to(x.dtype)
+        return _rms(x, weight, eps).to(x.dtype).contiguous()
     s = (x.double() + residual.double()).to(x.dtype)
     return _rms(s, weight, eps).to(x.dtype), s
 

@@ -135,8 +135,10 @@ def _rescue_inv(ss, amax):
 
 
 @jit
-def _load_input(X, R, S, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr):
-    x = tl.load(X + offs, mask=mask, other=0.0)
+def _load_input(X, R, S, x_offs, offs, mask, HAS_RESIDUAL: tl.constexpr,
+                STORE_S: tl.constexpr):  # fmt: skip
+    # X at x_offs (a heads view's own layout), R and S at the rows' contiguous offs.
+    x = tl.load(X + x_offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -156,20 +158,30 @@ def _rms_norm_fwd_kernel(
     n_rows,
     H,
     eps,
+    x_heads,
+    stride_xt,
     HAS_RESIDUAL: tl.constexpr,
+    HEADS_VIEW: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
+    # HEADS_VIEW: row r of X is head r % x_heads of token r // x_heads, tokens stride_xt apart
+    # (q or k as a column view of a fused q/k/v product). Otherwise X's rows are contiguous,
+    # as Y's, R's and S's always are.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     base = rows.to(tl.int64)[:, None] * H
+    x_base = base
+    if HEADS_VIEW:
+        rows64 = rows.to(tl.int64)
+        x_base = ((rows64 // x_heads) * stride_xt + (rows64 % x_heads) * H)[:, None]
     cols = tl.arange(0, BLOCK_H)
     if NUM_CHUNKS == 1:
         mask = row_ok[:, None] & (cols < H)[None, :]
         offs = base + cols[None, :]
-        x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, True)
+        x = _load_input(X, R, S, x_base + cols[None, :], offs, mask, HAS_RESIDUAL, True)
         ss = _exact_sum_or_masked(pair_sums(x * x, LEVELS), 1)
         rstd = tl.rsqrt(ss / H + eps)
         # Squares of finite inputs can overflow where the float64 reference does not: such rows
@@ -190,7 +202,8 @@ def _rms_norm_fwd_kernel(
         for c in range(NUM_CHUNKS):
             ccols = c * BLOCK_H + cols
             mask = row_ok[:, None] & (ccols < H)[None, :]
-            x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, True)
+            x = _load_input(X, R, S, x_base + ccols[None, :], base + ccols[None, :], mask,
+                            HAS_RESIDUAL, True)  # fmt: skip
             ss += _exact_sum_or_masked(pair_sums(x * x, LEVELS), 1)
             amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
         rstd = tl.rsqrt(ss / H + eps)
@@ -201,7 +214,8 @@ def _rms_norm_fwd_kernel(
             for c in range(NUM_CHUNKS):
                 ccols = c * BLOCK_H + cols
                 mask = row_ok[:, None] & (ccols < H)[None, :]
-                x = _load_input(X, R, S, base + ccols[None, :], mask, HAS_RESIDUAL, False)
+                x = _load_input(X, R, S, x_base + ccols[None, :], base + ccols[None, :], mask,
+                                HAS_RESIDUAL, False)  # fmt: skip
                 xs = x * inv[:, None]
                 ss2 += _exact_sum(pair_sums(xs * xs, LEVELS), 1)
             rs = tl.rsqrt(ss2 / H + eps * inv * inv) * inv
@@ -211,7 +225,7 @@ def _rms_norm_fwd_kernel(
             mask = row_ok[:, None] & (ccols < H)[None, :]
             offs = base + ccols[None, :]
             # Recomputes s from x and residual rather than rereading S that other threads wrote.
-            x = _load_input(X, R, S, offs, mask, HAS_RESIDUAL, False)
+            x = _load_input(X, R, S, x_base + ccols[None, :], offs, mask, HAS_RESIDUAL, False)
             w = tl.load(W + ccols, mask=ccols < H, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
             tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -391,11 +405,15 @@ TUNING = {
 
 
 def _forward(x, weight, eps, residual, table):
-    T, H = x.shape
+    """``(y, s or None, rstd)``. ``x``: contiguous rows ``[T, H]``, or (no residual) a heads
+    view ``[tokens, heads, H]`` with any token stride (``y`` then ``[tokens, heads, H]``)."""
+    H = x.shape[-1]
+    heads, stride_xt = (x.shape[1], x.stride(0)) if x.dim() == 3 else (1, H)
+    T = x.numel() // H
     block = _block(H)
     cfg = tuning.config(table, "rms_norm.fwd", rows=T, hidden=H)
     rows = max(1, cfg["tile"] // block)
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(T, dtype=torch.float32, device=x.device)
     if T > 0:
@@ -409,7 +427,10 @@ def _forward(x, weight, eps, residual, table):
             T,
             H,
             eps,
+            heads,
+            stride_xt,
             HAS_RESIDUAL=residual is not None,
+            HEADS_VIEW=x.dim() == 3,
             BLOCK_H=block,
             NUM_CHUNKS=_cdiv(H, block),
             ROWS=rows,
@@ -560,7 +581,15 @@ def rms_norm(
     Returns ``y [T, H]`` in ``x.dtype``; with ``residual [T, H]`` returns ``(y, s)`` where
     ``s = x + residual`` rounded to ``x.dtype`` and ``y = rms_norm(s)``. Differentiable in
     ``x``, ``weight`` and ``residual``; the weight gradient has ``weight.dtype``.
+
+    ``x`` may also be a heads view ``[tokens, heads, H]`` (no residual; any token stride, heads
+    and H contiguous): its rows are read in place where nothing is differentiated, and
+    ``y [tokens, heads, H]`` is returned.
     """
+    if x.dim() == 3:
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return _forward(x, weight.contiguous(), eps, None, table)[0]
+        return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, None, table=table).view(x.shape)
     x, weight = x.contiguous(), weight.contiguous()
     residual = residual.contiguous() if residual is not None else None
     if torch.is_grad_enabled() and (

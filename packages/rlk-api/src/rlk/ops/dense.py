@@ -128,6 +128,18 @@ def _plain_norm_args(x: object, weight: object, eps: object, residual: object) -
     )
 
 
+def _heads_view(x: torch.Tensor) -> torch.Tensor | None:
+    """``x [..., heads, D]`` as the ``[T, heads, D]`` view that :func:`rms_norm`'s backends read
+    in place (any token stride; heads and D contiguous), or None where ``x`` is not so laid out
+    (it must then be contiguous)."""
+    if x.dim() < 3 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return None
+    try:
+        return x.view(-1, x.shape[-2], x.shape[-1])
+    except RuntimeError:  # leading dims that no single token stride covers
+        return None
+
+
 @op(
     "norm",
     grad_args=("x", "weight", "residual"),
@@ -157,7 +169,10 @@ def rms_norm(
     ``(rms_norm(s), s)``, bitwise equal to the two unfused calls.
     The normalisation runs in fp32 and rounds once; the output is in ``x.dtype``.
 
-    For Qwen3's per-head q/k norm pass ``x [T, heads, head_dim]`` and ``weight [head_dim]``.
+    For Qwen3's per-head q/k norm pass ``x [..., heads, head_dim]`` and ``weight [head_dim]``.
+    Without ``residual`` such an ``x`` may be a view with any token stride, its heads and
+    head_dim contiguous (q or k as column views of a fused q/k/v product): backends read it in
+    place or copy it first, the bits are the same. Any other ``x`` must be contiguous.
 
     Contract: one row's output depends only on that row; the sum of squares runs in fixed-size
     chunks in a fixed order; the weight gradient reduces over rows in a fixed partition and order.
@@ -166,10 +181,16 @@ def rms_norm(
 
         y, h = rlk.rms_norm(attn_out, w, 1e-6, residual=h)
     """
+    heads = None
     if _plain_norm_args(x, weight, eps, residual):
         device = x.device
     else:
-        chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True)
+        if residual is None and isinstance(x, torch.Tensor) and not x.is_contiguous():
+            heads = _heads_view(x)
+        chk.tensor(
+            "x", x, dtypes=chk.FLOAT_DTYPES, min_ndim=1, nonempty_last=True,
+            contiguous=heads is None,
+        )  # fmt: skip
         chk.tensor("weight", weight, dtypes=chk.FLOAT_DTYPES, ndim=1)
         eps = chk.positive_float("eps", eps)
         if residual is not None:
@@ -178,6 +199,10 @@ def rms_norm(
             chk.shape("residual", residual, x.shape, "the shape of x")
         device = chk.same_device(x=x, weight=weight, residual=residual)
         chk.shape("weight", weight, (x.shape[-1],), "H = x.shape[-1]")
+    if heads is not None:
+        if torch.compiler.is_compiling():  # torch.ops.rlk.rms_norm takes rows
+            return _unrows(_call("rms_norm", device, _rows(x), weight, eps, None), *x.shape)
+        return _call("rms_norm", device, heads, weight, eps, None).view(x.shape)
     if residual is None:
         return _unrows(_call("rms_norm", device, _rows(x), weight, eps, None), *x.shape)
     y, s = _call("rms_norm", device, _rows(x), weight, eps, _rows(residual))

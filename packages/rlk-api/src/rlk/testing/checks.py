@@ -514,8 +514,21 @@ def logprobs_paths(
     return diffs.outcome(f"{diffs.compared} fused results bitwise equal to linear + logprobs")
 
 
+def _heads_strided(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H]`` as a heads view ``[T, heads, H / heads]`` (4 heads where H allows, else 1)
+    of a wider ``[T, H + H / heads]`` tensor: the layout of q in a fused q/k/v product, the
+    same values as ``x.view(T * heads, H / heads)``, a token stride of its own."""
+    T, H = x.shape
+    heads = 4 if H % 4 == 0 else 1
+    d = H // heads
+    wide = torch.cat([x, torch.full_like(x[:, :d], 7.0)], 1)
+    return wide[:, :H].view(T, heads, d)
+
+
 def rms_norm_paths(fn: Callable, cases: list[Case]) -> Outcome:
-    """rms_norm(x, w, eps, residual) == (rms_norm(x + residual, w, eps), x + residual)."""
+    """rms_norm(x, w, eps, residual) == (rms_norm(x + residual, w, eps), x + residual); and a
+    heads view of a wider tensor (q in a fused q/k/v product) gives the result of its rows'
+    contiguous copy."""
     diffs = _Diffs()
     for case in cases:
         a = case.args
@@ -524,7 +537,15 @@ def rms_norm_paths(fn: Callable, cases: list[Case]) -> Outcome:
         y_ref = call(fn, "rms_norm", {**a, "x": s_ref, "residual": None})
         diffs.compare(f"{case.label}: sum", s, s_ref)
         diffs.compare(f"{case.label}: normed", y, y_ref)
-    return diffs.outcome(f"{diffs.compared} fused-residual results bitwise equal to unfused")
+        x3 = _heads_strided(a["x"])
+        heads = {**a, "x": x3, "weight": a["weight"][: x3.shape[2]], "residual": None}
+        got = call(fn, "rms_norm", heads)
+        rows = {**heads, "x": x3.reshape(-1, x3.shape[2])}
+        diffs.compare(f"{case.label}: heads view", got, call(fn, "rms_norm", rows).view(x3.shape))
+    return diffs.outcome(
+        f"{diffs.compared} fused-residual and heads-view results bitwise equal to unfused, "
+        "contiguous calls"
+    )
 
 
 def silu_and_mul_paths(fn: Callable, cases: list[Case]) -> Outcome:
