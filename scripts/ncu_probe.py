@@ -16,7 +16,8 @@ Probes (bf16, CUDA):
   up projection in prefill, the harness shape where rlk's GEMM is slowest against cuBLAS): one
   ``_matmul_tma_kernel`` launch, then cuBLAS's kernel.
 - ``paged-b1``: ``rlk.paged_attention`` decode at B=1, ctx 8192, Hq=32, Hk=8, D=128, pages of
-  16 (the harness's small-batch decode): one ``_fwd_kernel`` launch per call.
+  16 (the harness's small-batch decode): one ``_fwd_kernel`` launch per call. Another shape:
+  ``PROBE_PAGED=B,ctx,Hq,Hk,D,page``.
 - ``norm-bwd``: ``rms_norm`` forward + backward at T=65536, H=896 (Qwen2-0.5B's hidden size),
   the harness shape where rlk's backward is slowest against ``torch.compile``; its kernels are
   ``_rms_norm_fwd_kernel``, ``_rms_norm_bwd_kernel`` and the dweight partial sums.
@@ -109,7 +110,8 @@ def linear_shortk() -> None:
 def paged_b1() -> None:
     from rlk.bench.attention import decode_inputs
 
-    inputs = decode_inputs(1, 8192, 32, 8, 128, 16, device="cuda")
+    shape = os.environ.get("PROBE_PAGED", "1,8192,32,8,128,16")
+    inputs = decode_inputs(*(int(v) for v in shape.split(",")), device="cuda")
     for _ in range(3):
         rlk.paged_attention(*inputs)
 
