@@ -157,3 +157,29 @@ def test_static_peer_that_does_not_compile_or_fails_is_left_out(monkeypatch):
     monkeypatch.setattr(e2e_bench, "_rollout_row", fail)
     r = e2e_bench._hf_static_row(*args, torch.device("cpu"))
     assert r["left_out"] == "MemoryError: out of memory" and r["impl"] == "hf-generate-static"
+
+
+def test_liger_compiled_rows_run_after_every_other_row(monkeypatch):
+    """On CUDA Liger's compiled peer runs last (it has left a CUDA context unusable, which
+    would fail every row after it): each model's other rows first, then its row per model."""
+    from rlk_integrations import e2e_compile
+
+    calls, compiled_trainings = [], e2e_compile.compiled_trainings
+    monkeypatch.setattr(timing, "DEVICE", "cuda")  # only the calls' order is run here
+    monkeypatch.setattr(e2e_bench, "_free", lambda device: None)
+    monkeypatch.setattr(e2e_bench, "_liger", lambda: "flce")
+    monkeypatch.setattr(e2e_bench, "_bench_model", lambda name, *a: calls.append(("rows", name)))
+    monkeypatch.setattr(
+        e2e_compile, "compiled_trainings", lambda name, *a: calls.append((a[-1], name))
+    )
+    monkeypatch.setenv("RLK_E2E_MODELS", "qwen2-0.5b,qwen3-0.6b")
+    e2e_bench.run(quick=False, emit=lambda row: None)
+    liger = (e2e_compile.LIGER,)
+    assert calls == [
+        ("rows", "qwen2-0.5b"),
+        ("rows", "qwen3-0.6b"),
+        (liger, "qwen2-0.5b"),
+        (liger, "qwen3-0.6b"),
+    ]
+    with pytest.raises(ValueError, match="not in"):
+        compiled_trainings("tiny", 2, 8, torch.device("cpu"), None, None, ("x",))

@@ -57,7 +57,8 @@ sequence's first, their sum, backward:
   warm-up call captures).
 
 The same step with ``torch.compile`` on both sides (``e2e.train.compiled``: stock, stock with
-Liger's kernels, rlk) is :mod:`rlk_integrations.e2e_compile`'s.
+Liger's kernels, rlk) is :mod:`rlk_integrations.e2e_compile`'s; the family runs its Liger row
+after every model's other rows.
 
 A training row is the median wall time of :data:`TRAIN_ITERS` iterations after
 :data:`TRAIN_WARMUP` untimed ones, gradients zeroed before each; ``tok_s`` counts every token
@@ -600,9 +601,12 @@ def _bench_model(
             _rollouts(model, name, b, new, PROMPT_LEN, device, emit, long=False)
         _trainings(model, name, n, length, device, emit, flce)
         if device.type == "cuda":  # torch.compile on both sides (e2e_compile.py)
-            from rlk_integrations.e2e_compile import compiled_trainings
+            from rlk_integrations import e2e_compile as ec
 
-            compiled_trainings(name, n, length, device, emit, flce)
+            # Liger's compiled row runs after every model's other rows (_run).
+            ec.compiled_trainings(
+                name, n, length, device, emit, flce, tuple(i for i in ec.IMPLS if i != ec.LIGER)
+            )
         _grpo(model, name, grpo_prompts, new, device, emit, flce)
     finally:
         unpatch_model(model)
@@ -642,6 +646,12 @@ def _run(quick: bool, emit: Callable[[dict], None], long: bool) -> None:
         setting = long_setting if long else None
         _bench_model(name, batches, new, setting, n, length, grpo, device, emit, flce)
         _free(device)
+    if not long and flce is not None and device.type == "cuda":
+        # Last: a peer that fails here may leave the CUDA context unusable (e2e_compile.py).
+        from rlk_integrations import e2e_compile as ec
+
+        for name in _selected(models):
+            ec.compiled_trainings(name, n, length, device, emit, flce, (ec.LIGER,))
 
 
 def run(quick: bool, emit: Callable[[dict], None]) -> None:
