@@ -58,6 +58,20 @@ def _paged():
     return (q, kc, vc, table, torch.tensor([6, 3], dtype=torch.int32), _cu(1, 1)), {}
 
 
+def _paged_stores():
+    # The last token of each sequence stored by the call: seq 0's token 5 (page 0, offset 1:
+    # slot 1), seq 1's token 2 (page 1, offset 2: slot 6).
+    args, _ = _paged()
+    kw = {"k_new": _t(2, 1, 8, seed=5), "v_new": _t(2, 1, 8, seed=6)}
+    return args, {**kw, "slots": torch.tensor([1, 6])}
+
+
+def _rms_heads():
+    # Qwen3's q norm on a fused q/k/v product: [T, heads, D] column views, read in place.
+    qkv = _t(4, 5 * 8, dtype=BF)
+    return (qkv[:, : 3 * 8].view(4, 3, 8), _t(8, dtype=BF), 1e-6), {}
+
+
 #: op -> (a label, a function making the public call's (args, kwargs)).
 CASES = {
     "linear": lambda: ((_t(4, 8, grad=True), _t(6, 8, grad=True), _t(6, grad=True)), {}),
@@ -87,6 +101,8 @@ CASES = {
         },
     ),  # fmt: skip
     "paged_attention": _paged,
+    "paged_attention/stores": _paged_stores,
+    "rms_norm/heads": _rms_heads,
     "logprobs": lambda: (
         (_t(4, 16, dtype=BF, grad=True), torch.tensor([0, 3, 15, 7])),
         {"temperature": 0.7, "return_entropy": True},

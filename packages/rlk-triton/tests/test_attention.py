@@ -357,6 +357,29 @@ def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
     assert pattn.paged_attention(*args, table=TABLE).isnan().all()
 
 
+def test_paged_stores_new_kv_in_bounds(monkeypatch):
+    """k_new/v_new stored by the call (one launch) equal index_copy_ then the call; a slot out
+    of range is never written and fails the call (CPU: ValueError at once)."""
+    q, k, v = _qkv(40, 4, 2, 16, torch.bfloat16, seed=5)
+    kc, vc, bt = _paged_cache([(k, v)], 16)
+    lens, cu = torch.tensor([40], dtype=torch.int32), _cu([2])
+    pos = torch.tensor([38, 39])
+    slots = bt[0].long()[pos // 16] * 16 + pos % 16
+    want = pattn.paged_attention(q[38:], kc, vc, bt, lens, cu, 0.25, table=TABLE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[slots // 16, slots % 16] = vc2[slots // 16, slots % 16] = 0.0
+    kw = dict(k_new=k[38:], v_new=v[38:], slots=slots, table=TABLE)
+    got = pattn.paged_attention(q[38:], kc2, vc2, bt, lens, cu, 0.25, **kw)
+    assert torch.equal(got, want)
+    assert torch.equal(kc2.nan_to_num(7.0), kc.nan_to_num(7.0))
+    assert torch.equal(vc2.nan_to_num(7.0), vc.nan_to_num(7.0))
+    before = kc2.clone()
+    bad = torch.tensor([slots[0].item(), kc.shape[0] * 16])
+    with pytest.raises(ValueError, match="slot outside"):
+        pattn.paged_attention(q[38:], kc2, vc2, bt, lens, cu, 0.25, **{**kw, "slots": bad})
+    assert torch.equal(kc2.nan_to_num(7.0), before.nan_to_num(7.0))  # row 0 rewritten alike
+
+
 def _pointers_and_descriptors(cfg, q, k, v, cu_q, cu_k, causal=True):
     """The forward under ``cfg`` without and with ``TMA``."""
     plain = {key: val for key, val in cfg.items() if key != "TMA"}

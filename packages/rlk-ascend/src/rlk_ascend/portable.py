@@ -358,10 +358,16 @@ def attention(
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=None, *, table=None
-) -> torch.Tensor:
+    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=None, *, k_new=None,
+    v_new=None, slots=None, table=None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention against a paged cache: gathers each sequence's tokens in logical order
-    and runs :func:`attention`'s per-sequence code, so the bits equal :func:`attention`'s."""
+    and runs :func:`attention`'s per-sequence code, so the bits equal :func:`attention`'s. With
+    ``k_new``/``v_new`` and ``slots``: stores them in their slots first."""
+    if k_new is not None:
+        page_size = k_cache.shape[1]
+        k_cache[slots // page_size, slots % page_size] = k_new
+        v_cache[slots // page_size, slots % page_size] = v_new
     if scale is None:
         scale = q.shape[-1] ** -0.5
     page = k_cache.shape[1]

@@ -145,14 +145,13 @@ class PagedKVCache:
         scale: float | None,
     ) -> torch.Tensor:
         """Store the step's ``k``/``v [T, Hk, D]`` of layer ``layer_idx`` in their slots, then
-        attend ``q [T, Hq, D]`` to each sequence's cached tokens. Returns ``[T, Hq, D]``."""
+        attend ``q [T, Hq, D]`` to each sequence's cached tokens (one ``rlk.paged_attention``
+        call does both). Returns ``[T, Hq, D]``."""
         kc, vc = self.k[layer_idx], self.v[layer_idx]
-        _, _, hk, d = kc.shape
-        kc.view(-1, hk, d).index_copy_(0, self.slots, k)
-        vc.view(-1, hk, d).index_copy_(0, self.slots, v)
         return rlk.paged_attention(
-            q, kc, vc, self.block_table, self.seq_lens, self.cu_seqlens_q, scale=scale
-        )
+            q, kc, vc, self.block_table, self.seq_lens, self.cu_seqlens_q, scale=scale,
+            k_new=k, v_new=v, slots=self.slots,
+        )  # fmt: skip
 
 
 @dataclass

@@ -80,6 +80,13 @@ def attention(
     return torch.cat(outs, dim=0).to(q.dtype)
 
 
+def _store_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+    """``cache[slot // page_size, slot % page_size] = new[i]`` for each ``slot = slots[i]``
+    (an exact copy; ``cache [pages, page_size, Hk, D]`` may be a strided view)."""
+    page_size = cache.shape[1]
+    cache[slots // page_size, slots % page_size] = new
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -89,11 +96,19 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float | None = None,
     *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
     table=None,
 ) -> torch.Tensor:
     """Causal attention against a paged cache ``[pages, page_size, Hk, D]``: token ``j`` of
     sequence ``b`` lives at ``cache[block_table[b, j // page_size], j % page_size]``. Gathers
-    each sequence's ``seq_lens[b]`` tokens and runs :func:`attention`'s math on them."""
+    each sequence's ``seq_lens[b]`` tokens and runs :func:`attention`'s math on them. With
+    ``k_new``/``v_new [Tn, Hk, D]`` and ``slots`` int64 ``[Tn]``: stores row ``i`` of each at
+    flat slot ``slots[i]`` of its cache first."""
+    if k_new is not None:
+        _store_slots(k_cache, k_new, slots)
+        _store_slots(v_cache, v_new, slots)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     page_size = k_cache.shape[1]

@@ -829,9 +829,10 @@ def _forward(
     if paged:
         _bounds.report(
             ok,
-            "paged_attention: cu_seqlens_q, seq_lens or block_table out of range (offsets "
-            f"outside q's {tq} rows, seq_lens < queries or > {tk} slots of a block-table row, "
-            f"or a page id outside [0, {n_pages}))",
+            "paged_attention: cu_seqlens_q, seq_lens, block_table or slots out of range "
+            f"(offsets outside q's {tq} rows, seq_lens < queries or > {tk} slots of a "
+            f"block-table row, a page id outside [0, {n_pages}), or a new token's slot outside "
+            f"[0, {n_pages * page_size}))",
         )
     else:
         _bounds.report(

@@ -13,8 +13,9 @@ import math
 
 import torch
 
+from rlk_triton import _bounds, tuning
 from rlk_triton import attention as _attention
-from rlk_triton import tuning
+from rlk_triton._triton import jit, next_power_of_2, tl
 from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
 
 #: Decode grids of fewer programs than this run a program per KV split (the SPLIT config) once
@@ -53,6 +54,49 @@ TUNING = {"paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=_choos
 CPU_TUNING = {"paged_attention.fwd": tuning.Rule(configs=_FWD_CONFIGS, choose=lambda **_: 0)}
 
 
+@jit
+def _store_kernel(
+    K, V, KC, VC, SLOTS, OK, n_slots, page_size, hk, d,
+    skt, skh, svt, svh, kcp, kct, kch, vcp, vct, vch,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Program t copies row t of K and of V ([Tn, Hk, D], D contiguous) into flat slot SLOTS[t]
+    # of each cache (page = slot // page_size, token = slot % page_size; any strides, D
+    # contiguous). A slot outside [0, n_slots) is never used as an address: it clears OK.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + t)
+    in_range = (slot >= 0) & (slot < n_slots)
+    if ~in_range:
+        tl.store(OK, 0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    c = tl.arange(0, BLOCK_D)[None, :]
+    slots = slot + 0 * h  # [BLOCK_H, 1]: the mask is built of tensors (a scalar would do on GPU)
+    mask = (h < hk) & (slots >= 0) & (slots < n_slots) & (c < d)
+    slot = tl.where(in_range, slot, 0)
+    page, tok = slot // page_size, slot % page_size
+    k = tl.load(K + t * skt + h * skh + c, mask=mask)
+    tl.store(KC + page * kcp + tok * kct + h * kch + c, k, mask=mask)
+    v = tl.load(V + t * svt + h * svh + c, mask=mask)
+    tl.store(VC + page * vcp + tok * vct + h * vch + c, v, mask=mask)
+
+
+def _store(k_new, v_new, slots, k_cache, v_cache) -> torch.Tensor:
+    """Stores ``k_new``/``v_new [Tn, Hk, D]`` at flat ``slots`` of the caches in one launch (an
+    exact copy, so no launch parameter changes a bit); returns the bounds flag."""
+    ok = _bounds.flag(k_cache.device)
+    tn, hk, d = k_new.shape
+    pages, page_size = k_cache.shape[:2]
+    if tn:
+        _store_kernel[(tn,)](
+            k_new, v_new, k_cache, v_cache, slots, ok, pages * page_size, page_size, hk, d,
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            BLOCK_H=next_power_of_2(hk), BLOCK_D=next_power_of_2(d), num_warps=4,
+        )  # fmt: skip
+    return ok
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -62,17 +106,30 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float | None = None,
     *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
     table: tuning.TuningTable,
 ) -> torch.Tensor:
     """Causal attention of ``q [Tq, Hq, D]`` against paged caches ``[pages, page_size, Hk, D]``
     (``block_table`` int32 ``[B, max_pages]``, ``seq_lens`` int32 ``[B]`` including the new
     tokens, ``cu_seqlens_q`` int32 ``[B + 1]``) -> ``[Tq, Hq, D]``; bitwise equal to
     :func:`attention` on the same logical sequences. Forward only.
+
+    With ``k_new``/``v_new [Tn, Hk, D]`` and ``slots`` int64 ``[Tn]``: one launch stores them in
+    their slots first (:func:`_store`).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention needs caches with a contiguous head_dim")
+    if k_new is not None:
+        ok = _store(k_new, v_new, slots.contiguous(), k_cache, v_cache)
+        # On a GPU the flag is the device's one, which the attention's report below covers (no
+        # second assertion kernel); a CPU call's flag is its own, read now.
+        if ok is not _bounds.flag(ok.device) or q.shape[0] == 0:
+            n = k_cache.shape[0] * k_cache.shape[1]
+            _bounds.report(ok, f"paged_attention: a new token's slot outside [0, {n})")
     q = q.contiguous()
     o, _ = _forward(
         q,

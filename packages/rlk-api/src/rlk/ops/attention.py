@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from rlk import _plugins
 from rlk import _validate as chk
 from rlk._catalog import Operator, op
 from rlk.ops._common import _call, f32
@@ -118,8 +119,9 @@ def attention(
     "paged_attention",
     operator=Operator(
         "Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor cu_seqlens_q, float scale",
+        "Tensor cu_seqlens_q, float scale, Tensor? k_new, Tensor? v_new, Tensor? slots",
         outputs=lambda a: [torch.empty_like(a["q"])],
+        omitted_if_none=("k_new", "v_new", "slots"),
     ),
 )
 def paged_attention(
@@ -130,6 +132,10 @@ def paged_attention(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float | None = None,
+    *,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries against a paged KV cache; the same bits as :func:`attention`.
 
@@ -142,12 +148,21 @@ def paged_attention(
     The caches may be strided views (any page, token and head strides; ``D`` contiguous), such
     as the key and value halves of a serving engine's blocks.
 
+    With ``k_new``/``v_new [Tn, Hk, D]`` (any token and head strides, ``D`` contiguous) and
+    ``slots`` int64 ``[Tn]`` the call first stores row ``i`` of each at flat slot ``slots[i]``
+    (``page * page_size + offset``) of its cache, an exact copy, then attends: the step's new
+    keys and values enter the cache and the attention in one call (backends may write both
+    caches in one launch). The slots must be distinct and in ``[0, pages * page_size)``; one out
+    of range is never written and fails like a bad page id.
+
     Contract: bitwise equal to :func:`attention` on the same logical sequence, whatever the page
     size, the page order in memory, the caches' strides, or the batch.
 
     Example::
 
         o = rlk.paged_attention(q, kc, vc, block_table, seq_lens, cu_q)   # decode: 1 query/seq
+        o = rlk.paged_attention(q, kc, vc, block_table, seq_lens, cu_q, k_new=k, v_new=v,
+                                slots=slots)                   # the step's K/V stored first
     """
     chk.tensor("q", q, dtypes=chk.FLOAT_DTYPES, ndim=3)
     # A cache may be a strided view (a serving engine's blocks holding keys and values side by
@@ -188,6 +203,12 @@ def paged_attention(
         used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] * page_size
         in_use = used < seq_lens[:, None]
         chk.index_range("block_table", block_table[in_use], 0, pages, f"pages of k_cache: {pages}")
+    new = _check_new_kv(k_new, v_new, slots, k_cache)
+    if new and _plugins._compiling():
+        # torch.ops.rlk.paged_attention writes nothing: the stores as torch ops in the graph.
+        _store_slots(k_cache, k_new, slots)
+        _store_slots(v_cache, v_new, slots)
+        new = {}
     return _call(
         "paged_attention",
         device,
@@ -198,4 +219,40 @@ def paged_attention(
         seq_lens,
         cu_q,
         _scale(scale, d),
+        **new,
     )
+
+
+def _check_new_kv(
+    k_new: object, v_new: object, slots: object, k_cache: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """:func:`paged_attention`'s ``k_new``, ``v_new`` and ``slots`` checked, as the keywords to
+    pass a backend ({} when none is given)."""
+    given = [
+        name for name, t in (("k_new", k_new), ("v_new", v_new), ("slots", slots)) if t is not None
+    ]
+    if not given:
+        return {}
+    if len(given) != 3:
+        raise ValueError(f"give k_new, v_new and slots together, or none of them (got {given})")
+    pages, page_size, hk, d = k_cache.shape
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        chk.tensor(name, t, dtypes=chk.FLOAT_DTYPES, ndim=3, contiguous=False)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head_dim) dimension")
+        chk.same_dtype(k_cache=k_cache, **{name: t})
+    chk.tensor("slots", slots, dtypes=(torch.int64,), ndim=1)
+    tn = k_new.shape[0]
+    chk.shape("k_new", k_new, (tn, hk, d), f"[Tn, Hk, D] with Hk={hk}, D={d} of k_cache")
+    chk.shape("v_new", v_new, (tn, hk, d), "the shape of k_new")
+    chk.shape("slots", slots, (tn,), "[Tn] of k_new")
+    chk.same_device(k_cache=k_cache, k_new=k_new, v_new=v_new, slots=slots)
+    chk.index_range("slots", slots, 0, pages * page_size, f"slots of k_cache: {pages * page_size}")
+    if chk.value_checks_enabled(slots) and slots.unique().numel() != tn:
+        raise ValueError("slots must be distinct (two new tokens in one slot)")
+    return {"k_new": k_new, "v_new": v_new, "slots": slots}
+
+
+def _store_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+    page_size = cache.shape[1]
+    cache[slots // page_size, slots % page_size] = new

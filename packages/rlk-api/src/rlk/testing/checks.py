@@ -488,7 +488,42 @@ def paged_paths(fn: Callable, attention_fn: Callable, paths: list[AttnPath], gen
                     call(fn, "paged_attention", views),
                     out,
                 )
+                # The new tokens' keys and values stored by the call itself (k_new, v_new,
+                # slots) into caches whose slots hold garbage, the values as token-strided
+                # views: the same output, and the caches as they were.
+                stored = _stored_by_the_call(args, seqs, nqs, ps)
+                diffs.compare(
+                    f"{p.label}: page size {ps}, new K/V stored by the call",
+                    call(fn, "paged_attention", stored),
+                    out,
+                )
+                for name in ("k_cache", "v_cache"):
+                    diffs.compare(
+                        f"{p.label}: page size {ps}, {name} after the stores",
+                        stored[name],
+                        args[name],
+                    )
     return diffs.outcome(f"{diffs.compared} paged outputs bitwise equal to attention")
+
+
+def _stored_by_the_call(args: dict, seqs: list[Seq], nqs: list[int], ps: int) -> dict:
+    """``args`` of :func:`paged_paths` with each sequence's query tokens' keys and values taken
+    out of copies of the caches (their slots filled with garbage) and passed as ``k_new``,
+    ``v_new`` and ``slots``; ``v_new`` a token-strided view (beside ``k_new`` in one tensor)."""
+    kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
+    slots = []
+    for i, (s, nq) in enumerate(zip(seqs, nqs, strict=True)):
+        pos = torch.arange(s.k.shape[0] - nq, s.k.shape[0], device=kc.device)
+        pages = args["block_table"][i].long()[pos // ps]
+        slots.append(pages * ps + pos % ps)
+    slots = torch.cat(slots)
+    k_new, v_new = kc[slots // ps, slots % ps], vc[slots // ps, slots % ps]
+    kv = torch.cat([k_new, v_new], dim=1)  # [Tn, 2 Hk, D]: v_new a token-strided view
+    hk = k_new.shape[1]
+    kc[slots // ps, slots % ps] = kc[slots // ps, slots % ps].flip(0) * 3 + 1  # garbage
+    vc[slots // ps, slots % ps] = vc[slots // ps, slots % ps].flip(0) * 3 + 1
+    return {**args, "k_cache": kc, "v_cache": vc, "k_new": kv[:, :hk], "v_new": kv[:, hk:],
+            "slots": slots}  # fmt: skip
 
 
 def logprobs_paths(

@@ -146,9 +146,7 @@ class RLKAttentionImpl(AttentionImpl):
             return output.zero_()
         t = attn_metadata.num_actual_tokens
         kc, vc = kv_views(kv_cache, self.head_size)
-        slots = attn_metadata.slot_mapping
-        _write_slots(kc, key[:t], slots)
-        _write_slots(vc, value[:t], slots)
+        # The step's keys and values go into their slots in the same call.
         out = rlk.paged_attention(
             query[:t],
             kc,
@@ -157,17 +155,13 @@ class RLKAttentionImpl(AttentionImpl):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             scale=self.scale,
+            k_new=key[:t].to(kc.dtype),
+            v_new=value[:t].to(vc.dtype),
+            slots=attn_metadata.slot_mapping,
         )
         output[:t].copy_(out.view(output[:t].shape))
         output[t:].zero_()
         return output
-
-
-def _write_slots(cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
-    """``cache[slot // block_size, slot % block_size] = new`` for each row of ``new [T, Hk, D]``
-    (an exact copy; ``cache [blocks, block_size, Hk, D]`` may be a strided view)."""
-    block_size = cache.shape[1]
-    cache[slots // block_size, slots % block_size] = new.to(cache.dtype)
 
 
 class RLKAttentionBackend(AttentionBackend):
