@@ -87,10 +87,12 @@ def _paged(**over):
         seq_lens=cu(20, 17),
         cu_seqlens_q=cu(0, 1, 3),
     )
-    a.update(over)
+    new = {k: v for k, v in over.items() if k in ("k_new", "v_new", "slots")}
+    a.update({k: v for k, v in over.items() if k not in new})
     return lambda: rlk.paged_attention(
-        a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"]
-    )
+        a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"],
+        **new,
+    )  # fmt: skip
 
 
 def _pl(**over):
@@ -261,6 +263,27 @@ CASES = {
         "block_table",
     ),
     "paged too long": (_paged(seq_lens=cu(40, 17)), ValueError, "seq_lens"),
+    "paged k_new alone": (_paged(k_new=r(3, 2, 16)), ValueError, "together"),
+    "paged slots dtype": (
+        _paged(k_new=r(3, 2, 16), v_new=r(3, 2, 16), slots=cu(19, 35, 36)),
+        TypeError,
+        "slots",
+    ),
+    "paged v_new shape": (
+        _paged(k_new=r(3, 2, 16), v_new=r(2, 2, 16), slots=torch.tensor([19, 35, 36])),
+        ValueError,
+        "v_new",
+    ),
+    "paged slot out of range": (
+        _paged(k_new=r(3, 2, 16), v_new=r(3, 2, 16), slots=torch.tensor([19, 35, 96])),
+        ValueError,
+        "slots",
+    ),
+    "paged slots repeated": (
+        _paged(k_new=r(3, 2, 16), v_new=r(3, 2, 16), slots=torch.tensor([19, 35, 35])),
+        ValueError,
+        "distinct",
+    ),
     "paged too short": (_paged(seq_lens=cu(20, 1)), ValueError, "seq_lens"),
     "paged seq_lens shape": (_paged(seq_lens=cu(20)), ValueError, "seq_lens"),
     "paged cu length": (_paged(cu_seqlens_q=cu(0, 3)), ValueError, "cu_seqlens_q"),
