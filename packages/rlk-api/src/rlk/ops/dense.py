@@ -200,9 +200,7 @@ def rms_norm(
             chk.shape("residual", residual, x.shape, "the shape of x")
         device = chk.same_device(x=x, weight=weight, residual=residual)
         chk.shape("weight", weight, (x.shape[-1],), "H = x.shape[-1]")
-    if heads is not None:
-        if _plugins._compiling():  # torch.ops.rlk.rms_norm takes rows
-            return _unrows(_call("rms_norm", device, _rows(x), weight, eps, None), *x.shape)
+    if heads is not None and not _plugins._compiling():  # (torch.ops.rlk.rms_norm takes rows)
         return _call("rms_norm", device, heads, weight, eps, None).view(x.shape)
     if residual is None:
         return _unrows(_call("rms_norm", device, _rows(x), weight, eps, None), *x.shape)
