@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `rlk bench` on an H200 machine (offline) within 10 minutes (DEADLINE), with the GPU checks
+# `rlk bench` on a GPU machine (offline) within 10 minutes (DEADLINE), with the GPU checks
 # of the kernels changed since the last GPU run.
 #   OUT=... bash scripts/gpu_bench.sh   (env: QUICK=1 for --quick; ONLY=fam,fam to run those
 #                                        families alone; DEADLINE seconds, default 560;
@@ -12,10 +12,11 @@
 # ONLY=e2e-long. Each family runs as its own `rlk bench --only <family>` process with its own
 # time limit (the report is rewritten after every row, so a family cut short keeps what it
 # measured). With two GPUs the families are split over two lanes, one per GPU, running at the
-# same time; with one they run one after the other. `rlk bench --render` merges the parts into $OUT/h200.json and
-# $OUT/h200.md. A summary is printed last.
+# same time; with one they run one after the other. `rlk bench --render` merges the parts into
+# $OUT/<kind>.json and $OUT/<kind>.md (h100.json on an H100, h200.json on an H200: each GPU kind
+# has its own record, docs/benchmarks/<kind>.json). A summary is printed last.
 set -uo pipefail
-# Everything is written under W; $OUT receives only h200.json, h200.md, summary.txt and
+# Everything is written under W; $OUT receives only <kind>.json, <kind>.md, summary.txt and
 # logs.tgz (every file of W), so that the results are a few files to copy off the machine.
 RESULTS=${OUT:-gpu-out}; W=$(mktemp -d); OUT=$W
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,7 @@ T0=$(date +%s); DEADLINE=${DEADLINE:-560}
 left() { echo $(( DEADLINE - $(date +%s) + T0 )); }
 Q=(); [ "${QUICK:-0}" = 1 ] && Q=(--quick)
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+KIND=$(python3 -c "import torch; from rlk.bench import gpu_kind; print(gpu_kind(torch.cuda.get_device_name(0)))")
 
 step() {  # step NAME SECONDS CMD...: output to NAME.txt, status and wall time to summary.txt
   local name=$1 secs=$2 t=$(date +%s); shift 2
@@ -81,13 +83,13 @@ else
 fi
 parts=(); for f in "$OUT"/bench_*.json; do [ -s "$f" ] && parts+=("$f"); done
 if [ ${#parts[@]} -gt 0 ]; then
-  rlk bench --render "${parts[@]}" --json "$OUT/h200.json" --markdown "$OUT/h200.md" > /dev/null
+  rlk bench --render "${parts[@]}" --json "$OUT/$KIND.json" --markdown "$OUT/$KIND.md" > /dev/null
 fi
 mkdir -p "$RESULTS"; tar czf "$RESULTS/logs.tgz" -C "$W" .
-for f in h200.json h200.md summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
+for f in "$KIND.json" "$KIND.md" summary.txt; do [ -f "$W/$f" ] && cp "$W/$f" "$RESULTS/"; done
 echo "== $(( $(date +%s) - T0 ))s; $(tr '\n' ' ' < "$OUT/gpu.txt")"
 cat "$OUT/summary.txt"
 for f in conformance consistency consistency_graphs consistency_llama3.2-1b-4layers \
   consistency_qwen2.5-1.5b-4layers gpu_tests; do [ -f "$OUT/$f.txt" ] && tail -4 "$OUT/$f.txt"; done
 for f in decode_b64 decode_b8; do [ -f "$OUT/$f.txt" ] && tail -9 "$OUT/$f.txt"; done
-[ -f "$OUT/h200.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/h200.md"
+[ -f "$OUT/$KIND.md" ] && sed -n '/Worst ratio/,/^## /p' "$OUT/$KIND.md"

@@ -125,10 +125,15 @@ def parser() -> argparse.ArgumentParser:
         "rlk-integrations)",
     )  # fmt: skip
     pb.add_argument("--quick", action="store_true", help="one or two shapes per family")
-    pb.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     pb.add_argument(
-        "--markdown", default=None, metavar="FILE", help="also write the tables as Markdown"
-    )
+        "--json", default=None, nargs="?", const="", metavar="FILE",
+        help="also write the report as JSON; without FILE, merged into this GPU kind's record, "
+        "docs/benchmarks/<kind>.json (h100.json on an H100)",
+    )  # fmt: skip
+    pb.add_argument(
+        "--markdown", default=None, nargs="?", const="", metavar="FILE",
+        help="also write the tables as Markdown; without FILE, docs/benchmarks/<kind>.md",
+    )  # fmt: skip
     pb.add_argument(
         "--render", default=None, nargs="+", metavar="JSON",
         help="measure nothing: turn earlier --json reports (several: parts of one run, e.g. one "

@@ -81,6 +81,30 @@ def test_render_and_merge(tmp_path):
     assert json.loads(out.read_text())["rows"] == merged["rows"]
 
 
+def test_each_gpu_kind_has_its_own_record(tmp_path, monkeypatch):
+    """The kind names the record (h100.json on an H100); parts of two kinds never merge; with
+    no file named, --render writes the parts' kind's record under docs/benchmarks."""
+    assert bench.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.gpu_kind("NVIDIA H200") == "h200"
+    assert bench.gpu_kind("NVIDIA A100-SXM4-80GB") == "a100"
+    assert bench.gpu_kind("AMD Instinct MI300X") == "mi300x"
+    assert bench.gpu_kind("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    h200 = _report([_row("linear.fwd", "rlk", 2.0)])
+    h100 = _report([_row("linear.fwd", "cublas", 1.0)])
+    h100["meta"]["gpu"] = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(ValueError, match="different GPU kinds"):
+        bench.merge([h200, h100])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "part.json").write_text(json.dumps(h100))
+    (tmp_path / "docs" / "benchmarks").mkdir(parents=True)
+    assert cli.main(["bench", "--render", "part.json", "--json", "--markdown"]) == 0
+    record = json.loads((tmp_path / "docs" / "benchmarks" / "h100.json").read_text())
+    assert record["rows"] == h100["rows"] and record["meta"]["gpu"].startswith("NVIDIA H100")
+    md = (tmp_path / "docs" / "benchmarks" / "h100.md").read_text()
+    assert md.startswith("# Benchmarks: NVIDIA H100 80GB HBM3")
+    assert not (tmp_path / "docs" / "benchmarks" / "h200.json").exists()
+
+
 def test_merge_into_a_merged_report_keeps_its_parts_and_replaces_rows_measured_again():
     """The committed report is itself merged: its parts stay listed with their commits, a row
     measured again comes from the newer part, and a part with no row left leaves the list."""

@@ -189,6 +189,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             with open(path) as f:
                 parts.append(json.load(f))
         report = bench.merge(parts, mixed_commits=args.mixed_commits)
+        # Without a file: the record of the kind the parts ran on.
+        kind_json, kind_md = bench.kind_paths(bench.gpu_kind(report["meta"]["gpu"]))
+        args.json = str(kind_json) if args.json == "" else args.json
+        args.markdown = str(kind_md) if args.markdown == "" else args.markdown
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)

@@ -18,12 +18,19 @@ The report (``--json``) holds ``meta`` (commit, GPU, versions, the copy-bandwidt
 ceilings measured in the same run), ``rows``, ``failed`` (families that raised) and
 ``left_out`` (peers that raised, so have no row: ``{family, op, shape, dtype, impl,
 left_out}``, the last the error's type and first line);
-:func:`render_markdown` turns it into the table document (``docs/benchmarks/h200.md``).
+:func:`render_markdown` turns it into the table document.
+
+Each GPU kind has its own record, ``docs/benchmarks/<kind>.json`` and ``.md``
+(:func:`gpu_kind`: ``h100.json`` on an H100, ``h200.json`` on an H200): ``--json`` and
+``--markdown`` without a file write the kind's files of the GPU measured, merging the run into
+the record already there (the families measured again replace theirs). Ratios are measured
+in one process on one GPU; :func:`merge` refuses parts of different kinds, so a figure is only
+ever set beside figures of its own kind.
 
 Example::
 
     rlk bench --quick --only gemm,norm
-    rlk bench --json docs/benchmarks/h200.json --markdown docs/benchmarks/h200.md
+    rlk bench --only attention,gemm --json --markdown   # docs/benchmarks/<kind>.json and .md
     rlk bench --render docs/benchmarks/h200.json     # the Markdown of an earlier run
 """
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import re
 import subprocess
 import sys
 import traceback
@@ -53,9 +61,30 @@ PLUGIN_FAMILIES = {
 }
 BENCH_GROUP = "rlk.bench"
 
+#: Where each GPU kind's record lives (``<kind>.json`` and ``<kind>.md``), from the directory
+#: ``rlk bench`` runs in (the repository's root).
+RESULTS_DIR = Path("docs/benchmarks")
+
 #: impl names that are rlk itself; every other impl of a row's (op, shape, dtype) is a peer.
 #: ``rlk graphed``: the e2e training pass replayed as CUDA graphs.
 RLK_IMPLS = ("rlk", "rlk graphed")
+
+
+def gpu_kind(name: str) -> str:
+    """The kind of the GPU named ``name`` (``torch.cuda.get_device_name``), which names its
+    result files: the first word that is a model number, lowercased (``"NVIDIA H100 80GB
+    HBM3"`` -> ``"h100"``, ``"NVIDIA H200"`` -> ``"h200"``, ``"NVIDIA A100-SXM4-80GB"`` ->
+    ``"a100"``, ``"AMD Instinct MI300X"`` -> ``"mi300x"``), else the whole name's words
+    joined by ``-``."""
+    for word in re.split(r"[\s_/-]+", name):
+        if re.fullmatch(r"[A-Za-z]{1,3}\d{2,4}[A-Za-z]?", word):
+            return word.lower()
+    return "-".join(re.findall(r"[a-z0-9]+", name.lower())) or "unknown"
+
+
+def kind_paths(kind: str) -> tuple[Path, Path]:
+    """``(json, markdown)`` paths of kind ``kind``'s record under :data:`RESULTS_DIR`."""
+    return RESULTS_DIR / f"{kind}.json", RESULTS_DIR / f"{kind}.md"
 
 
 def _commit() -> str:
@@ -273,16 +302,22 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     of one machine): the rows and failures of all; ``meta`` of the first, with every part's
     command, GPU and ceilings under ``parts``. A single report comes back unchanged.
 
-    Parts must have measured one commit, unless ``mixed_commits``: then each part keeps its own
-    commit under ``parts`` and ``meta["commit_note"]`` names the parts measured at a commit
-    other than the first part's. A part may itself be a merged report (the committed
-    ``docs/benchmarks/<gpu>.json``): its parts are kept (a row goes to the part of its
-    ``commit`` and family), and a row measured again by a later
-    part (same family, op, shape, dtype and impl) is replaced by it; a part whose rows were all
-    replaced leaves the list."""
+    Parts must have run on one GPU kind (:func:`gpu_kind`), and measured one commit, unless
+    ``mixed_commits``: then each part keeps its own commit under ``parts`` and
+    ``meta["commit_note"]`` names the parts measured at a commit other than the first part's.
+    A part may itself be a merged report (the committed ``docs/benchmarks/<kind>.json``): its
+    parts are kept (a row goes to the part of its ``commit`` and family), and a row measured
+    again by a later part (same family, op, shape, dtype and impl) is replaced by it; a part
+    whose rows were all replaced leaves the list."""
     if len(parts) == 1:
         return parts[0]
     leaves = [lv for p in parts for lv in _leaves(p)]
+    kinds = {gpu_kind(m["gpu"]) for m, _ in leaves}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"the parts ran on different GPU kinds ({', '.join(sorted(kinds))}): each kind "
+            "has its own report, and its figures are compared with its own only"
+        )
     commits = {m["commit"] for m, _ in leaves}
     if len(commits) != 1 and not mixed_commits:
         raise ValueError(
@@ -403,15 +438,31 @@ def main(
         f"ceilings: copy {report['meta']['copy_GBps']:.0f} GB/s, "
         f"cuBLAS bf16 {report['meta']['cublas_bf16_TFLOPs']:.0f} TFLOP/s"
     )
+    # No file named: the GPU kind's record, which this run is merged into.
+    kind_json, kind_md = kind_paths(gpu_kind(report["meta"]["gpu"]))
+    json_path = str(kind_json) if json_path == "" else json_path
+    md_path = str(kind_md) if md_path == "" else md_path
+    mine = json_path == str(kind_json) or md_path == str(kind_md)
+    if mine and not RESULTS_DIR.is_dir():
+        print(f"rlk: error: no {RESULTS_DIR}/ here for this GPU's record: run in the "
+              "repository's root, or name the files", file=sys.stderr)  # fmt: skip
+        return 2
+    record = None
+    if json_path == str(kind_json) and kind_json.exists():
+        record = json.loads(kind_json.read_text())
+        say(f"merging into {kind_json} (the rows measured again replace theirs)")
 
     left_out: list[dict] = []
+
+    def full(rows: list[dict], failed: list[str]) -> dict:
+        now = {**report, "rows": rows, "failed": failed, "left_out": left_out}
+        return now if record is None else merge([record, now], mixed_commits=True)
 
     def save(rows: list[dict], failed: list[str]) -> None:
         # The report is rewritten after every row: a run cut short by a time limit keeps what
         # it measured.
         if json_path:
-            _write_json({**report, "rows": rows, "failed": failed, "left_out": left_out},
-                        json_path)  # fmt: skip
+            _write_json(full(rows, failed), json_path)
 
     rows, failed = run(families, quick, say, save, left_out)
     report["rows"], report["failed"], report["left_out"] = rows, failed, left_out
@@ -421,7 +472,7 @@ def main(
             print(f"\n## {fam}\n\n{format_family(rows, fam)}", flush=True)
     if md_path:
         with open(md_path, "w") as f:
-            f.write(render_markdown(report))
+            f.write(render_markdown(full(rows, failed)))
     if failed:
         print(f"rlk: families that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -24,7 +24,9 @@ import torch
 from rlk.bench import timing as _timing
 
 # (B, S, Hq, Hk, D)
-SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
+SHAPES = [
+    (8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128), (8, 2048, 28, 4, 128),
+]  # fmt: skip
 QUICK_SHAPES = SHAPES[:1]
 # (B, ctx, Hq, Hk, D, page): the rollout batch sizes, and the corners of B = 1-256 with
 # contexts of 512-32768 (one long sequence; a few short ones; mid-size batches).
