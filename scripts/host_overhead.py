@@ -25,7 +25,7 @@ import triton.testing
 
 import rlk
 from rlk import ops
-from rlk._plugins import backend_impl
+from rlk.selection import backend_impl
 from rlk_triton import _triton, gemm, tuning
 from rlk_triton.backend import default_table
 

@@ -3,7 +3,7 @@
 Each wraps the float64 reference and breaks exactly one guarantee it claims, with a change of one
 unit in the last place: small enough to stay within the accuracy tolerances, so only the check
 of that guarantee can catch it. Install with
-``rlk._plugins.reset_registry(extra_plugins=[fake_backends])``.
+``rlk.selection.reset_registry(extra_plugins=[fake_backends])``.
 """
 
 from __future__ import annotations

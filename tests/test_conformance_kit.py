@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import _plugins, cli, testing
+from rlk import cli, plugins, selection, testing
 from rlk.testing import cases, checks
 
 
@@ -18,9 +18,9 @@ from rlk.testing import cases, checks
 def fakes(monkeypatch):
     """The fake backends registered through a pluggy plugin; the real registry afterwards."""
     monkeypatch.delenv("RLK_BACKEND", raising=False)
-    _plugins.reset_registry(extra_plugins=[fake_backends])
+    selection.reset_registry(extra_plugins=[fake_backends])
     yield
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def _status(report, op, check):
@@ -29,7 +29,7 @@ def _status(report, op, check):
 
 @pytest.fixture(scope="module")
 def reference_report():
-    _plugins.reset_registry()
+    selection.reset_registry()
     return testing.run_conformance(backend="reference", device="cpu")
 
 
@@ -143,7 +143,7 @@ def test_missing_op_and_crashing_op_are_failures_and_the_run_goes_on(fakes):
 
 
 def test_cli_reference_passes_with_json(tmp_path, capsys):
-    _plugins.reset_registry()
+    selection.reset_registry()
     out = tmp_path / "report.json"
     code = cli.main(["conformance", "--backend", "reference", "--json", str(out)])
     captured = capsys.readouterr()
@@ -153,7 +153,7 @@ def test_cli_reference_passes_with_json(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["ok"] and d["backend"] == "reference" and d["mode"] == "quick"
     assert {(row["op"], row["check"]) for row in d["rows"]} == {
-        (op, c) for op in testing.KIT_OPS for c in _plugins.GUARANTEES
+        (op, c) for op in testing.KIT_OPS for c in plugins.GUARANTEES
     }
 
 
@@ -165,7 +165,7 @@ def test_cli_failing_backend_exits_1(fakes, capsys):
 
 
 def test_cli_unknown_backend_or_op_exits_2(capsys):
-    _plugins.reset_registry()
+    selection.reset_registry()
     assert cli.main(["conformance", "--backend", "nope"]) == 2
     assert "unknown rlk backend 'nope'" in capsys.readouterr().err
     assert cli.main(["conformance", "--backend", "reference", "--ops", "lienar"]) == 2
@@ -173,7 +173,7 @@ def test_cli_unknown_backend_or_op_exits_2(capsys):
 
 
 def test_runs_are_reproducible():
-    _plugins.reset_registry()
+    selection.reset_registry()
     a = testing.run_conformance(backend="reference", ops=["rms_norm"], device="cpu")
     b = testing.run_conformance(backend="reference", ops=["rms_norm"], device="cpu")
     assert a.row("rms_norm", "accuracy").max_err == b.row("rms_norm", "accuracy").max_err
@@ -209,8 +209,8 @@ def test_quick_shapes_are_small():
 def test_triton_op_passes_every_claimed_check(op):
     """Real kernels (under the interpreter) pass: the invariance checks can pass, not only fail.
     (The whole triton backend: ``rlk conformance --backend triton``, about a minute here.)"""
-    _plugins.reset_registry()
-    impl = _plugins.registry().load("triton", complete=False)
+    selection.reset_registry()
+    impl = selection.registry().load("triton", complete=False)
     if op not in impl.ops:
         pytest.skip(f"rlk_triton has no {op} yet")
     r = testing.run_conformance(backend="triton", ops=[op], device="cpu")
@@ -223,7 +223,7 @@ def test_triton_op_passes_every_claimed_check(op):
 def test_gpu_backend_conformance_quick():
     """The vendor backend on the CI shapes, all ops (real shapes: ``rlk conformance --full``,
     the conformance stage of scripts/gpu_stages.sh)."""
-    _plugins.reset_registry()
+    selection.reset_registry()
     backend = "rocm" if getattr(torch.version, "hip", None) else "cuda"
     r = testing.run_conformance(backend=backend, device="cuda", quick=True, progress=print)
     print(testing.format_table(r))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import _library, _plugins
+from rlk import _library, selection
 
 BF = torch.bfloat16
 
@@ -145,7 +145,7 @@ def _operator_calls(label):
 
     real = _library.call
     with (
-        mock.patch.object(_plugins, "_compiling", return_value=True),
+        mock.patch.object(selection, "_compiling", return_value=True),
         mock.patch.object(_library, "call", side_effect=record),
     ):
         _public(label)(*args, **kwargs)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rlk
-from rlk import _plugins
-from rlk._plugins import BackendImpl, BackendSpec
+from rlk import selection
+from rlk.plugins import BackendImpl, BackendSpec
 
 CALLS: list[tuple[str, tuple, dict]] = []
 
@@ -41,11 +41,11 @@ class _Spy:
 @pytest.fixture(autouse=True)
 def spy(monkeypatch):
     monkeypatch.delenv("RLK_BACKEND", raising=False)
-    _plugins.reset_registry(extra_plugins=[_Spy()])
+    selection.reset_registry(extra_plugins=[_Spy()])
     CALLS.clear()
     with rlk.use_backend("spy"):
         yield
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def r(*shape):

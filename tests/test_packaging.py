@@ -53,7 +53,7 @@ _RLK_ENTRY = re.compile(r"^(rlk([-_.].*)?|__editable__.*|.*\.pth|.*\.egg-link)$"
 _PROBE = r"""
 import importlib.metadata as md, json, sys
 import rlk
-from rlk import _plugins
+from rlk import selection
 dists = {d.metadata["Name"].lower(): d.version for d in md.distributions()
          if d.metadata["Name"].lower().startswith("rlk")}
 try:
@@ -63,7 +63,7 @@ except md.PackageNotFoundError:
 commands = sorted(ep.name for ep in md.entry_points(group="rlk.commands"))
 tables = sorted(ep.name for ep in md.entry_points(group="rlk_triton.tables"))
 print(json.dumps({"dists": dists, "torch_npu": npu, "rlk_file": rlk.__file__,
-                  "backends": sorted(_plugins.registry().specs), "commands": commands,
+                  "backends": sorted(selection.registry().specs), "commands": commands,
                   "tables": tables}))
 """
 

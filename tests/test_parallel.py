@@ -134,12 +134,12 @@ class _PlainPlugin:
 
 @pytest.fixture
 def plain_backend(monkeypatch):
-    from rlk import _plugins
+    from rlk import selection
 
     monkeypatch.delenv("RLK_BACKEND", raising=False)
-    _plugins.reset_registry(extra_plugins=[_PlainPlugin()])
+    selection.reset_registry(extra_plugins=[_PlainPlugin()])
     yield "plain"
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def test_backend_without_the_optional_op_names_the_ones_with_it(plain_backend):

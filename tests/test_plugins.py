@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import rlk
-from rlk import _plugins
-from rlk._plugins import BackendError, BackendImpl, BackendSpec
+from rlk import selection
+from rlk.plugins import BackendError, BackendImpl, BackendSpec
 
 
 def _reference_ops():
@@ -63,14 +63,14 @@ def plugins(monkeypatch):
     monkeypatch.delenv("RLK_BACKEND", raising=False)
 
     def install(*specs):
-        return _plugins.reset_registry(extra_plugins=[_Plugin(*specs)])
+        return selection.reset_registry(extra_plugins=[_Plugin(*specs)])
 
     yield install
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def test_all_five_backends_are_discovered_with_honest_availability():
-    reg = _plugins.reset_registry()
+    reg = selection.reset_registry()
     specs = reg.specs
     assert {"reference", "triton", "cuda", "rocm", "ascend"} <= set(specs)
     ok, _ = specs["reference"].is_available()
@@ -88,7 +88,7 @@ def test_all_five_backends_are_discovered_with_honest_availability():
 
 
 def test_distributions_are_named():
-    specs = _plugins.reset_registry().specs
+    specs = selection.reset_registry().specs
     assert specs["reference"].distribution == "rlk-reference"
     assert specs["triton"].distribution == "rlk-triton"
     assert specs["cuda"].distribution == "rlk-cuda"
@@ -105,7 +105,7 @@ def test_unknown_backend_names_installed_ones_and_pip_hint(plugins):
 
 def test_known_vendor_name_gets_its_extra(plugins):
     plugins()
-    reg = _plugins.registry()
+    reg = selection.registry()
     reg._specs.pop("rocm")
     with pytest.raises(BackendError, match=r'pip install "rlk\[rocm\]"'):
         reg.spec("rocm")
@@ -131,8 +131,8 @@ def test_a_plugin_declaring_the_oracle_name_is_refused_and_the_oracle_stays(plug
     plugins(_spec("reference", distribution="evil-dist"), _spec("alpha", priority=-5))
     with rlk.use_backend("reference"):
         rlk.silu_and_mul(torch.randn(2, 8))
-    assert rlk._plugins.registry().spec("reference").distribution == "rlk-reference"
-    reasons = [b.reason for b in rlk._plugins.registry().broken]
+    assert selection.registry().spec("reference").distribution == "rlk-reference"
+    reasons = [b.reason for b in selection.registry().broken]
     assert any("evil-dist" in r and "'reference'" in r and "oracle" in r for r in reasons)
 
 
@@ -162,7 +162,7 @@ def test_misbehaving_backend_is_reported_by_name_and_the_others_work(monkeypatch
     monkeypatch.delenv("RLK_BACKEND", raising=False)
     name, words = f"fake_{kind}", fake_backends.MISBEHAVING_SPECS[kind][1]
     try:
-        _plugins.reset_registry(extra_plugins=[fake_backends.Misbehaving(kind)])
+        selection.reset_registry(extra_plugins=[fake_backends.Misbehaving(kind)])
         entry = _info()[name]
         assert entry["broken"] and not entry["available"] and words in entry["reason"]
         with (
@@ -176,7 +176,7 @@ def test_misbehaving_backend_is_reported_by_name_and_the_others_work(monkeypatch
         _works("reference")
         _works("triton")
     finally:
-        _plugins.reset_registry()
+        selection.reset_registry()
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_misbehaving_backend_is_reported_by_name_and_the_others_work(monkeypatch
 def test_broken_plugin_is_reported_by_name_and_the_others_work(monkeypatch, plugin, words):
     monkeypatch.delenv("RLK_BACKEND", raising=False)
     try:
-        _plugins.reset_registry(extra_plugins=[plugin])
+        selection.reset_registry(extra_plugins=[plugin])
         entry = _info()[plugin.__name__]
         assert entry["broken"] and words in entry["reason"]
         with pytest.raises(BackendError, match=re.escape(words)), rlk.use_backend(plugin.__name__):
@@ -202,7 +202,7 @@ def test_broken_plugin_is_reported_by_name_and_the_others_work(monkeypatch, plug
         _works("reference")
         _works("triton")
     finally:
-        _plugins.reset_registry()
+        selection.reset_registry()
 
 
 def test_plugin_whose_entry_point_fails_to_import_is_reported(monkeypatch):
@@ -222,12 +222,12 @@ def test_plugin_whose_entry_point_fails_to_import_is_reported(monkeypatch):
     monkeypatch.setattr(md, "entry_points", entry_points)
     monkeypatch.delenv("RLK_BACKEND", raising=False)
     try:
-        _plugins.reset_registry()
+        selection.reset_registry()
         assert "No module named" in _info()["fake_import"]["reason"]
         _works("reference")
     finally:
         monkeypatch.undo()
-        _plugins.reset_registry()
+        selection.reset_registry()
 
 
 def test_incomplete_backend_cannot_be_selected_and_auto_skips_it(plugins):
@@ -301,7 +301,7 @@ def test_loader_failure_is_a_reason_not_a_crash(plugins):
 
 @pytest.mark.parametrize("entry", ["not a pair", "unknown op"])
 def test_bad_autograd_entries_are_refused_at_load(plugins, entry):
-    from rlk._plugins import OpAutograd
+    from rlk.plugins import OpAutograd
 
     pair = OpAutograd(lambda *a: None, lambda *a: None)
     ops = _reference_ops()
@@ -312,7 +312,7 @@ def test_bad_autograd_entries_are_refused_at_load(plugins, entry):
     load = lambda: BackendImpl(ops=ops, claims=frozenset(), autograd=autograd)  # noqa: E731
     plugins(_spec("odd", load=load))
     with pytest.raises(BackendError, match="autograd for"):
-        _plugins.registry().load("odd", complete=False)
+        selection.registry().load("odd", complete=False)
 
 
 def test_unavailable_backends_are_passed_over(plugins):
@@ -423,14 +423,14 @@ def test_cli_info_shows_broken_plugins(monkeypatch, capsys):
 
     monkeypatch.delenv("RLK_BACKEND", raising=False)
     try:
-        _plugins.reset_registry(extra_plugins=[fake_backends.Misbehaving("load_raises")])
+        selection.reset_registry(extra_plugins=[fake_backends.Misbehaving("load_raises")])
         assert cli.main(["info"]) == 2  # auto cannot choose: its first choice is broken
         out, err = capsys.readouterr()
         assert "fake_load_raises" in out and "broken: " in out and "boom: load" in out
         assert "reference" in out and "triton" in out
         assert "boom: load" in err and err.count("\n") == 1
     finally:
-        _plugins.reset_registry()
+        selection.reset_registry()
 
 
 def test_cli_unknown_backend_is_one_paragraph_without_traceback():

@@ -12,9 +12,9 @@ import torch
 
 import rlk
 import rlk.parallel
-from rlk import _plugins
 from rlk import _validate as chk
-from rlk._plugins import BackendImpl, BackendSpec
+from rlk import selection
+from rlk.plugins import BackendImpl, BackendSpec
 
 bf16 = torch.bfloat16
 i32 = torch.int32
@@ -41,10 +41,10 @@ class _Tripwire:
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch):
     monkeypatch.delenv("RLK_BACKEND", raising=False)
-    _plugins.reset_registry(extra_plugins=[_Tripwire()])
+    selection.reset_registry(extra_plugins=[_Tripwire()])
     with rlk.use_backend("tripwire"):
         yield
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def r(*shape, dtype=torch.float32):

@@ -75,7 +75,7 @@ def test_a_broken_command_is_reported_by_name(capsys, monkeypatch):
 
 
 def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monkeypatch):
-    from rlk import _plugins
+    from rlk.plugins import BackendError
 
     seen = {}
 
@@ -85,7 +85,7 @@ def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monke
     def run(args: argparse.Namespace) -> int:
         seen["backend"] = args.backend
         if args.backend == "bogus":
-            raise _plugins.BackendError("unknown rlk backend 'bogus'")
+            raise BackendError("unknown rlk backend 'bogus'")
         return 0
 
     cmd = rlk_cli.Command(help="a test command", add_arguments=add_arguments, run=run)

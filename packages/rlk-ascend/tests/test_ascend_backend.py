@@ -13,7 +13,7 @@ import torch
 
 import rlk
 import rlk_reference
-from rlk import _plugins
+from rlk import selection
 from rlk_ascend import backend, npu, plugin
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +32,7 @@ def test_unavailable_with_a_reason_and_torch_npu_not_imported():
 
 
 def test_rlk_info_reports_ascend_unavailable():
-    _plugins.reset_registry()
+    selection.reset_registry()
     entry = {b["name"]: b for b in _info()["backends"]}["ascend"]
     assert entry["available"] is False
     assert "torch_npu" in entry["reason"]
@@ -48,14 +48,14 @@ def test_a_broken_torch_npu_is_a_reason(monkeypatch, tmp_path):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert plugin._available() == (True, "")  # installed, so only loading can tell
-    _plugins.reset_registry()
+    selection.reset_registry()
     try:
         with pytest.raises(rlk.BackendError, match="failed to load: torch_npu not importable: OSE"):
-            _plugins.registry().load("ascend")
+            selection.registry().load("ascend")
         entry = {b["name"]: b for b in _info()["backends"]}["ascend"]
         assert entry["available"] is False and "libascendcl.so" in entry["reason"]
     finally:
-        _plugins.reset_registry()
+        selection.reset_registry()
     assert "torch_npu" not in sys.modules
 
 

@@ -11,7 +11,7 @@ import torch
 
 import rlk
 import rlk_reference
-from rlk import _plugins
+from rlk import selection
 from rlk.testing import bad_inputs
 from rlk_ascend import portable, portable_losses
 from rlk_ascend.backend import make_impl
@@ -126,9 +126,9 @@ def ascend_on_cpu():
         distribution="rlk-ascend (test registration)",
     )
     plugin = types.SimpleNamespace(rlk_backends=rlk.hookimpl(lambda: [spec]))
-    _plugins.reset_registry(extra_plugins=[plugin])
+    selection.reset_registry(extra_plugins=[plugin])
     yield TEST_NAME
-    _plugins.reset_registry()
+    selection.reset_registry()
 
 
 def test_public_ops_run_on_the_cpu_registration(ascend_on_cpu):

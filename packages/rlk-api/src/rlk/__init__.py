@@ -2,7 +2,8 @@
 
 The rollout engine and the trainer call the same ops, so every sampled token gets bitwise the
 same log-probability on both sides. Ops dispatch to a backend chosen per device (``RLK_BACKEND``
-or :func:`use_backend`; see ``rlk info``).
+or :func:`use_backend`; see ``rlk info`` and :mod:`rlk.selection`). Backends are plugins written
+against :mod:`rlk.plugins`.
 """
 
 import os as _os
@@ -27,16 +28,6 @@ _choose_triton_mode()
 # lists them in its __all__, which is star-imported here and added to rlk's (static tools, the
 # API docs among them, read both); a test checks them against the catalog.
 from rlk import _library  # noqa: E402, F401  (defines the torch.ops.rlk operators)
-from rlk._plugins import (  # noqa: E402
-    GUARANTEES,
-    BackendError,
-    BackendImpl,
-    BackendSpec,
-    OpAutograd,
-    current_backend,
-    hookimpl,
-    use_backend,
-)
 from rlk.batch_invariant import batch_invariant  # noqa: E402
 from rlk.ops import OPS  # noqa: E402
 from rlk.ops import attention as _attention  # noqa: E402
@@ -52,6 +43,15 @@ from rlk.ops.losses import *  # noqa: E402, F403
 from rlk.ops.moe import *  # noqa: E402, F403  (optional ops: reachable here, not in __all__)
 from rlk.ops.ppo import *  # noqa: E402, F403
 from rlk.ops.sampling import *  # noqa: E402, F403
+from rlk.plugins import (  # noqa: E402
+    GUARANTEES,
+    BackendError,
+    BackendImpl,
+    BackendSpec,
+    OpAutograd,
+    hookimpl,
+)
+from rlk.selection import current_backend, use_backend  # noqa: E402
 
 __version__ = "0.1.0"
 

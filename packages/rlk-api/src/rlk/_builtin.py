@@ -1,20 +1,25 @@
-"""rlk's own plugin: the float64 reference backend (rlk-reference is always installed)."""
+"""rlk's own plugin: the float64 reference backend (rlk-reference is always installed).
+
+:mod:`rlk.selection` registers it in the process's registry under the name ``rlk``, the only
+plugin that may declare :data:`rlk.plugins.ORACLE`.
+"""
 
 from __future__ import annotations
 
-from rlk._plugins import BackendImpl, BackendSpec, hookimpl
+from rlk._catalog import declared
+from rlk.plugins import ORACLE, BackendImpl, BackendSpec, hookimpl
 
 
 def _load_reference() -> BackendImpl:
+    # Imported here, as every backend imports its kernels: declaring the backend stays cheap.
     import rlk_reference
-    from rlk.ops import CATALOG
 
     # Every op of the catalog that the oracle implements (all of them; a missing required op
     # makes the backend incomplete, which rlk reports by name).
     return BackendImpl(
         ops={
             s.name: getattr(rlk_reference, s.name)
-            for s in CATALOG
+            for s in declared()
             if hasattr(rlk_reference, s.name)
         },
         # The oracle is obviously correct, not engineered for invariance: it claims accuracy only.
@@ -26,7 +31,7 @@ def _load_reference() -> BackendImpl:
 def rlk_backends():
     return [
         BackendSpec(
-            name="reference",
+            name=ORACLE,
             priority=0,
             device_types=("*",),
             is_available=lambda: (True, ""),

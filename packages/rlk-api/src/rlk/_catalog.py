@@ -4,9 +4,9 @@ an op.
 An op's catalog entry is its public function, decorated: ``@op("gemm", grad_args=...)`` on
 ``rlk.ops.dense.linear`` declares the op ``linear`` (its name and backend keywords taken from
 the function), so the signature is written once, where it is documented. :mod:`rlk.ops` imports
-every family module and assembles :data:`rlk.ops.CATALOG` from what they declared; the op
-tables (``rlk.OPS``, ``OPTIONAL_OPS``, the conformance kit's metadata), the exports of ``rlk``,
-the float64 backend's ops and the ops of rlk-triton's backends all come from it.
+the declaring modules (:data:`MODULES`) and takes :data:`rlk.ops.CATALOG` from :func:`declared`;
+the op tables (``rlk.OPS``, ``OPTIONAL_OPS``, the conformance kit's metadata), the exports of
+``rlk``, the float64 backend's ops and the ops of rlk-triton's backends all come from it.
 
 A required op is also one ``torch.library`` operator for ``torch.compile``, ``torch.ops.rlk.<op>``
 (:mod:`rlk._library` defines them): the decorator's :class:`Operator` describes it (schema,
@@ -112,8 +112,27 @@ class OpSpec:
     operator: Operator | None = field(default=None, compare=False)
 
 
-#: Every op declared by :func:`op`, by name (:mod:`rlk.ops` orders them).
+#: Every op declared by :func:`op`, by name (:func:`declared` orders them).
 DECLARED: dict[str, OpSpec] = {}
+
+#: The op families, each a module of :mod:`rlk.ops` holding its ops' public functions, in the
+#: order of ``rlk.OPS``.
+FAMILIES = ("dense", "attention", "logprobs", "losses", "ppo", "sampling", "moe")
+
+#: The modules that declare ops as they are imported: the families, then ``rlk.parallel`` (the
+#: tensor-parallel ops). :mod:`rlk.ops` imports them all, so once ``rlk`` is imported every op
+#: is declared.
+MODULES = (*(f"rlk.ops.{f}" for f in FAMILIES), "rlk.parallel")
+
+
+def declared() -> tuple[OpSpec, ...]:
+    """Every declared op: the required ones in the order of ``rlk.OPS``, then the optional ones
+    (each group in the order of :data:`MODULES`, then of the definitions in the module).
+
+    This is :data:`rlk.ops.CATALOG`; the plugin interface (:mod:`rlk.plugins`), which sits below
+    the ops, reads it here when a backend is loaded, by which time ``rlk`` has imported them.
+    """
+    return tuple(sorted(DECLARED.values(), key=lambda s: (s.optional, MODULES.index(s.module))))
 
 
 def op(

@@ -17,7 +17,7 @@ the kernels recorded, so there the backend of the recording stands until the gra
 recorded again.)
 
 **Forward and backward.** A backend's :class:`rlk.BackendImpl` may give, per op, an
-:class:`rlk._plugins.OpAutograd`: a forward that returns the outputs and the tensors its
+:class:`rlk.plugins.OpAutograd`: a forward that returns the outputs and the tensors its
 backward needs besides the op's inputs and outputs (:data:`EXTRAS`), and that backward. The
 Triton backends do, with the kernels of their ``autograd.Function`` (the same launches, so the
 same bits, and nothing recomputed). A backend without one (the float64 reference, Ascend's
@@ -40,9 +40,11 @@ from typing import Any
 
 import torch
 
+from rlk import selection
 from rlk._catalog import Operator
-from rlk._plugins import BackendImpl, resolved_impl
-from rlk.ops import CATALOG, SPECS
+from rlk.ops import CATALOG, REJECT_OPTIONS, SPECS
+from rlk.plugins import BackendImpl
+from rlk.selection import resolved_impl
 
 LIB = "rlk"
 
@@ -129,12 +131,6 @@ def _names(op: str) -> tuple[str, ...]:
     return tuple(n for n, _ in ARGS[op])
 
 
-def _reject_options() -> tuple[str, ...]:
-    from rlk.ops import REJECT_OPTIONS
-
-    return REJECT_OPTIONS
-
-
 def _encode(op: str, a: dict[str, Any]) -> None:
     """An op's keywords (as a backend gets them) as operator arguments, in place: a
     number-or-tensor count as two arguments; policy_loss's ``is_normalize`` as a kind and a
@@ -156,7 +152,7 @@ def _encode(op: str, a: dict[str, Any]) -> None:
     reject = a["reject"]
     flat: list[float] = []
     if reject:
-        for option in _reject_options():
+        for option in REJECT_OPTIONS:
             lo, hi = reject.get(option, (math.nan, math.nan))
             flat += [math.nan if lo is None else lo, hi]
     a["reject"] = flat
@@ -176,7 +172,7 @@ def _decode(op: str, a: dict[str, Any]) -> None:
     value, tensor = a.pop("is_normalize_value"), a.pop("is_normalize_tensor")
     a["is_normalize"] = {"off": False, "mean": True, "value": value, "tensor": tensor}[kind]
     flat, reject = a["reject"], {}
-    for i, option in enumerate(_reject_options() if flat else ()):
+    for i, option in enumerate(REJECT_OPTIONS if flat else ()):
         lo, hi = flat[2 * i], flat[2 * i + 1]
         if not math.isnan(hi):
             reject[option] = (None if math.isnan(lo) else lo, hi)
@@ -474,8 +470,11 @@ class _TracedOps(Mapping):
 
 
 def traced_impl(device: Any) -> BackendImpl:
-    """What ``rlk._plugins.backend_impl`` returns while ``torch.compile`` traces."""
+    """What ``rlk.selection.backend_impl`` returns while ``torch.compile`` traces."""
     return BackendImpl(ops=_TracedOps(device), claims=frozenset())
+
+
+selection._serve_traced(traced_impl)
 
 
 def operator_args(op: str, args: tuple, kwargs: Mapping[str, Any]) -> list[Any]:

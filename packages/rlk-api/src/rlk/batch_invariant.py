@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from rlk._plugins import BackendImpl, backend_impl, registry
+from rlk.plugins import BackendImpl
+from rlk.selection import backend_impl, registry
 
 __all__ = ["batch_invariant"]
 

@@ -4,37 +4,15 @@ other distributions (``rlk_cli.Command``: ``rlk consistency`` comes with rlk-int
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import sys
 from typing import Any
 
-from rlk import _plugins
+from rlk import selection
+from rlk._versions import versions
 from rlk.ops import CATALOG, OPTIONAL_OPS
-
-
-def _versions(*extra: str) -> dict[str, str]:
-    """Python's and the installed distributions' versions (``extra``: more distributions)."""
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for dist in (
-        "torch",
-        "triton",
-        "pluggy",
-        "rlk",
-        "rlk-reference",
-        "rlk-triton",
-        "rlk-cuda",
-        "rlk-rocm",
-        "rlk-ascend",
-        "rlk-integrations",
-        *extra,
-    ):
-        with contextlib.suppress(md.PackageNotFoundError):
-            out[dist] = md.version(dist)
-    return out
+from rlk.plugins import BackendError
 
 
 def _device() -> dict[str, Any]:
@@ -54,12 +32,12 @@ def _device() -> dict[str, Any]:
 def info_dict() -> dict[str, Any]:
     """What ``rlk info`` shows. ``selected`` is None when the requested backend (auto or a name)
     cannot serve this machine's device; ``error`` then says why, and the table is still there."""
-    reg = _plugins.registry()
+    reg = selection.registry()
     device = _device()
     selected, error = None, None
     try:
-        selected = _plugins.current_backend(device["type"])
-    except _plugins.BackendError as e:
+        selected = selection.current_backend(device["type"])
+    except BackendError as e:
         error = str(e)
     backends = []
     for name, spec in reg.specs.items():
@@ -74,7 +52,7 @@ def info_dict() -> dict[str, Any]:
         }
         try:
             entry["available"], entry["reason"] = reg.status(name)
-        except _plugins.BackendError as e:
+        except BackendError as e:
             entry["broken"], entry["reason"] = True, str(e)
         if entry["available"]:
             try:
@@ -85,7 +63,7 @@ def info_dict() -> dict[str, Any]:
                 entry["missing_optional_ops"] = [op for op in OPTIONAL_OPS if op not in impl.ops]
                 entry["delegated"] = dict(impl.delegated)
                 entry["claims"] = sorted(impl.claims)
-            except _plugins.BackendError as e:  # available, yet its loader failed
+            except BackendError as e:  # available, yet its loader failed
                 entry["available"], entry["broken"], entry["reason"] = False, True, str(e)
         backends.append(entry)
     for b in reg.broken:  # plugins that declared nothing usable, and ambiguous names
@@ -104,9 +82,9 @@ def info_dict() -> dict[str, Any]:
     return {
         "selected": selected,
         "error": error,
-        "requested": _plugins._requested(),
+        "requested": selection.requested(),
         "device": device,
-        "versions": _versions(),
+        "versions": versions(),
         "backends": backends,
     }
 
@@ -223,7 +201,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = COMMANDS.get(args.cmd) or args.command.run
     try:
         return command(args)
-    except _plugins.BackendError as e:
+    except BackendError as e:
         print(f"rlk: error: {e}", file=sys.stderr)
         return 2
 

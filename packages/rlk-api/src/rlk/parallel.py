@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from rlk import _plugins
 from rlk import _validate as chk
+from rlk import selection
 from rlk._catalog import op
 from rlk.ops.dense import check_linear
 from rlk.ops.logprobs import check_linear_logprobs
@@ -56,7 +56,7 @@ def __getattr__(name: str) -> Any:
 def tree_backends(device: Any = None) -> tuple[str, ...]:
     """The installed backends available for ``device`` (default: cuda if present, else cpu)
     that implement the tree-ordered linears (also readable as ``TREE_BACKENDS``)."""
-    return tuple(_plugins.claimants("tree_linear", _plugins._device_type(device)))
+    return tuple(selection.claimants("tree_linear", selection.device_type(device)))
 
 
 def _leaves(leaves: object) -> int:
@@ -259,7 +259,7 @@ def _exchange_of(group) -> Exchange | None:
 
 
 def _op(device: torch.device, op: str, caller: str):
-    return _plugins.optional_op(device, op, f"rlk.parallel.{caller}")
+    return selection.optional_op(device, op, f"rlk.parallel.{caller}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ def vocab_parallel_linear_logprobs(
     args = (hidden, weight, targets, bias, temperature, return_entropy, logits_dtype)
     exchange = _exchange_of(group)
     if exchange is None:  # one rank holds the whole lm_head
-        return _plugins.backend_impl(device).ops["linear_logprobs"](*args)
+        return selection.backend_impl(device).ops["linear_logprobs"](*args)
     fn = _op(device, "vocab_parallel_linear_logprobs", "vocab_parallel_linear_logprobs")
     return fn(hidden.contiguous(), weight, targets.contiguous(), *args[3:], exchange=exchange)
 

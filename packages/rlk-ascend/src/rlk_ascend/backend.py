@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rlk import BackendImpl
 from rlk.ops import CATALOG
+from rlk.plugins import BackendImpl
 from rlk_ascend import npu as _npu
 from rlk_ascend import portable, portable_losses, portable_ppo
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from rlk import BackendImpl, BackendSpec, hookimpl
+from rlk.plugins import BackendImpl, BackendSpec, hookimpl
 
 
 def _available() -> tuple[bool, str]:

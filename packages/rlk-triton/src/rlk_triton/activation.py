@@ -155,7 +155,7 @@ def _split_backward(grads, outs, extras, needs, x, up=None, *, table):
     return _grads(grads[0], x.contiguous(), up.contiguous() if up is not None else None, table)
 
 
-#: ``silu_and_mul``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``silu_and_mul``'s forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`SiluAndMulFunction`.
 AUTOGRAD = {"silu_and_mul": (_split_forward, _split_backward)}
 

@@ -14,8 +14,8 @@ import importlib.metadata
 
 import torch
 
-from rlk import BackendImpl, OpAutograd
 from rlk.ops import CATALOG
+from rlk.plugins import BackendImpl, OpAutograd
 from rlk_triton import tuning
 from rlk_triton._triton import INTERPRET
 

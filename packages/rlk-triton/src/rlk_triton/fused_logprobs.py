@@ -349,7 +349,7 @@ def _split_backward(grads, outs, extras, needs, hidden, weight, targets, bias=No
     )  # fmt: skip
 
 
-#: ``linear_logprobs``' forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``linear_logprobs``' forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`LinearLogprobsFunction`; the extra is the
 #: log-sum-exp.
 AUTOGRAD = {"linear_logprobs": (_split_forward, _split_backward)}

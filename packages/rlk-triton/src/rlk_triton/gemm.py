@@ -638,7 +638,7 @@ def _split_backward(grads, outs, extras, needs, x, weight, bias=None, *, table):
     return linear_grads(grads[0], x, weight, bias is not None, needs, table)
 
 
-#: ``linear``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``linear``'s forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`LinearFunction`.
 AUTOGRAD = {"linear": (_split_forward, _split_backward)}
 

@@ -576,7 +576,7 @@ def _split_backward(
     return (dlogits,)
 
 
-#: ``logprobs``' forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``logprobs``' forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`LogprobsFunction`; the extra is the
 #: log-sum-exp.
 AUTOGRAD = {"logprobs": (_split_forward, _split_backward)}

@@ -563,7 +563,7 @@ def _split_backward(grads, outs, extras, needs, x, weight, eps, residual, *, tab
     return _grads(grads[0], ds, xs, weight.contiguous(), extras[0], has_residual, needs, table)
 
 
-#: ``rms_norm``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``rms_norm``'s forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`RMSNormFunction`; the extra is ``rstd``.
 AUTOGRAD = {"rms_norm": (_split_forward, _split_backward)}
 

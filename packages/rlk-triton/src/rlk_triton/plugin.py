@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from rlk import BackendImpl, BackendSpec, hookimpl
+from rlk.plugins import BackendImpl, BackendSpec, hookimpl
 
 
 def triton_status(device_type: str) -> tuple[bool, str]:

@@ -267,7 +267,7 @@ def _split_backward(grads, outs, extras, needs, x, cos, sin, k=None, *, table):
     return _grads(dy, dky, x, cos, sin, k, needs, table)
 
 
-#: ``apply_rotary``'s forward and backward as two calls (``rlk._plugins.OpAutograd``; the
+#: ``apply_rotary``'s forward and backward as two calls (``rlk.plugins.OpAutograd``; the
 #: ``torch.compile`` path): the launches of :class:`ApplyRotaryFunction`.
 AUTOGRAD = {"apply_rotary": (_split_forward, _split_backward)}
 

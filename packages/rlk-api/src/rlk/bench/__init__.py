@@ -47,6 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlk._versions import versions
+
 #: Every family, in the order ``rlk bench`` runs them.
 FAMILIES = (
     "gemm", "attention", "norm", "logprobs", "sampling", "moe", "e2e", "e2e-long", "e2e-heldout",
@@ -116,13 +118,12 @@ def meta(argv: list[str]) -> dict[str, Any]:
     import torch
 
     from rlk.bench.timing import ceilings
-    from rlk.cli import _versions
 
     m = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
         "gpu": torch.cuda.get_device_name(0),
-        "versions": _versions("transformers", "liger-kernel"),
+        "versions": versions("transformers", "liger-kernel"),
         "command": "rlk bench " + " ".join(argv),
     }
     m.update(ceilings())

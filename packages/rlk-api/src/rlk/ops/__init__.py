@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import importlib
 
-from rlk._catalog import DECLARED, OpSpec
+from rlk._catalog import FAMILIES, MODULES, OpSpec, declared
 from rlk.ops.dense import check_linear
 from rlk.ops.logprobs import check_linear_logprobs
 from rlk.ops.losses import (
@@ -64,21 +64,12 @@ from rlk.ops.losses import (
     UNOFFERED,
 )
 
-#: The op families, each a module of this package holding its ops' public functions, in the
-#: order of ``rlk.OPS``.
-FAMILIES = ("dense", "attention", "logprobs", "losses", "ppo", "sampling", "moe")
-
-#: The modules that declare ops (``rlk._catalog.op``) as they are imported: the families, then
-#: ``rlk.parallel`` (the tensor-parallel ops).
-_DECLARING = (*(f"rlk.ops.{f}" for f in FAMILIES), "rlk.parallel")
-for _module in _DECLARING:
+for _module in MODULES:  # (the families and rlk.parallel: each declares its ops)
     importlib.import_module(_module)
 
 #: Every op, required ones in the order of ``rlk.OPS``, then the optional ones (each group in
 #: the order of :data:`FAMILIES`, then of the definitions in the module).
-CATALOG: tuple[OpSpec, ...] = tuple(
-    sorted(DECLARED.values(), key=lambda s: (s.optional, _DECLARING.index(s.module)))
-)
+CATALOG: tuple[OpSpec, ...] = declared()
 SPECS: dict[str, OpSpec] = {s.name: s for s in CATALOG}
 
 #: Every op a backend must serve. A backend missing one cannot be selected.

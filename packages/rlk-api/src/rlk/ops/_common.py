@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rlk._plugins import backend_impl
+from rlk.selection import backend_impl
 
 
 def _call(op: str, device: torch.device, *args: Any, **kwargs: Any) -> Any:

@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from rlk import _plugins
 from rlk import _validate as chk
+from rlk import selection
 from rlk._catalog import Operator, op
 from rlk.ops._common import _call, f32
 
@@ -204,7 +204,7 @@ def paged_attention(
         in_use = used < seq_lens[:, None]
         chk.index_range("block_table", block_table[in_use], 0, pages, f"pages of k_cache: {pages}")
     new = _check_new_kv(k_new, v_new, slots, k_cache)
-    if new and _plugins._compiling():
+    if new and selection._compiling():
         # torch.ops.rlk.paged_attention writes nothing: the stores as torch ops in the graph.
         _store_slots(k_cache, k_new, slots)
         _store_slots(v_cache, v_new, slots)

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from rlk import _plugins
 from rlk import _validate as chk
+from rlk import selection
 from rlk._catalog import Operator, no_extras, op
 from rlk.ops._common import _call, _rows, _unrows, f32, rows_out
 
@@ -200,7 +200,7 @@ def rms_norm(
             chk.shape("residual", residual, x.shape, "the shape of x")
         device = chk.same_device(x=x, weight=weight, residual=residual)
         chk.shape("weight", weight, (x.shape[-1],), "H = x.shape[-1]")
-    if heads is not None and not _plugins._compiling():  # (torch.ops.rlk.rms_norm takes rows)
+    if heads is not None and not selection._compiling():  # (torch.ops.rlk.rms_norm takes rows)
         return _call("rms_norm", device, heads, weight, eps, None).view(x.shape)
     if residual is None:
         return _unrows(_call("rms_norm", device, _rows(x), weight, eps, None), *x.shape)

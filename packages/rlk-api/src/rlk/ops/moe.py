@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from rlk import _plugins
 from rlk import _validate as chk
+from rlk import selection
 from rlk._catalog import op
 
 #: The ops declared here (``rlk`` exports them).
@@ -48,7 +48,7 @@ def moe_route(
     if top_k > logits.shape[1]:
         raise ValueError(f"top_k = {top_k} is more than the {logits.shape[1]} experts")
     chk.flag("normalize", normalize)
-    fn = _plugins.optional_op(logits.device, "moe_route", "rlk.moe_route")
+    fn = selection.optional_op(logits.device, "moe_route", "rlk.moe_route")
     return fn(logits, top_k, normalize)
 
 
@@ -104,5 +104,5 @@ def moe_experts(
     chk.shape("gate_up", gate_up, (E, I2, H), "[experts, 2 * intermediate, x.shape[1]]")
     chk.shape("down", down, (E, H, I2 // 2), "[experts, x.shape[1], intermediate]")
     chk.index_range("indices", indices, 0, E, f"there are {E} experts")
-    fn = _plugins.optional_op(x.device, "moe_experts", "rlk.moe_experts")
+    fn = selection.optional_op(x.device, "moe_experts", "rlk.moe_experts")
     return fn(x, indices.contiguous(), weights.contiguous(), gate_up, down)

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from rlk import _plugins
-from rlk._plugins import GUARANTEES, BackendImpl
+from rlk import selection
 from rlk.ops import OPS, OPTIONAL_OPS
+from rlk.plugins import GUARANTEES, BackendImpl
 from rlk.testing import cases as _cases
 from rlk.testing import checks as _checks
 from rlk.testing import moe_cases as _moe_cases
@@ -254,9 +254,9 @@ def run_conformance(
     Raises :class:`rlk.BackendError` when the backend cannot be found or loaded, and
     ``ValueError`` for an unknown op; everything else is reported in the rows.
     """
-    device = torch.device(device if device is not None else _plugins._device_type(None))
-    name = backend or _plugins.current_backend(device)
-    impl = _plugins.registry().load(name, complete=False)
+    device = torch.device(device if device is not None else selection.device_type())
+    name = backend or selection.current_backend(device)
+    impl = selection.registry().load(name, complete=False)
     ops = list(KIT_OPS if ops is None else [ops] if isinstance(ops, str) else ops)
     unknown = [o for o in ops if o not in KIT_OPS]
     if unknown:

@@ -1,30 +1,49 @@
-"""Backend plugins: the hook, the records it returns, discovery and selection.
+"""The backend plugin interface: what a backend declares, what it loads, and how rlk finds it.
 
-One hook, one job: ``rlk_backends()`` returns :class:`BackendSpec` records. A spec is cheap to
-build and never imports heavy modules (triton, torch_npu); its ``load`` does, and only after the
-backend has been chosen. Everything that can go wrong with plugins is reported here, in one
-place, with an error that says what to do.
+A backend is a distribution with an entry point in the ``rlk`` group naming a module (or object)
+that implements the one hook, ``rlk_backends()``, marked with :data:`hookimpl`. The hook returns
+:class:`BackendSpec` records: cheap to build, importing nothing heavy (triton, torch_npu). A
+spec's ``load()`` does the imports, only once the backend is chosen, and returns a
+:class:`BackendImpl`: a callable per op, and the guarantees it claims (:data:`GUARANTEES`).
+
+The :class:`Registry` discovers the plugins and contains them: everything that can go wrong with
+one (an entry point that fails to import, a hook that raises or returns garbage, two backends
+of one name, a loader that fails) is reported here, naming it, and the others keep working.
+Which backend serves a tensor is :mod:`rlk.selection`'s job.
+
+Example (a backend serving CUDA tensors; ``pyproject.toml``:
+``[project.entry-points.rlk] mine = "my_backend.plugin"``)::
+
+    from rlk.plugins import BackendImpl, BackendSpec, hookimpl
+
+    def _load() -> BackendImpl:
+        from my_backend import kernels  # heavy imports here, not at declaration
+
+        return BackendImpl(ops=kernels.OPS, claims=frozenset({"accuracy", "determinism"}))
+
+    @hookimpl
+    def rlk_backends():
+        return [BackendSpec("mine", 50, ("cuda",), lambda: (True, ""), _load)]
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import logging
-import math
-import os
+import importlib.metadata as md
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pluggy
 import torch
 
-log = logging.getLogger("rlk")
+from rlk._catalog import DECLARED, declared
 
+#: The pluggy project name, which is also the entry-point group of backend plugins.
 PROJECT = "rlk"
 hookspec = pluggy.HookspecMarker(PROJECT)
+#: Marks a plugin's ``rlk_backends`` function as the implementation of the hook.
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: The guarantees a backend may claim; the conformance kit checks exactly the claimed ones.
@@ -38,6 +57,9 @@ GUARANTEES: tuple[str, ...] = (
 
 #: Distributions that bring a backend, for the "pip install" hint of an unknown name.
 EXTRAS = {"cuda": "rlk[cuda]", "rocm": "rlk[rocm]", "ascend": "rlk[ascend]", "triton": "rlk-triton"}
+
+#: The float64 oracle (rlk's own plugin, from rlk-reference). No other plugin may declare it.
+ORACLE = "reference"
 
 
 class BackendError(RuntimeError):
@@ -99,19 +121,19 @@ class BackendImpl:
     use_config: Callable[[str, Mapping[str, Any]], contextlib.AbstractContextManager] | None = None
 
     def missing(self) -> list[str]:
-        """The required ops (``rlk.OPS``) this implementation lacks."""
-        from rlk.ops import OPS  # (rlk.ops imports this module: its families dispatch here)
-
-        return [op for op in OPS if op not in self.ops]
+        """The required ops (``rlk.OPS``, in its order) this implementation lacks."""
+        return [s.name for s in declared() if not s.optional and s.name not in self.ops]
 
 
 @dataclass(frozen=True)
 class BackendSpec:
     """A backend as a plugin declares it. Building one must be cheap and import nothing heavy.
 
-    ``device_types`` are torch device types (``"cuda"``, ``"cpu"``, ``"npu"``) or ``"*"`` for any.
-    ``is_available()`` returns ``(ok, reason)``; the reason is shown to users when not ok.
-    ``load()`` imports the implementation and returns a :class:`BackendImpl`.
+    ``name`` is an identifier (``RLK_BACKEND=<name>``). ``priority``: ``auto`` prefers the
+    highest. ``device_types`` are torch device types (``"cuda"``, ``"cpu"``, ``"npu"``) or
+    ``"*"`` for any. ``is_available()`` returns ``(ok, reason)``; the reason is shown to users
+    when not ok. ``load()`` imports the implementation and returns a :class:`BackendImpl`.
+    ``distribution`` defaults to the plugin's entry point's distribution.
     """
 
     name: str
@@ -147,7 +169,7 @@ class Broken:
     ``name`` is the backend's name, or the plugin's (its entry point's name) when the plugin
     failed before declaring a valid backend. ``priority`` is None when it could not be read:
     ``auto`` then assumes the broken one might have been preferred on any device and refuses to
-    choose (see :meth:`Registry.auto`).
+    choose (see :func:`rlk.selection.auto`).
     """
 
     name: str
@@ -160,20 +182,11 @@ class Broken:
         return "*" in self.device_types or device_type in self.device_types
 
 
-#: The float64 oracle. It claims accuracy only, so ``auto`` picks it only where no other
-#: installed backend serves the device type.
-ORACLE = "reference"
-
-
-def _how_to_choose(names: Sequence[str]) -> str:
-    return (
-        "choose a backend explicitly with RLK_BACKEND=<name> or rlk.use_backend(<name>) "
-        f"(installed: {', '.join(names) or 'none'})"
-    )
-
-
 class Registry:
     """The installed backends, discovered once through the ``rlk`` entry-point group.
+
+    ``own`` is rlk's own plugin (the float64 :data:`ORACLE`), registered first under the name
+    ``"rlk"``; ``extra_plugins`` (tests) are registered after the entry points.
 
     Plugins are contained: one whose entry point fails to import, whose hook raises or
     returns something other than valid :class:`BackendSpec` records, that declares a name
@@ -182,17 +195,16 @@ class Registry:
     selected) and every other backend keeps working.
     """
 
-    def __init__(self, extra_plugins: Sequence[object] = ()):
+    def __init__(self, extra_plugins: Sequence[object] = (), *, own: object | None = None):
         self._pm = pluggy.PluginManager(PROJECT)
         self._pm.add_hookspecs(_Spec)
         self._specs: dict[str, BackendSpec] = {}
         self._broken: dict[str, Broken] = {}  # backend names that cannot be used
         self._broken_plugins: list[Broken] = []  # plugins that declared nothing usable
         self._dists: dict[int, str] = {}
-        from rlk import _builtin
-
-        self._pm.register(_builtin, name="rlk")
-        self._dists[id(_builtin)] = "rlk"
+        if own is not None:
+            self._pm.register(own, name="rlk")
+            self._dists[id(own)] = "rlk"
         self._load_entry_points()
         for p in extra_plugins:
             self._pm.register(p)
@@ -218,8 +230,6 @@ class Registry:
     def _load_entry_points(self) -> None:
         # pluggy's load_setuptools_entrypoints stops at the first plugin that fails to import;
         # here that plugin is reported and the others still load.
-        import importlib.metadata as md
-
         for ep in md.entry_points(group=PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             try:
@@ -254,7 +264,7 @@ class Registry:
             self._plugin_broken(plugin, dist, why)
             return
         if spec.distribution == "?":
-            spec = _replace(spec, distribution=dist)
+            spec = replace(spec, distribution=dist)
         problem = _spec_problem(spec)
         if problem:
             why = f"rlk backend {name!r} (distribution {spec.distribution!r}) is broken: {problem}"
@@ -285,6 +295,8 @@ class Registry:
         return [*self._broken.values(), *self._broken_plugins]
 
     def spec(self, name: str) -> BackendSpec:
+        """The spec of backend ``name``; a :class:`BackendError` saying why where it is broken
+        or unknown (with the install that brings a known one)."""
         if name in self._specs:
             return self._specs[name]
         broken = self._broken.get(name) or next(
@@ -321,7 +333,8 @@ class Registry:
         return result
 
     def load(self, name: str, *, complete: bool = True) -> BackendImpl:
-        """Load backend ``name``. With ``complete``, a backend missing any op is an error."""
+        """Load backend ``name`` (once). With ``complete``, a backend missing any op is an
+        error."""
         spec = self.spec(name)
         ok, reason = self.status(name)
         if not ok:
@@ -329,35 +342,7 @@ class Registry:
         with self._lock:
             impl = self._loaded.get(name)
             if impl is None:
-                try:
-                    impl = spec.load()
-                except Exception as e:  # a broken vendor stack is a reason, never a crash
-                    raise BackendError(f"rlk backend {name!r} failed to load: {e}") from e
-                if not isinstance(impl, BackendImpl):
-                    raise BackendError(f"backend {name!r} loader returned {type(impl).__name__}")
-                if not isinstance(impl.ops, Mapping):
-                    what = type(impl.ops).__name__
-                    raise BackendError(f"backend {name!r} loader returned ops as a {what}")
-                from rlk.ops import SPECS
-
-                unknown = set(impl.ops) - set(SPECS)
-                if unknown:
-                    raise BackendError(f"backend {name!r} provides unknown ops {sorted(unknown)}")
-                bad = [op for op, fn in impl.ops.items() if not callable(fn)]
-                if bad:
-                    raise BackendError(f"backend {name!r} serves {', '.join(bad)} with no callable")
-                bad = [
-                    op
-                    for op, pair in impl.autograd.items()
-                    if op not in impl.ops or not isinstance(pair, OpAutograd)
-                ]
-                if bad:
-                    raise BackendError(
-                        f"backend {name!r} gives autograd for {', '.join(map(str, bad))}: each "
-                        "entry must be an OpAutograd of an op it serves"
-                    )
-                if spec.distribution not in _OWN:
-                    impl = _checked_results(impl, name, spec.distribution)
+                impl = _checked_load(spec)
                 self._loaded[name] = impl
         if complete and impl.missing():
             raise BackendError(
@@ -367,62 +352,37 @@ class Registry:
             )
         return impl
 
-    def auto(self, device_type: str) -> str:
-        """The backend ``auto`` selects for ``device_type`` tensors.
 
-        The highest-priority backend serving the device type that is available here and
-        implements every op. Backends unavailable on this machine (``is_available`` says why)
-        and incomplete ones are passed over. Anything else that fails (a loader, a check, a
-        broken plugin) stops the selection with a :class:`BackendError`: moving on to the next
-        backend would silently swap the kernels, and so the bits. :data:`ORACLE` (the float64
-        reference, which claims accuracy only) is picked only for device types that no other
-        installed backend serves.
-        """
-        candidates: list[tuple[float, str, Broken | None]] = [
-            (spec.priority, name, None)
-            for name, spec in self._specs.items()
-            if name != ORACLE and spec.serves(device_type)
-        ]
-        candidates += [
-            (math.inf if b.priority is None else b.priority, b.name, b)
-            for b in self.broken
-            if b.serves(device_type)
-        ]
-        candidates.sort(key=lambda c: (-c[0], c[1]))
-        reasons = []
-        for _, name, broken in candidates:
-            try:
-                if broken is not None:
-                    raise BackendError(broken.reason)
-                ok, reason = self.status(name)
-                if ok:
-                    missing = self.load(name, complete=False).missing()
-            except BackendError as e:
-                raise BackendError(
-                    f"auto cannot choose a backend for {device_type!r} tensors: "
-                    f"{str(e).rstrip('.')}. auto never moves past a backend that failed (the "
-                    "next one would silently change the kernels, and the bits): fix it, or "
-                    f"{_how_to_choose(list(self.specs))}."
-                ) from e
-            if not ok:
-                reasons.append(f"{name}: {reason}")
-            elif missing:  # rlk never mixes the kernels of two backends
-                reasons.append(f"{name}: does not implement {', '.join(missing)}")
-            else:
-                return name
-        if not candidates and ORACLE in self._specs:
-            return ORACLE
+def _checked_load(spec: BackendSpec) -> BackendImpl:
+    """``spec.load()``, with everything wrong about what it returns a :class:`BackendError`."""
+    name = spec.name
+    try:
+        impl = spec.load()
+    except Exception as e:  # a broken vendor stack is a reason, never a crash
+        raise BackendError(f"rlk backend {name!r} failed to load: {e}") from e
+    if not isinstance(impl, BackendImpl):
+        raise BackendError(f"backend {name!r} loader returned {type(impl).__name__}")
+    if not isinstance(impl.ops, Mapping):
+        raise BackendError(f"backend {name!r} loader returned ops as a {type(impl.ops).__name__}")
+    unknown = set(impl.ops) - set(DECLARED)
+    if unknown:
+        raise BackendError(f"backend {name!r} provides unknown ops {sorted(unknown)}")
+    bad = [op for op, fn in impl.ops.items() if not callable(fn)]
+    if bad:
+        raise BackendError(f"backend {name!r} serves {', '.join(bad)} with no callable")
+    bad = [
+        op
+        for op, pair in impl.autograd.items()
+        if op not in impl.ops or not isinstance(pair, OpAutograd)
+    ]
+    if bad:
         raise BackendError(
-            f"no available rlk backend serves {device_type!r} tensors"
-            + (f" ({'; '.join(reasons)})" if reasons else "")
-            + (
-                f". The float64 {ORACLE!r} backend is not picked automatically for a device "
-                "type another installed backend serves"
-                if candidates and ORACLE in self._specs
-                else ""
-            )
-            + f"; {_how_to_choose(list(self.specs))}."
+            f"backend {name!r} gives autograd for {', '.join(map(str, bad))}: each "
+            "entry must be an OpAutograd of an op it serves"
         )
+    if spec.distribution not in _OWN:
+        impl = _checked_results(impl, name, spec.distribution)
+    return impl
 
 
 #: rlk's own distributions; their ops' results are tested by rlk's suite, not at every call.
@@ -459,176 +419,3 @@ def _checked_results(impl: BackendImpl, name: str, dist: str) -> BackendImpl:
 
 def _exc(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
-
-
-def _replace(spec: BackendSpec, **kw: Any) -> BackendSpec:
-    from dataclasses import replace
-
-    return replace(spec, **kw)
-
-
-_registry: Registry | None = None
-_registry_lock = threading.Lock()
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlk_backend", default=None)
-_announced: set[tuple[str, str]] = set()
-
-
-def registry() -> Registry:
-    global _registry
-    with _registry_lock:
-        if _registry is None:
-            _registry = Registry()
-        return _registry
-
-
-def reset_registry(extra_plugins: Sequence[object] = ()) -> Registry:
-    """Rediscover plugins (tests register extra ones here). Returns the new registry."""
-    global _registry
-    with _registry_lock:
-        _registry = Registry(extra_plugins)
-        _announced.clear()
-        _resolved.clear()
-        return _registry
-
-
-def _requested() -> str:
-    name = _override.get()
-    if name is None:
-        name = os.environ.get("RLK_BACKEND", "auto")
-    return name.strip() or "auto"
-
-
-def current_backend(device: Any = None) -> str:
-    """Name of the backend that serves ``device`` now (default: cuda if present, else cpu).
-
-    Honours ``rlk.use_backend`` and ``RLK_BACKEND``; ``auto`` picks the highest-priority
-    available backend for the device type (:meth:`Registry.auto`: never past one that failed,
-    and the reference only where no other backend serves the device). Raises
-    :class:`BackendError` with the reason when the requested backend is unknown, unavailable,
-    broken, or does not serve that device, or when ``auto`` cannot choose.
-    """
-    device_type = _device_type(device)
-    reg = registry()
-    name = _requested()
-    if name == "auto":
-        name = reg.auto(device_type)
-        if (name, device_type) not in _announced:
-            _announced.add((name, device_type))
-            log.info("rlk: backend %r selected for %s tensors", name, device_type)
-        return name
-    spec = reg.spec(name)
-    ok, reason = reg.status(name)
-    if not ok:
-        raise BackendError(f"rlk backend {name!r} is installed but not available: {reason}")
-    if not spec.serves(device_type):
-        raise BackendError(
-            f"rlk backend {name!r} does not serve {device_type!r} tensors "
-            f"(it serves {', '.join(spec.device_types)})"
-        )
-    return name
-
-
-def _device_type(device: Any) -> str:
-    import torch
-
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
-#: (requested backend, device type) -> the implementation it resolved to, for the current
-#: registry. Every op call asks, and walking the plugins (availability checks, ``auto``'s
-#: priority order) costs tens of microseconds, more than a decode-size kernel runs. Once a
-#: selection has succeeded it stands for the process: the registry is fixed, and a backend that
-#: was available stays so. ``reset_registry`` clears it; failures are never cached.
-_resolved: dict[tuple[str, str], BackendImpl] = {}
-
-
-#: ``torch.compiler.is_compiling`` (a name of this module's, which tests can replace).
-_compiling = torch.compiler.is_compiling
-
-
-def backend_impl(device: Any) -> BackendImpl:
-    """The complete implementation serving ``device`` (used by every public op).
-
-    While ``torch.compile`` traces, the ops of the catalog are ``torch.ops.rlk``'s operators
-    (``rlk._library``), which pick the backend when they run: nothing of a backend is traced
-    into the graph, and a backend chosen after compiling serves the next call."""
-    if _compiling():
-        from rlk._library import traced_impl
-
-        return traced_impl(device)
-    return resolved_impl(device)
-
-
-def resolved_impl(device: Any) -> BackendImpl:
-    """The backend implementation selected now for ``device`` (:func:`backend_impl` outside
-    ``torch.compile``)."""
-    device_type = getattr(device, "type", None) or _device_type(device)
-    key = (_requested(), device_type)
-    impl = _resolved.get(key)
-    if impl is None:
-        impl = registry().load(current_backend(device))
-        _resolved[key] = impl
-    return impl
-
-
-def claimants(op: str, device_type: str) -> list[str]:
-    """The installed backends available for ``device_type`` tensors that implement ``op``.
-
-    Loads every such backend (for error messages and ``rlk.parallel.TREE_BACKENDS``, not for
-    dispatch); one that fails to load is left out, as ``rlk info`` reports it.
-    """
-    reg = registry()
-    names = []
-    for name, spec in reg.specs.items():
-        try:
-            ok = spec.serves(device_type) and reg.status(name)[0]
-            if ok and op in reg.load(name, complete=False).ops:
-                names.append(name)
-        except BackendError:
-            continue
-    return names
-
-
-def optional_op(device: Any, op: str, caller: str) -> Callable[..., Any]:
-    """The selected backend's implementation of the optional op ``op`` for ``device``.
-
-    Raises :class:`BackendError` naming the backend, the op and ``caller`` (the public function
-    that needs it) where the backend does not implement it: rlk never runs another backend's
-    kernel in its place, which would change the bits.
-    """
-    fn = backend_impl(device).ops.get(op)
-    if fn is not None:
-        return fn
-    device_type = getattr(device, "type", None) or _device_type(device)
-    have = claimants(op, device_type)
-    raise BackendError(
-        f"{caller}: rlk backend {current_backend(device)!r} does not implement the optional op "
-        f"{op!r} (rlk does not fall back to another backend's kernel, since that would break "
-        f"bitwise agreement). Backends here that implement it for {device_type!r} tensors: "
-        f"{', '.join(have) or 'none'}; choose one with RLK_BACKEND=<name> or "
-        "rlk.use_backend(<name>)."
-    )
-
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[str]:
-    """Use backend ``name`` (or ``"auto"``; ``""`` means auto, as in ``RLK_BACKEND``) inside the
-    block, for this thread/task only.
-
-    The name is checked on entry, so a typo fails here and not at the first op::
-
-        with rlk.use_backend("reference"):
-            y = rlk.rms_norm(x, w)
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"use_backend: name must be a str, got {type(name).__name__}")
-    name = name.strip() or "auto"  # as RLK_BACKEND: an empty name means auto
-    if name != "auto":
-        registry().load(name)
-    token = _override.set(name)
-    try:
-        yield name
-    finally:
-        _override.reset(token)
