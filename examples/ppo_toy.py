@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from rlk_integrations import critic, models, rollout, training  # rlk_triton before transformers
-from rlk_integrations.transformers import patch_model
+from rlk_integrations.engine import critic, rollout, training  # rlk_triton before transformers
+from rlk_integrations.models.transformers import patch_model
+from rlk_integrations.tools import zoo
 
 
 def reward(response: list[int]) -> float:
@@ -47,7 +48,7 @@ def train(
     """Run the loop; one record per step: ``reward`` (the batch mean) and ``ppo_step``'s."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
-    model = models.load_model(model_name, dtype=dtype, device=device)
+    model = zoo.load_model(model_name, dtype=dtype, device=device)
     patch_model(model)
     head = critic.add_value_head(model)  # starts at 0: the first advantages are the returns
     model.train()

@@ -2,8 +2,8 @@
 
 Task: ``a+b=`` prompts (a small built-in dataset), reward 1 when the completion starts with the
 sum plus 0.1 per digit it holds (checkable by a program). The tokenizer is character-level and
-built locally (``rlk_integrations.trl.char_tokenizer``); the model is one of the random-weight
-configs of ``rlk_integrations.models``: nothing is downloaded.
+built locally (``rlk_integrations.adapters.trl.char_tokenizer``); the model is one of the
+random-weight configs of ``rlk_integrations.tools.zoo``: nothing is downloaded.
 
 Each trainer runs ``--steps`` optimizer steps with TRL's GRPO loss; the table gives, per step,
 the mean reward, the loss and ``max |sampling_logp - training_logp|``: TRL's log-probabilities
@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from rlk_integrations import models  # imports rlk (and Triton's interpreter on CPU) first
-from rlk_integrations.trl import RLKGRPOTrainer, StockGRPOTrainer, char_tokenizer
+# rlk_integrations.adapters imports rlk (and Triton's interpreter on CPU) first.
+from rlk_integrations.adapters.trl import RLKGRPOTrainer, StockGRPOTrainer, char_tokenizer
+from rlk_integrations.tools import zoo
 
 MISMATCH = "sampling/sampling_logp_difference/max"
 
@@ -61,7 +62,7 @@ def run(name: str, args: argparse.Namespace, out_dir: str) -> tuple[list[dict], 
     from transformers import PrinterCallback
     from trl import GRPOConfig
 
-    model = models.load_model(
+    model = zoo.load_model(
         args.model, dtype=getattr(torch, args.dtype), device=args.device, seed=args.seed
     )
     config = GRPOConfig(

@@ -3,13 +3,13 @@
     python scripts/count_launches.py [--models qwen2-0.5b,llama3-8b-4layers] [--seqs 8] [--len 512]
     python scripts/count_launches.py --decode [--seqs 64]
 
-``--decode``: the paged rollout's decode step instead (``rlk_integrations.paged_step``: the
+``--decode``: the paged rollout's decode step instead (``rlk_integrations.engine.paged_step``: the
 step that the engine replays as a CUDA graph, here run eagerly, ``--seqs`` requests of one new
 token each). Inside a graph a launch costs no host time, but each kernel boundary still leaves
 the GPU idle for the next kernel's start and its last wave's tail, so the count bounds that
 idle time.
 
-The step is the e2e benchmark's (``rlk_integrations.e2e_bench``): a packed row of random
+The step is the e2e benchmark's (``rlk_integrations.tools.e2e_bench``): a packed row of random
 sequences through the patched model, ``rlk.linear_logprobs``, their sum, backward. It runs on
 CPU with every Triton launch counted and skipped (no kernel computes, so the numbers flowing
 through are garbage; only the launches are real), once with one decoder layer and once with
@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from rlk import _validate  # noqa: E402
-from rlk_integrations import e2e_bench, models  # noqa: E402
-from rlk_integrations.transformers import patch_model  # noqa: E402
+from rlk_integrations.models.transformers import patch_model  # noqa: E402
+from rlk_integrations.tools import e2e_bench, zoo  # noqa: E402
 from rlk_triton import _bounds  # noqa: E402
 
 LAUNCHES: collections.Counter[str] = collections.Counter()
@@ -67,13 +67,13 @@ def _count(self, *args, **kwargs) -> None:
 
 def _model(name: str, layers: int) -> torch.nn.Module:
     """``name`` cut to ``layers`` decoder layers, bf16 on the CPU, patched."""
-    cls, config = models.CONFIGS[name]
+    cls, config = zoo.CONFIGS[name]
     key = f"{name}-{layers}-layers"
-    models.CONFIGS[key] = (cls, dict(config, num_hidden_layers=layers))
+    zoo.CONFIGS[key] = (cls, dict(config, num_hidden_layers=layers))
     try:
-        model = models.load_model(key, dtype=torch.bfloat16, device="cpu", seed=0)
+        model = zoo.load_model(key, dtype=torch.bfloat16, device="cpu", seed=0)
     finally:
-        del models.CONFIGS[key]
+        del zoo.CONFIGS[key]
     patch_model(model)
     return model
 
@@ -92,7 +92,7 @@ def step_launches(name: str, layers: int, seqs: int, length: int) -> collections
 
 def decode_launches(name: str, layers: int, seqs: int) -> collections.Counter[str]:
     """Launches per kernel of one decode step of ``seqs`` requests (the graphed step, eager)."""
-    from rlk_integrations import paged
+    from rlk_integrations.engine import paged
 
     model = _model(name, layers)
     padded, paged._EAGER_PADDED_DECODE = paged._EAGER_PADDED_DECODE, True
@@ -137,7 +137,7 @@ def main() -> None:
         print(f"{name}: per layer {_kinds(layer)}, outside the layers {_kinds(head)}")
         for kernel in sorted(set(two), key=lambda k: -two[k]):
             print(f"  {kernel:32s} layer {layer[kernel]:3d}  outside {head[kernel]:3d}")
-        n = models.CONFIGS[name][1]["num_hidden_layers"]
+        n = zoo.CONFIGS[name][1]["num_hidden_layers"]
         step = collections.Counter({k: n * v for k, v in layer.items()}) + head
         table.append((name, _kinds(layer), _kinds(head), n, _kinds(step)))
     print(f"\n{'model':20s} {'layers':>6s}  per layer / outside / per step: Triton, torch, syncs")

@@ -3,7 +3,7 @@
     python scripts/profile_decode.py [--model llama3-8b-4layers] [--batch 64] [--new 128]
                                      [--no-fuse]
 
-Runs the e2e benchmark's paged rollout (``rlk_integrations.e2e_bench``: random prompts of
+Runs the e2e benchmark's paged rollout (``rlk_integrations.tools.e2e_bench``: random prompts of
 16-64 tokens, every request admitted at once, CUDA graphs on, one engine kept across the runs)
 once to warm up, once timed, and once under ``torch.profiler`` (kernels inside graph replays are
 recorded one by one). Prints
@@ -17,8 +17,8 @@ recorded one by one). Prints
 The step count is the number of new tokens (prefill runs inside the first steps; its kernels
 are in the totals).
 
-``--padded``: the eager padded rollout instead (``rlk_integrations.rollout.generate``, rlk's ops
-called one by one from Python on a left-padded batch) against transformers' ``generate`` on the
+``--padded``: the eager padded rollout instead (``rlk_integrations.engine.rollout.generate``, rlk's
+ops called one by one from Python on a left-padded batch) against transformers' ``generate`` on the
 unpatched model: wall and GPU kernel time per step for both, and the host functions that take
 the most time in one rlk rollout (cProfile, by own time).
 """
@@ -35,11 +35,11 @@ import torch
 from profile_training import kernel_times  # scripts/ is on sys.path when run as a script
 
 from rlk.bench.timing import ceilings
-from rlk_integrations import e2e_bench as e2e
-from rlk_integrations import engines
-from rlk_integrations.consistency import random_prompts
-from rlk_integrations.models import load_model
-from rlk_integrations.transformers import patch_model, unpatch_model
+from rlk_integrations.engine import engines
+from rlk_integrations.models.transformers import patch_model, unpatch_model
+from rlk_integrations.tools import e2e_bench as e2e
+from rlk_integrations.tools.consistency import random_prompts
+from rlk_integrations.tools.zoo import load_model
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ host function, for stock transformers, stock + Liger's fused linear cross-entrop
 
     python scripts/profile_training.py [--models qwen2-0.5b,qwen3-0.6b] [--seqs 8] [--len 512]
 
-The step is the e2e benchmark's (``rlk_integrations.e2e_bench``): a packed row of random
+The step is the e2e benchmark's (``rlk_integrations.tools.e2e_bench``): a packed row of random
 sequences, forward, log-probabilities, their sum, backward. For each model and impl:
 
 - ``wall``: median of 3 synchronised steps;
@@ -32,9 +32,9 @@ from collections import defaultdict
 
 import torch
 
-from rlk_integrations import e2e_bench as e2e
-from rlk_integrations.models import load_model
-from rlk_integrations.transformers import patch_model, unpatch_model
+from rlk_integrations.models.transformers import patch_model, unpatch_model
+from rlk_integrations.tools import e2e_bench as e2e
+from rlk_integrations.tools.zoo import load_model
 from rlk_triton import _triton
 
 

@@ -2,12 +2,11 @@
 ``rlk.commands`` (see ``rlk_cli.Command``).
 
 A module beside the package, as ``rlk_cli`` is beside ``rlk``: importing it imports neither torch
-nor transformers nor ``rlk_integrations`` (which imports rlk first), so ``rlk --help`` reads the
-arguments declared here at once; :func:`_run` imports the engines when the command runs.
-
-It also holds the registry of rollout engines, :data:`ROLLOUT_ENGINES`, so that the choices of
-``--rollout-mode`` come from it without importing an engine (:mod:`rlk_integrations.engines`
-imports one when it is asked for).
+nor transformers nor rlk, so ``rlk --help`` reads the arguments declared here at once; of
+``rlk_integrations`` it imports the engine registry only
+(:data:`rlk_integrations.engine.registry.ROLLOUT_ENGINES`, torch-free: the choices of
+``--rollout-mode``); :func:`_run` imports :mod:`rlk_integrations.tools.consistency` when the
+command runs.
 """
 
 from __future__ import annotations
@@ -17,18 +16,7 @@ import sys
 from typing import Any
 
 from rlk_cli import Command
-
-#: The rollout engines, by name: ``"module:Class"`` of a class implementing
-#: :class:`rlk_integrations.engines.RolloutEngine`, and what it is (``rlk consistency --help``).
-#: ``rlk consistency`` and ``rlk bench``'s e2e family run every engine named here.
-ROLLOUT_ENGINES: dict[str, tuple[str, str]] = {
-    "padded": ("rlk_integrations.rollout:PaddedRollout", "left-padded batch, KV cache"),
-    "paged": ("rlk_integrations.paged:PagedRollout", "paged KV cache, continuous batching"),
-    "vllm": (
-        "rlk_integrations.vllm.engine:VLLMRollout",
-        "rlk's models inside vLLM (rlk[vllm]; temperature 1; adds a stock-vLLM row)",
-    ),
-}
+from rlk_integrations.engine.registry import ROLLOUT_ENGINES
 
 #: ``--rollout-mode`` values naming several engines: ``all`` runs every engine that can run
 #: here (the report names the others and why); ``both`` is padded and paged.
@@ -101,7 +89,7 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rlk_integrations import consistency
+    from rlk_integrations.tools import consistency
 
     lo, _, hi = args.prompt_len.partition(":")
     try:
@@ -126,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> dict[str, Any]:
     import torch
 
-    from rlk_integrations import consistency
+    from rlk_integrations.tools import consistency
 
     return consistency.run(
         args.model,

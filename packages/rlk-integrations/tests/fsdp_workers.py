@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlk_integrations import models, training
-from rlk_integrations import transformers as rt
+from rlk_integrations.engine import training
+from rlk_integrations.models import transformers as rt
+from rlk_integrations.tools import zoo
 
 MODEL = "tiny"
 LR = 0.5
@@ -19,7 +20,7 @@ GROUP = 2
 
 
 def build(state: dict, device: str) -> torch.nn.Module:
-    model = models.load_model(MODEL, dtype=torch.float32, device=device)
+    model = zoo.load_model(MODEL, dtype=torch.float32, device=device)
     model.load_state_dict(state)
     return rt.patch_model(model).train()
 

@@ -1,7 +1,7 @@
 """``torch.compile(fullgraph=True)`` of patched Llama, Qwen2 and Qwen3 models
-(:func:`rlk_integrations.training.compiled_logprobs`: the packed training pass, decoder then
+(:func:`rlk_integrations.engine.training.compiled_logprobs`: the packed training pass, decoder then
 ``rlk.linear_logprobs``), forward and backward, with no graph break and the bits of the eager
-pass (:func:`~rlk_integrations.training.packed_logprobs`): log-probabilities and every
+pass (:func:`~rlk_integrations.engine.training.packed_logprobs`): log-probabilities and every
 parameter's gradient. On a GPU the same with ``mode="reduce-overhead"`` (CUDA graphs).
 
 The ops that are not rlk's (the gradients' sums, the embedding) are Inductor's code: with
@@ -16,9 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlk_integrations import models, training  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
-from rlk_integrations.transformers import patch_model  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models.transformers import patch_model  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 
 def _samples(vocab: int, lengths: list[tuple[int, int]]) -> list[Sample]:
@@ -57,7 +58,7 @@ def _check(model, samples, **compile_kwargs):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny", "tiny-qwen3"])
 def test_compiled_training_pass_gives_the_eager_bits(name):
     torch._dynamo.reset()
-    model = patch_model(models.load_model(name))
+    model = patch_model(zoo.load_model(name))
     _check(model, _samples(model.config.vocab_size, [(2, 3), (3, 4)]))
 
 
@@ -69,7 +70,7 @@ def test_reduce_overhead_gives_the_eager_bits_in_cuda_graphs(name):
 
     torch._dynamo.reset()
     counters.clear()
-    model = patch_model(models.load_model(name, device="cuda"))
+    model = patch_model(zoo.load_model(name, device="cuda"))
     _check(model, _samples(model.config.vocab_size, [(5, 40), (9, 30)]), mode="reduce-overhead")
     # Inductor counts every graph it could not run as a CUDA graph (a CPU tensor, a host read,
     # a mutated input), with the reason.

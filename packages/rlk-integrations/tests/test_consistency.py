@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from rlk import cli  # noqa: E402
-from rlk_integrations import consistency  # noqa: E402
+from rlk_integrations.tools import consistency  # noqa: E402
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from rlk import bench, cli  # noqa: E402
 
 def test_the_command_and_the_family_are_registered():
     import rlk_integrations_cli
-    from rlk_integrations import e2e_bench
+    from rlk_integrations.tools import e2e_bench
 
     assert rlk_cli._plugin_commands()["consistency"] is rlk_integrations_cli.CONSISTENCY
     assert bench.available() == list(bench.FAMILIES)
@@ -54,7 +54,7 @@ def test_help_lists_the_command(capsys):
     ],
 )
 def test_usage_errors_are_one_line(argv, message, capsys, monkeypatch):
-    from rlk_integrations import consistency
+    from rlk_integrations.tools import consistency
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a model was built before the arguments were checked")

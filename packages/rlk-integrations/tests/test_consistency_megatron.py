@@ -15,14 +15,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
 from rlk import cli  # noqa: E402
-from rlk_integrations import (  # noqa: E402
-    consistency,  # noqa: E402
-    models,
-    training,
-)
-from rlk_integrations import megatron as rm  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.adapters import megatron as rm  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import consistency, zoo  # noqa: E402
 
 ARGS = ["consistency", "--model", "tiny", "--prompts", "3", "--new-tokens", "3"]
 ARGS += ["--micro-batch", "2", "--rollout-mode", "padded", "--quiet"]
@@ -83,7 +80,7 @@ def test_leaves_reach_both_sides_and_change_the_bits():
     K (128) the tree and the plain K order round to the same bf16 outputs."""
     teardown = rm.init_single_process()
     try:
-        hf = models.load_model("tiny", dtype=torch.float32)
+        hf = zoo.load_model("tiny", dtype=torch.float32)
         samples = _samples([(3, 5), (6, 2), (2, 4)], hf.config.vocab_size, seed=5)
         mg_plain = rm.build_gpt_model(hf.config, dtype=torch.float32)
         mg_tree = rm.build_gpt_model(hf.config, dtype=torch.float32, leaves=8)
@@ -121,7 +118,7 @@ def test_leaves_backward_of_last_mlp_matches_transformers():
     the log-probs."""
     teardown = rm.init_single_process()
     try:
-        hf = rt.patch_model(models.load_model("tiny", dtype=torch.float32), leaves=8)
+        hf = rt.patch_model(zoo.load_model("tiny", dtype=torch.float32), leaves=8)
         mg = rm.build_gpt_model(hf.config, dtype=torch.float32, leaves=8)
         rm.load_hf_weights(mg, hf.state_dict(), hf.config)
         samples = _samples([(4, 3), (2, 5)], hf.config.vocab_size, seed=6)
@@ -142,5 +139,5 @@ def test_train_engine_validated():
     with pytest.raises(ValueError, match="train_engine"):
         consistency.run("tiny", train_engine="deepspeed")
     with pytest.raises(ValueError, match="power of two"):
-        rt.patch_model(models.load_model("tiny"), leaves=6)
+        rt.patch_model(zoo.load_model("tiny"), leaves=6)
     assert rlk.parallel.TREE_BACKENDS

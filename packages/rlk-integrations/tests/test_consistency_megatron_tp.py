@@ -19,13 +19,10 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
 from rlk import cli  # noqa: E402
-from rlk_integrations import (  # noqa: E402
-    consistency,  # noqa: E402
-    models,
-    training,
-)
-from rlk_integrations import transformers as rt  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import consistency, zoo  # noqa: E402
 
 
 def test_cli_megatron_tp2_rlk_row_zero(tmp_path, capsys):
@@ -48,7 +45,7 @@ def test_cli_megatron_tp2_rlk_row_zero(tmp_path, capsys):
 def test_tp2_recompute_has_the_tree_bits_not_the_plain_ones():
     """The TP=2 workers' log-probs are the leaves=8 transformers bits, and not those of the
     plain rlk.linear model (so the comparison above can fail)."""
-    hf = models.load_model("tiny", dtype=torch.float32)
+    hf = zoo.load_model("tiny", dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     samples = []
     for p, r in [(3, 4), (5, 2), (2, 5)]:

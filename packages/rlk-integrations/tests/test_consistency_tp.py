@@ -1,7 +1,7 @@
 """``rlk consistency --rollout-tp / --train-tp`` with the transformers integration, on CPU.
 
-The command spawns 2 gloo processes that shard the tiny model (:mod:`rlk_integrations.tp`) and
-either sample (rollout at TP=2, padded and paged) or recompute with vocabulary-parallel
+The command spawns 2 gloo processes that shard the tiny model (:mod:`rlk_integrations.models.tp`)
+and either sample (rollout at TP=2, padded and paged) or recompute with vocabulary-parallel
 ``linear_logprobs`` (training at TP=2); the other side runs at TP=1 in this process. fp32, where
 the tree order of o_proj/down_proj shows in the bits (bf16 rounds both orders alike at the tiny
 model's K); the rlk rows must be exactly zero. A unit test checks that a sharded model's
@@ -20,9 +20,11 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 from rlk import cli  # noqa: E402
-from rlk_integrations import models, tp, tp_workers, training  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.engine import tp_workers, training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models import tp  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 
 def _cli(tmp_path, capsys, *extra):
@@ -61,7 +63,7 @@ def _samples(vocab):
 
 
 def test_sharded_logprobs_are_the_tree_bits(tmp_path):
-    hf = models.load_model("tiny", dtype=torch.float32)
+    hf = zoo.load_model("tiny", dtype=torch.float32)
     samples = _samples(hf.config.vocab_size)
     weights = str(tmp_path / "w.pt")
     tp_workers.save_weights(hf, weights)
@@ -78,7 +80,7 @@ def test_sharded_logprobs_are_the_tree_bits(tmp_path):
 
 
 def test_shard_tp_errors():
-    hf = models.load_model("tiny", dtype=torch.float32)
+    hf = zoo.load_model("tiny", dtype=torch.float32)
     with pytest.raises(ValueError, match="patch_model"):
         tp.shard_tp(hf)
 

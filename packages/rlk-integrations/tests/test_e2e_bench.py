@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rlk.bench import timing  # noqa: E402
-from rlk_integrations import e2e_bench  # noqa: E402
+from rlk_integrations.tools import e2e_bench, e2e_common  # noqa: E402
 
 
 def test_e2e_family_runs(monkeypatch):
@@ -24,13 +24,13 @@ def test_e2e_family_runs(monkeypatch):
         PROMPT_LEN=(3, 5),
         QUICK_LONG_PROMPT_LEN=(6, 8),
         QUICK_LONG_NEW_TOKENS=3,
-        TRAIN_ITERS=1,
         QUICK_GRPO_PROMPTS=2,
         GRPO_GROUP=2,
         GRPO_MICRO_BATCH=2,
     )
     for name, value in shapes.items():
         monkeypatch.setattr(e2e_bench, name, value)
+    monkeypatch.setattr(e2e_common, "TRAIN_ITERS", 1)
     # The CPU has no copy bandwidth measured: a made-up one (100 kB/s, so that the tiny
     # model's share is far from 0), so that the paged rows' roofline share is computed as on
     # CUDA.
@@ -82,9 +82,10 @@ def test_heldout_family_and_model_filter(monkeypatch):
     # RLK_E2E_MODELS keeps only the models it names; a name the family lacks is an error.
     monkeypatch.setattr(timing, "DEVICE", "cpu")
     for name, value in dict(
-        HELDOUT_MODELS=("tiny", "tiny-llama"), QUICK_TRAIN_SEQS=2, QUICK_TRAIN_LEN=8, TRAIN_ITERS=1
+        HELDOUT_MODELS=("tiny", "tiny-llama"), QUICK_TRAIN_SEQS=2, QUICK_TRAIN_LEN=8
     ).items():
         monkeypatch.setattr(e2e_bench, name, value)
+    monkeypatch.setattr(e2e_common, "TRAIN_ITERS", 1)
     monkeypatch.setenv("RLK_E2E_MODELS", "tiny-llama")
     rows = []
     e2e_bench.HELDOUT_FAMILY.run(quick=True, emit=rows.append)
@@ -98,7 +99,7 @@ def test_heldout_family_and_model_filter(monkeypatch):
 
 def test_heldout_shapes():
     # The held-out configs keep the features they stand for.
-    from rlk_integrations.models import HELDOUT, make_config
+    from rlk_integrations.tools.zoo import HELDOUT, make_config
 
     llama, qwen = (make_config(n) for n in HELDOUT)
     assert llama.head_dim == 64 and llama.tie_word_embeddings
@@ -112,7 +113,7 @@ def test_decode_bytes_count_every_weight_per_step_and_the_context():
     # o (128x128, 128x64, 128x64, 128x128), gate, up, down (128x128 each), two norms; the final
     # norm and the 512x128 head; bf16. Keys and values: 2 layers x 2 heads x 32 x 2 (K, V) x 2
     # bytes a token. Prompts of 3 and 5 tokens, 4 steps: (3 + 5) x 4 + 2 x (0 + 1 + 2 + 3).
-    from rlk_integrations.models import load_model
+    from rlk_integrations.tools.zoo import load_model
 
     model = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu", seed=0)
     layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 128 + 2 * 128
@@ -162,7 +163,7 @@ def test_static_peer_that_does_not_compile_or_fails_is_left_out(monkeypatch):
 def test_liger_compiled_rows_run_after_every_other_row(monkeypatch):
     """On CUDA Liger's compiled peer runs last (it has left a CUDA context unusable, which
     would fail every row after it): each model's other rows first, then its row per model."""
-    from rlk_integrations import e2e_compile
+    from rlk_integrations.tools import e2e_compile
 
     calls, compiled_trainings = [], e2e_compile.compiled_trainings
     monkeypatch.setattr(timing, "DEVICE", "cuda")  # only the calls' order is run here

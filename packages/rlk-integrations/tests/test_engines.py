@@ -1,5 +1,5 @@
-"""Rollout engines (:mod:`rlk_integrations.engines`): the registry gives the CLI's choices and
-builds every engine; each engine gives its function's bits through the protocol; an engine that
+"""Rollout engines (:mod:`rlk_integrations.engine.engines`): the registry gives the CLI's choices
+and builds every engine; each engine gives its function's bits through the protocol; an engine that
 cannot run here is named with its reason, never dropped silently."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ pytest.importorskip("transformers")
 
 import rlk_integrations_cli  # noqa: E402
 from rlk import cli  # noqa: E402
-from rlk_integrations import consistency, engines, models, paged, rollout  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.engine import engines, paged, rollout  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import consistency, zoo  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -76,7 +77,9 @@ def cli_parser():
 
 def test_a_misnamed_engine_is_refused(monkeypatch):
     monkeypatch.setitem(
-        rlk_integrations_cli.ROLLOUT_ENGINES, "other", ("rlk_integrations.paged:PagedRollout", "")
+        rlk_integrations_cli.ROLLOUT_ENGINES,
+        "other",
+        ("rlk_integrations.engine.paged:PagedRollout", ""),
     )
     with pytest.raises(TypeError, match="registered as 'other' but is named 'paged'"):
         engines.create("other")
@@ -103,7 +106,7 @@ def test_an_engine_that_cannot_run_says_why(nolib, capsys, monkeypatch):
 def test_an_engine_refuses_a_layout_it_cannot_sample_with(monkeypatch):
     # The options carry the run's rlk layout; vllm runs unsharded rlk ops and says so, so that
     # rlk consistency needs no rule of its own for it (by name: a usage error; all: skipped).
-    import rlk_integrations.vllm as rv
+    import rlk_integrations.adapters.vllm as rv
 
     monkeypatch.setattr(rv, "check_vllm", lambda: rv.TESTED_VLLM)  # as if vLLM were installed
     for options in (engines.RolloutOptions(leaves=8), engines.RolloutOptions(tp=2)):
@@ -133,7 +136,7 @@ def test_stock_twins():
 
 @pytest.fixture(scope="module")
 def model():
-    return rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16))
+    return rt.patch_model(zoo.load_model("tiny", dtype=torch.bfloat16))
 
 
 def test_engines_give_their_functions_bits(model):

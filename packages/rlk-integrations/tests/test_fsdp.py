@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow  # spawned gloo processes
 
 from fsdp_workers import MODEL, build, step, worker  # noqa: E402
 
-from rlk_integrations import models, training  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 WORLD = 2
 VOCAB = 512
@@ -29,7 +30,7 @@ VOCAB = 512
 def _reference(path, device):
     """Samples, and the unsharded model's log-probs / GRPO gradients / updated weights."""
     g = torch.Generator().manual_seed(11)
-    init = models.load_model(MODEL, dtype=torch.float32, seed=3).state_dict()
+    init = zoo.load_model(MODEL, dtype=torch.float32, seed=3).state_dict()
     model = build(init, device)
     rand = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()  # noqa: E731
     # Same response length everywhere: each rank's token mean then averages to the global one.

@@ -1,5 +1,5 @@
-"""Fused q/k/v and gate/up projections (:mod:`rlk_integrations.fused`): the parameters view one
-buffer per group, the fused products are the separate products' bits, a moved parameter turns
+"""Fused q/k/v and gate/up projections (:mod:`rlk_integrations.engine.fused`): the parameters view
+one buffer per group, the fused products are the separate products' bits, a moved parameter turns
 its group off until it is fused again, and the paged rollout gives the same bits either way."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlk_integrations import fused, models, paged  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.engine import fused, paged  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 
 def _model(name="tiny"):
-    return rt.patch_model(models.load_model(name, dtype=torch.bfloat16))
+    return rt.patch_model(zoo.load_model(name, dtype=torch.bfloat16))
 
 
 def _x(model, rows=5):
@@ -89,7 +90,7 @@ def test_a_moved_parameter_unfuses_its_group_until_fused_again():
 
 def test_fuse_needs_a_patched_model_and_skips_other_projections():
     with pytest.raises(ValueError, match="patched"):
-        fused.fuse_projections(models.load_model("tiny", dtype=torch.bfloat16))
+        fused.fuse_projections(zoo.load_model("tiny", dtype=torch.bfloat16))
     model = _model()
     attn = model.model.layers[0].self_attn
     del attn.k_proj.forward  # not run by rlk.linear: its group stays as it is

@@ -20,10 +20,11 @@ import rlk  # first: it picks Triton's CPU interpreter before Megatron imports t
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from rlk_integrations import megatron as rm  # noqa: E402
-from rlk_integrations import models, training  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.adapters import megatron as rm  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 NAMES = ["tiny-llama", "tiny", "tiny-qwen3"]  # llama (untied), qwen2 (qkv bias, tied), qwen3
 VOCAB = 512
@@ -52,7 +53,7 @@ def megatron_state():
 
 
 def _hf(name, dtype=torch.float32):
-    return models.load_model(name, dtype=dtype, attn_implementation="eager")
+    return zoo.load_model(name, dtype=dtype, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("name", NAMES)

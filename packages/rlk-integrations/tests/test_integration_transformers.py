@@ -12,8 +12,9 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk_integrations import models, rollout, training  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.engine import rollout, training  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 VOCAB = 512
 
@@ -25,7 +26,7 @@ def _prompts(lengths, seed=0):
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny", "tiny-qwen3"])
 def test_patched_matches_hf(name):
-    model = models.load_model(name, dtype=torch.float32, attn_implementation="eager")
+    model = zoo.load_model(name, dtype=torch.float32, attn_implementation="eager")
     ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
@@ -50,7 +51,7 @@ def test_packed_and_cached_paths_match_padded():
     padded forward's logits (reference backend, fp32)."""
     from transformers import DynamicCache
 
-    model = rt.patch_model(models.load_model("tiny-qwen3", dtype=torch.float32))
+    model = rt.patch_model(zoo.load_model("tiny-qwen3", dtype=torch.float32))
     a, b = _prompts([5, 3], seed=2)
     with torch.no_grad(), rlk.use_backend("reference"):
         la = model(torch.tensor([a])).logits[0]
@@ -69,7 +70,7 @@ def test_packed_and_cached_paths_match_padded():
 def test_rollout_equals_training_bitwise():
     """Padded-batch rollout log-probs == packed recompute (other composition), bit for bit,
     and a request's tokens are the same alone and in a batch (auto backend)."""
-    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16))
+    model = rt.patch_model(zoo.load_model("tiny", dtype=torch.bfloat16))
     prompts = _prompts([5, 8, 3], seed=3)
     seeds = [7, 8, 9]
     ro = rollout.generate(model, prompts, 4, seeds=seeds)
@@ -84,7 +85,7 @@ def test_rollout_equals_training_bitwise():
 
 
 def test_grpo_step_updates_and_stays_exact():
-    model = rt.patch_model(models.load_model("tiny", dtype=torch.float32))
+    model = rt.patch_model(zoo.load_model("tiny", dtype=torch.float32))
     model.train()
     prompts = _prompts([4, 4], seed=4)
     ro = rollout.generate(model, [prompts[0]] * 2 + [prompts[1]] * 2, 3, seeds=[1, 2, 3, 4])
@@ -114,7 +115,7 @@ def test_patch_replaces_the_named_classes(name, prefix):
     forward of exactly the module classes it names (and every nn.Linear), nothing else."""
     from torch import nn
 
-    model = models.load_model(name, dtype=torch.float32)
+    model = zoo.load_model(name, dtype=torch.float32)
     rt.patch_model(model)
     patched = {type(m).__name__ for m in model.modules() if "forward" in vars(m)}
     roles = {"RotaryEmbedding", "DecoderLayer", "RMSNorm", "Attention", "MLP"}
@@ -127,7 +128,7 @@ def test_patch_replaces_the_named_classes(name, prefix):
 
 
 def test_patch_of_another_architecture_raises():
-    model = models.load_model("tiny-llama", dtype=torch.float32)
+    model = zoo.load_model("tiny-llama", dtype=torch.float32)
     with pytest.raises(ValueError, match="qwen2 patch got a model_type='llama' model"):
         rt.patch_qwen2(model)
     assert not rt.is_patched(model)
@@ -139,7 +140,7 @@ def test_module_the_patch_does_not_replace_raises():
     one defined there by hand) is refused before anything is patched."""
     import importlib
 
-    model = models.load_model("tiny", dtype=torch.float32)
+    model = zoo.load_model("tiny", dtype=torch.float32)
     modeling = importlib.import_module("transformers.models.qwen2.modeling_qwen2")
     extra = type("Qwen2NewBlock", (torch.nn.Module,), {"__module__": modeling.__name__})
     model.model.layers[0].extra = extra()
@@ -152,7 +153,7 @@ def test_module_the_patch_does_not_replace_raises():
 def test_untested_transformers_version_warns_once(monkeypatch):
     import warnings
 
-    a, b = (models.load_model("tiny", dtype=torch.float32) for _ in range(2))
+    a, b = (zoo.load_model("tiny", dtype=torch.float32) for _ in range(2))
     monkeypatch.setattr(rt, "_installed_transformers", lambda: "5.99.0")
     monkeypatch.setattr(rt, "_version_warned", False)
     with pytest.warns(RuntimeWarning, match=r"tested with transformers 5\.17 to 5\.24"):
@@ -165,7 +166,7 @@ def test_untested_transformers_version_warns_once(monkeypatch):
 def test_changed_forward_conventions_raise():
     """A decoder layer whose forward no longer takes the cache (under either name) is refused
     before anything is patched, instead of silently dropping the KV cache."""
-    model = models.load_model("tiny", dtype=torch.float32)
+    model = zoo.load_model("tiny", dtype=torch.float32)
     layer = model.model.layers[0]
     base = type(layer)
 
@@ -184,7 +185,7 @@ def test_cache_under_either_name_reaches_the_attention():
     cache (>= 5.24); a prefill + decode through each name gives the same logits."""
     from transformers import DynamicCache
 
-    model = rt.patch_model(models.load_model("tiny", dtype=torch.float32))
+    model = rt.patch_model(zoo.load_model("tiny", dtype=torch.float32))
     (a,) = _prompts([6], seed=3)
     base = rt.decoder(model)
     outs = []
@@ -215,7 +216,7 @@ def test_cache_under_either_name_reaches_the_attention():
 def test_hf_generate_with_transformers_caches(cache):
     """model.generate on the patched model (left padding, dynamic or static KV cache) scores
     like the stock model."""
-    model = models.load_model("tiny-qwen3", dtype=torch.float32)
+    model = zoo.load_model("tiny-qwen3", dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
@@ -243,9 +244,9 @@ def test_rotary_table_does_not_depend_on_the_modules_device_values():
     can differ from the CPU's in the last bit (seen on an H200: Megatron's rotary, built on the
     CPU, then disagreed with a model built on the GPU). The table is built by a CPU twin from
     the config, so a module whose inv_freq differs by an ulp gives the same rows."""
-    from rlk_integrations.rotary import RotaryTable
+    from rlk_integrations.models.rotary import RotaryTable
 
-    hf = models.load_model("tiny", dtype=torch.float32)
+    hf = zoo.load_model("tiny", dtype=torch.float32)
     rotary = rt.decoder(hf).rotary_emb
     pos = torch.arange(0, 40)[None]
     want = RotaryTable.for_module(rotary).gather(pos)
@@ -258,12 +259,12 @@ def test_rotary_table_does_not_depend_on_the_modules_device_values():
 
 def test_checkpoint_directory_must_hold_safetensors(tmp_path):
     """A pickled ``pytorch_model.bin`` is refused (unpickling can run code); safetensors load."""
-    model = models.load_model("tiny", dtype=torch.float32)
+    model = zoo.load_model("tiny", dtype=torch.float32)
     model.save_pretrained(tmp_path / "st")
-    loaded = models.load_model(str(tmp_path / "st"), dtype=torch.float32)
+    loaded = zoo.load_model(str(tmp_path / "st"), dtype=torch.float32)
     torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
     pickled = tmp_path / "bin"
     model.config.save_pretrained(pickled)
     torch.save(model.state_dict(), pickled / "pytorch_model.bin")
     with pytest.raises(OSError, match="safetensors"):
-        models.load_model(str(pickled), dtype=torch.float32)
+        zoo.load_model(str(pickled), dtype=torch.float32)

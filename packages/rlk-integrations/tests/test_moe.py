@@ -9,9 +9,10 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk_integrations import consistency, models, rollout, training  # noqa: E402
-from rlk_integrations import moe as rmoe  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.engine import rollout, training  # noqa: E402
+from rlk_integrations.models import moe as rmoe  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import consistency, zoo  # noqa: E402
 
 
 def _ids(b, s, seed=0):
@@ -21,7 +22,7 @@ def _ids(b, s, seed=0):
 def test_patched_matches_transformers():
     """fp32 on the float64 backend: the patched model is transformers' (router, top-k with
     renormalised weights, experts, combine), to rounding; unpatching restores it."""
-    model = models.load_model("tiny-qwen3-moe", dtype=torch.float32)
+    model = zoo.load_model("tiny-qwen3-moe", dtype=torch.float32)
     ids = _ids(2, 7)
     with torch.no_grad():
         ref = model(ids).logits
@@ -36,7 +37,7 @@ def test_patched_matches_transformers():
 
 
 def test_refusals():
-    model = models.load_model("tiny-qwen3-moe", dtype=torch.float32)
+    model = zoo.load_model("tiny-qwen3-moe", dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="leaves"):
         rt.patch_model(model, leaves=2)
     model.config.output_router_logits = True
@@ -53,16 +54,16 @@ def test_refusals():
                          vocab_size=64)  # fmt: skip
     with pytest.raises(NotImplementedError, match="qwen2_moe"):
         rt.patch_model(Qwen2MoeForCausalLM(cfg))
-    from rlk_integrations.megatron.config import _check_supported
+    from rlk_integrations.models.megatron.config import _check_supported
 
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        _check_supported(models.make_config("tiny-qwen3-moe"))
+        _check_supported(zoo.make_config("tiny-qwen3-moe"))
 
 
 def test_rollout_equals_training_with_the_same_experts():
     """bf16 on the auto backend: a padded rollout and a packed training pass in another batch
     composition give the same log-probabilities and route every token to the same experts."""
-    model = rt.patch_model(models.load_model("tiny-qwen3-moe", dtype=torch.bfloat16))
+    model = rt.patch_model(zoo.load_model("tiny-qwen3-moe", dtype=torch.bfloat16))
     prompts = consistency.random_prompts(4, 512, 3, 7, seed=1)
     with rmoe.RoutingLog(model) as rlog:
         ro = rollout.generate(model, prompts, 5, seeds=[3, 4, 5, 6])

@@ -10,8 +10,9 @@ import torch
 pytest.importorskip("transformers")
 
 import rlk  # noqa: E402
-from rlk_integrations import fused, models, paged, rollout, training  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
+from rlk_integrations.engine import fused, paged, rollout, training  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 VOCAB = 512
 LENGTHS = [5, 11, 3, 8]
@@ -26,7 +27,7 @@ def _prompts(lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def model():
-    return rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16))
+    return rt.patch_model(zoo.load_model("tiny", dtype=torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +245,7 @@ def test_gpu_paged_equals_padded_and_training(name, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("RLK_VALIDATE", "0")  # value checks read the device: no graph capture
-    model = rt.patch_model(models.load_model(name, dtype=torch.bfloat16, device="cuda"))
+    model = rt.patch_model(zoo.load_model(name, dtype=torch.bfloat16, device="cuda"))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -281,7 +282,7 @@ def test_gpu_engine_replays_its_graphs_and_recaptures_moved_weights(monkeypatch)
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("RLK_VALIDATE", "0")
-    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
+    model = rt.patch_model(zoo.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
     prompts = _prompts(LENGTHS * 2)
     seeds = list(range(len(prompts)))
     engine = paged.PagedEngine(model, max_len=max(LENGTHS) + NEW, max_batch=8)
@@ -312,7 +313,7 @@ def test_gpu_kv_memory_fraction_makes_requests_wait(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("RLK_VALIDATE", "0")
-    model = rt.patch_model(models.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
+    model = rt.patch_model(zoo.load_model("tiny", dtype=torch.bfloat16, device="cuda"))
     cfg = model.config
     prompts = _prompts([30] * 8)
     page = paged.page_bytes(cfg.num_hidden_layers, 16, cfg.num_key_value_heads, 16, torch.bfloat16)

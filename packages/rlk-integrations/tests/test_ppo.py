@@ -14,9 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlk_integrations import critic, models, training  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
-from rlk_integrations.transformers import patch_model  # noqa: E402
+from rlk_integrations.engine import critic, training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models.transformers import patch_model  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "ppo_toy.py"
 
@@ -29,7 +30,7 @@ def _example():
 
 
 def test_ppo_step_refuses_samples_without_values_and_bad_arguments():
-    model = patch_model(models.load_model("tiny", device="cpu"))
+    model = patch_model(zoo.load_model("tiny", device="cpu"))
     critic.add_value_head(model)
     opt = torch.optim.Adam(model.parameters())
     bare = [Sample([1, 2], [3, 4], torch.zeros(2))]

@@ -1,4 +1,5 @@
-"""rlk_integrations.training: the graphed (static-bucket) log-prob pass against the eager one.
+"""rlk_integrations.engine.training: the graphed (static-bucket) log-prob pass against the eager
+one.
 
 On CPU the bucket runs with ``capture=False``: the same padded pass, without the graphs. The GPU
 test captures and replays.
@@ -11,9 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlk_integrations import models, training  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
-from rlk_integrations.transformers import patch_model  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models.transformers import patch_model  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 
 def _samples(vocab: int, shapes: list[tuple[int, int]], seed: int = 0) -> list[Sample]:
@@ -26,7 +28,7 @@ def _samples(vocab: int, shapes: list[tuple[int, int]], seed: int = 0) -> list[S
 
 
 def _model(name: str = "tiny", device: str = "cpu") -> torch.nn.Module:
-    return patch_model(models.load_model(name, device=device))
+    return patch_model(zoo.load_model(name, device=device))
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -122,7 +124,7 @@ def test_bucket_rejects_what_does_not_fit():
     with pytest.raises(ValueError, match="CUDA device"):
         training.GraphedLogprobs(model, max_tokens=32, max_seqs=2)
     with pytest.raises(ValueError, match="patch_model"):
-        unpatched = models.load_model("tiny")
+        unpatched = zoo.load_model("tiny")
         training.GraphedLogprobs(unpatched, max_tokens=32, max_seqs=2, capture=False)
 
 

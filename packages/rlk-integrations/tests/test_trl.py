@@ -12,13 +12,13 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from rlk_integrations import models  # noqa: E402
-from rlk_integrations.trl import (  # noqa: E402
+from rlk_integrations.adapters.trl import (  # noqa: E402
     RLKGRPOTrainer,
     StockGRPOTrainer,
     char_tokenizer,
     rollout_seeds,
 )
+from rlk_integrations.tools import zoo  # noqa: E402
 
 # Prompts of different lengths: padded batches in TRL, packed rows in rlk.
 PROMPTS = ["1+2=", "13+24=", "7+1=", "20+22="]
@@ -61,7 +61,7 @@ def _dataset() -> Dataset:
 
 
 def _model() -> torch.nn.Module:
-    return models.load_model("tiny", dtype=torch.bfloat16)
+    return zoo.load_model("tiny", dtype=torch.bfloat16)
 
 
 def _trainer(cls, args: GRPOConfig, model=None, **kw):
@@ -71,7 +71,7 @@ def _trainer(cls, args: GRPOConfig, model=None, **kw):
         reward_funcs=_reward,
         args=args,
         train_dataset=_dataset(),
-        processing_class=char_tokenizer(models.CONFIGS["tiny"][1]["vocab_size"]),
+        processing_class=char_tokenizer(zoo.CONFIGS["tiny"][1]["vocab_size"]),
         **kw,
     )
 
@@ -132,7 +132,7 @@ def test_rlk_grpo_beta_checkpointing_and_sampling_options(tmp_path):
     generation: the comparison stays 0 at each step."""
     path = tmp_path / "model"
     _model().save_pretrained(path)  # TRL builds the reference model from the checkpoint
-    model = models.load_model(str(path), dtype=torch.bfloat16)
+    model = zoo.load_model(str(path), dtype=torch.bfloat16)
     args = _config(
         tmp_path / "out", beta=0.1, num_iterations=1, gradient_checkpointing=True,
         loss_type="grpo", top_k=50, top_p=0.9, temperature=0.8, max_completion_length=6,
@@ -151,7 +151,7 @@ def test_rlk_grpo_accumulation_chat_and_masked_truncation(tmp_path):
     micro-batches have no token to score and still train, with zero gradients)."""
     model = _model()
     model.generation_config.eos_token_id = [1, 20]  # "<eos>" and "1"
-    tokenizer = char_tokenizer(models.CONFIGS["tiny"][1]["vocab_size"])
+    tokenizer = char_tokenizer(zoo.CONFIGS["tiny"][1]["vocab_size"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     args = _config(
         tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
@@ -188,7 +188,7 @@ def test_rlk_grpo_accumulation_chat_and_masked_truncation(tmp_path):
     ],
 )
 def test_unsupported_options_are_refused(tmp_path, options, named):
-    model = models.load_model("tiny", dtype=torch.float32)
+    model = zoo.load_model("tiny", dtype=torch.float32)
     with pytest.raises(ValueError, match=named):
         _trainer(RLKGRPOTrainer, _config(tmp_path, **options), model)
 

@@ -2,8 +2,8 @@
 token equals the training recompute on the same tokens bit for bit, through prefix-cache hits,
 chunked prefill, staggered arrivals and n > 1; stock vLLM on the same checkpoint does not.
 
-Skips, saying why, when vLLM (rlk_integrations.vllm.TESTED_VLLM) is not installed, and when its
-engine cannot start on this machine unless RLK_REQUIRE_VLLM=1 (``nox -s tests`` sets it: there a
+Skips, saying why, when vLLM (rlk_integrations.adapters.vllm.TESTED_VLLM) is not installed, and when
+its engine cannot start on this machine unless RLK_REQUIRE_VLLM=1 (``nox -s tests`` sets it: there a
 start failure fails). One engine per module: starting one takes about 20 s on 2 cores.
 """
 
@@ -19,16 +19,17 @@ import torch
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
-import rlk_integrations.vllm as rv  # noqa: E402
+import rlk_integrations.adapters.vllm as rv  # noqa: E402
 
 try:
     rv.check_vllm()
 except RuntimeError as e:
     pytest.skip(f"vLLM tests need vLLM {rv.TESTED_VLLM}: {e}", allow_module_level=True)
 
-from rlk_integrations import models, training  # noqa: E402
-from rlk_integrations import transformers as rt  # noqa: E402
-from rlk_integrations.rollout import Sample  # noqa: E402
+from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.models import transformers as rt  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
 
 VOCAB = 512
 NEW = 4
@@ -54,7 +55,7 @@ ENGINE = dict(
 def write_checkpoint(path: str, name: str = "tiny") -> None:
     """A built-in tiny model (head_dim 32, which vLLM's CPU attention takes too), seeded random
     bf16 weights, saved as safetensors."""
-    models.load_model(name, dtype=torch.bfloat16).save_pretrained(path)
+    zoo.load_model(name, dtype=torch.bfloat16).save_pretrained(path)
 
 
 def start(path: str, **kw):
@@ -104,7 +105,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(checkpoint):
-    return rt.patch_model(models.load_model(checkpoint, dtype=torch.bfloat16))
+    return rt.patch_model(zoo.load_model(checkpoint, dtype=torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +224,7 @@ def test_consistency_vllm_row_is_exact():
     """``rlk consistency --rollout-engine vllm`` on the tiny Qwen2: the rlk-in-vLLM row shows no
     mismatch; both stock rows (the padded torch rollout, and stock vLLM's own model and kernels)
     differ from stock transformers' recompute, by rounding only."""
-    from rlk_integrations import consistency
+    from rlk_integrations.tools import consistency
 
     report = consistency.run("tiny", prompts=3, new_tokens=4, rollout_modes=("vllm",))
     rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
@@ -241,7 +242,7 @@ def test_cpu_head_sizes_are_the_installed_vllms():
     """The stock-vLLM row's head_dim check (``VLLMRollout.stock_twin``) uses vLLM's own list."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from rlk_integrations.vllm.engine import CPU_HEAD_SIZES
+    from rlk_integrations.adapters.vllm.engine import CPU_HEAD_SIZES
 
     assert list(CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
 

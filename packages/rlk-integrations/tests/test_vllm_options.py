@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import rlk_integrations.vllm as rv  # noqa: E402
-from rlk_integrations.vllm.model import check_config  # noqa: E402
+import rlk_integrations.adapters.vllm as rv  # noqa: E402
+from rlk_integrations.adapters.vllm.model import check_config  # noqa: E402
 
 
 def _config(**changes):

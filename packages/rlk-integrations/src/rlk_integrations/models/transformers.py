@@ -1,0 +1,712 @@
+"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on rlk ops.
+
+:func:`patch_model` picks the patch of the model's architecture (:func:`patch_llama`,
+:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`), which replaces ``forward``
+on the model's own instances of the module classes that :mod:`rlk_integrations.models.architectures`
+names for it (no new classes, no weight copies, the state dict is unchanged), so that:
+
+- every ``nn.Linear`` of the decoder and ``lm_head`` calls :func:`rlk.linear`;
+- every ``*RMSNorm`` (input, post-attention, final, Qwen3's per-head q/k norm) calls
+  :func:`rlk.rms_norm`; the post-attention norm is fused with the residual add before it
+  (``*DecoderLayer``);
+- the ``*MLP`` is ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
+- Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``: the router's logits by :func:`rlk.linear`, the experts
+  chosen by :func:`rlk.moe_route` (ties to the lower expert index) and run by
+  :func:`rlk.moe_experts`, so that a token's experts and their output are the same bits in any
+  batch (the rollout and the training recompute choose the same experts);
+- ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.models.rotary.RotaryTable`, built
+  in fixed chunks of positions (so a position's values never depend on how many positions were
+  asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
+- attention is the function registered as ``"rlk"`` in transformers' ``AttentionInterface``
+  (``model.config._attn_implementation = "rlk"``). It turns transformers' padded
+  ``[B, H, S, D]`` tensors into :func:`rlk.attention`'s packed varlen form, dropping pad tokens,
+  for: padded batches (a 2-D ``attention_mask``, left or right padding), packed sequences
+  (``position_ids`` that restart, or ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs) and the
+  dynamic / static KV caches (the cache's update returns all the keys; the new queries are a
+  sequence's last tokens, rlk.attention's bottom-right convention).
+- a :class:`rlk_integrations.engine.paged.PagedKVCache` passed as ``past_key_values`` takes the
+  attention over instead: one packed ``[1, T]`` row, K/V written into its pages,
+  :func:`rlk.paged_attention` (the continuous-batching rollout drives it). On that path a
+  layer whose projections :func:`rlk_integrations.engine.fused.fuse_projections` has fused runs
+  q/k/v and gate/up as one :func:`rlk.linear` each (the same bits).
+
+The residual add at the end of a decoder layer stays a plain elementwise ``torch`` add (it is
+batch-invariant by nature). Embedding lookups stay ``nn.Embedding`` (a gather).
+
+:func:`unpatch_model` restores the original forwards and attention implementation.
+
+Example::
+
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    patch_model(model)
+    h = model.model(input_ids, position_ids=pos).last_hidden_state   # [1, T, H], packed
+    lp = rlk.linear_logprobs(h[0, :-1], model.lm_head.weight, input_ids[0, 1:])
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import rlk
+import rlk.parallel
+from rlk_integrations.models.architectures import (
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+    SUPPORTED_MODEL_TYPES,  # noqa: F401  (public: the model types patch_model takes)
+    Architecture,
+    architecture,
+    decoder,
+)
+from rlk_integrations.models.moe import check_moe, moe_forward
+from rlk_integrations.models.rotary import RotaryTable
+
+ATTN_NAME = "rlk"
+# The linears that are row-parallel under tensor parallelism (K split over the ranks): the ones
+# patch_model(leaves=...) runs on rlk.parallel.tree_linear.
+ROW_PARALLEL_LINEARS = ("o_proj", "down_proj")
+#: The oldest and newest transformers releases (major.minor) this integration is tested with:
+#: ``nox -s tests`` (its stage 3) runs the integration tests and ``rlk consistency`` on both.
+#: ``rlk[transformers]`` declares the same range.
+TESTED_TRANSFORMERS = ((5, 17), (5, 24))
+
+
+# --------------------------------------------------------------------------------------------
+# Attention through transformers' AttentionInterface
+# --------------------------------------------------------------------------------------------
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu
+
+
+def _packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """cu_seqlens [N + 1] of packed sequences in one row (positions restart), else None."""
+    pos = position_ids.reshape(-1)
+    if pos.numel() == 0:
+        return None
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    if int(starts.sum()) <= 1:
+        return None
+    idx = torch.nonzero(starts).reshape(-1)
+    cu = torch.empty(idx.numel() + 1, dtype=torch.int32, device=pos.device)
+    cu[:-1] = idx
+    cu[-1] = pos.numel()
+    return cu
+
+
+class _PerForward:
+    """The index tensors derived from one forward's mask or position_ids. transformers hands
+    the same tensor objects to every layer, so deriving them (which reads the device: a sync)
+    happens once per forward, not once per layer. Keyed by object identity and version; the
+    keys are held, so their ids cannot be reused while remembered."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.value: Any = None
+
+    def get(self, tensors: tuple, extra: tuple, make: Any) -> Any:
+        versions = tuple(getattr(t, "_version", None) for t in tensors)
+        old = self.key
+        same = bool(old) and all(a is b for a, b in zip(old[0], tensors))
+        if not (same and old[1] == versions and old[2] == extra):
+            self.value = make()
+            self.key = (tensors, versions, extra)
+        return self.value
+
+
+_packed_memo = _PerForward()
+_padded_memo = _PerForward()
+
+
+def _padded_index(attention_mask, position_ids, b: int, s: int, skv: int, device):
+    """(query row ids, key row ids, cu_q, cu_k) of the real tokens of a padded batch."""
+    if attention_mask is None:
+        if position_ids is not None and s < skv and b >= 1:
+            # A static cache hands over all its slots: the real keys end at the last position.
+            nk = position_ids.reshape(b if position_ids.shape[0] == b else 1, -1)[:, -1] + 1
+            nk = nk.expand(b).to(torch.int64)
+        else:
+            nk = torch.full((b,), skv, dtype=torch.int64, device=device)
+        kmask = torch.arange(skv, device=device)[None, :] < nk[:, None]
+        qmask = torch.ones(b, s, dtype=torch.bool, device=device)
+    else:
+        m = attention_mask.to(device=device, dtype=torch.bool)
+        length = m.shape[1]
+        if length > skv or length < s:
+            raise ValueError(f"attention_mask covers {length} tokens but there are {skv} keys")
+        kmask = torch.zeros(b, skv, dtype=torch.bool, device=device)
+        kmask[:, :length] = m
+        qmask = m[:, length - s :]
+    qi = qmask.reshape(-1).nonzero().reshape(-1)
+    ki = kmask.reshape(-1).nonzero().reshape(-1)
+    return qi, ki, _cu(qmask.sum(1)), _cu(kmask.sum(1))
+
+
+def rlk_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function backed by :func:`rlk.attention`.
+
+    Shapes: ``query [B, Hq, S, D]``, ``key``/``value [B, Hk, Skv, D]`` (transformers' layout,
+    after the cache update); ``attention_mask``: None or the 2-D ``[B, L]`` padding mask
+    (``L <= Skv``, True/1 = real token; a static cache holds its first ``L`` slots) that the
+    ``"rlk"`` mask function passes through. Returns ``([B, S, Hq, D], None)``; the rows of pad
+    queries are zero.
+
+    Which tokens are real: with a mask, the ones it marks (the queries are the last ``S``
+    columns of the mask); without one, all of them, except that ``B == 1`` rows whose
+    ``position_ids`` restart (or that come with ``cu_seq_lens_q``/``cu_seq_lens_k``) are split
+    into packed sequences; a static cache without a mask is cut at the last position + 1.
+    ``cu_seq_lens_q`` with ``max_length_q`` (and ``max_length_k``) go to :func:`rlk.attention`
+    as the offsets and their ``max_seqlen_q/k`` bounds: nothing is read on the host (the
+    packed pass of ``training.GraphedLogprobs``).
+    """
+    if dropout:
+        raise NotImplementedError("rlk attention has no dropout (attention_dropout must be 0)")
+    b, hq, s, d = query.shape
+    skv = key.shape[2]
+    if sliding_window is not None and skv > sliding_window:
+        raise NotImplementedError(
+            f"rlk attention has no sliding window (window {sliding_window} < {skv} keys)"
+        )
+    q = query.transpose(1, 2)  # [B, S, Hq, D]
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    position_ids = kwargs.get("position_ids")
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    # transformers' names for bounds on the sequence lengths: given with the offsets, rlk
+    # attention reads nothing on the host (capturable in a CUDA graph).
+    bounds = {}
+    if cu_q is not None and kwargs.get("max_length_q") is not None:
+        bounds = {
+            "max_seqlen_q": int(kwargs["max_length_q"]),
+            "max_seqlen_k": int(kwargs.get("max_length_k") or kwargs["max_length_q"]),
+        }
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "rlk attention takes a 2-D padding mask; got a "
+            f"{attention_mask.dim()}-D mask (set the model's attention to 'rlk' before masks "
+            "are built, e.g. with rlk_integrations.models.transformers.patch_model)"
+        )
+    if (
+        attention_mask is None
+        and b == 1
+        and s == skv
+        and (cu_q is not None or position_ids is not None)
+    ):
+        if cu_q is None:
+            cu_q = _packed_memo.get((position_ids,), (), lambda: _packed_cu_seqlens(position_ids))
+            cu_k = cu_q
+        if cu_q is not None:  # packed sequences in one row
+            # squeeze, not [0]: its gradient is a view, where select's fills a zero tensor and
+            # copies into it (two kernels per tensor per layer in the backward).
+            out = rlk.attention(
+                q.squeeze(0).contiguous(),
+                k.squeeze(0).contiguous(),
+                v.squeeze(0).contiguous(),
+                cu_q.to(torch.int32),
+                (cu_k if cu_k is not None else cu_q).to(torch.int32),
+                causal=True,
+                scale=scaling,
+                **bounds,
+            )
+            return out.unsqueeze(0), None
+    qi, ki, cu_q, cu_k = _padded_memo.get(
+        (attention_mask, position_ids),
+        (b, s, skv, query.device),
+        lambda: _padded_index(attention_mask, position_ids, b, s, skv, query.device),
+    )
+    # Index gathers and an index scatter: no host read (boolean indexing would sync per layer).
+    out_flat = rlk.attention(
+        q.reshape(b * s, hq, d).index_select(0, qi),
+        k.reshape(b * skv, -1, d).index_select(0, ki),
+        v.reshape(b * skv, -1, d).index_select(0, ki),
+        cu_q,
+        cu_k,
+        causal=True,
+        scale=scaling,
+    )
+    out = query.new_zeros(b * s, hq, d)
+    out.index_copy_(0, qi, out_flat)
+    return out.view(b, s, hq, d), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(ATTN_NAME, rlk_attention_forward)
+    # Like flash attention, rlk attention is unpadded: it wants the 2-D padding mask or None.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, flash_attention_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Module forwards (bound to the model's own instances)
+# --------------------------------------------------------------------------------------------
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return rlk.linear(x.contiguous(), self.weight, self.bias)
+
+
+def _tree_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return rlk.parallel.tree_linear(x.contiguous(), self.weight, self.bias, leaves=self._rlk_leaves)
+
+
+def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # Qwen3's q/k norm on a fused q/k/v product gets column views [..., heads, head_dim]:
+    # rlk.rms_norm reads those in place; any other layout is copied first.
+    heads_view = x.dim() >= 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if not (heads_view or x.is_contiguous()):
+        x = x.contiguous()
+    return rlk.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # cat(gate(x), up(x)) == linear(x, cat(Wg, Wu)) bit for bit: each output column is its own
+    # K-reduction, so concatenating activations is the same math as a fused gate_up weight.
+    return self.down_proj(rlk.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    """Returns fp32 ``(cos, sin)`` ``[B, S, D]`` for ``position_ids [B, S]``."""
+    return self._rlk_table.gather(position_ids)
+
+
+def _attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk.
+
+    The KV cache arrives as ``past_key_values`` (transformers < 5.24) or ``cache`` (>= 5.24)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    past_key_values = _take_cache(past_key_values, kwargs)
+
+    b, s, _ = hidden_states.shape
+    hidden_shape = (b, s, -1, self.head_dim)
+    paged = getattr(past_key_values, "rlk_paged", False)
+    if _fused_step(past_key_values):  # the cache runs the projections (one product if fused)
+        q, k, v = past_key_values.qkv(self, hidden_states)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+    cos, sin = position_embeddings
+    cos = cos.expand(b, s, -1).reshape(b * s, -1).contiguous()
+    sin = sin.expand(b, s, -1).reshape(b * s, -1).contiguous()
+    if cos.dtype != torch.float32:
+        raise RuntimeError("rotary tables are not rlk's: patch the whole model with patch_model")
+    q, k = rlk.apply_rotary(
+        q.reshape(b * s, -1, self.head_dim), cos, sin, k=k.reshape(b * s, -1, self.head_dim)
+    )
+    q, k = q.view(hidden_shape), k.view(hidden_shape)
+    if paged:
+        # rlk_integrations.engine.paged: one packed row, K/V into pages, rlk.paged_attention.
+        if b != 1:
+            raise ValueError(f"the paged KV cache takes one packed row, got a batch of {b}")
+        out = past_key_values.attend(self.layer_idx, q[0], k[0], v[0], self.scaling)
+        return self.o_proj(out.reshape(b, s, -1)), None
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+    out, _ = attn(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),
+        **kwargs,
+    )
+    out = out.reshape(b, s, -1).contiguous()
+    return self.o_proj(out), None
+
+
+def _decoder_layer_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The HF pre-norm decoder layer with the post-attention RMSNorm fused with its residual add."""
+    past_key_values = _take_cache(past_key_values, kwargs)
+    out, residual = layer_step(
+        self,
+        hidden_states,
+        None,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    return residual + out
+
+
+def _fused_step(cache: Any) -> bool:
+    """Whether a step on ``cache`` runs its projections through the cache: rlk's paged cache
+    says so (``PagedKVCache.fuse_projections``) and then provides ``cache.qkv(attn, x)`` and
+    ``cache.mlp(mlp, x)`` (one product per group where the engine fused the weights, the same
+    bits). The fused weight buffers are the engine's: the patch never imports it. Other
+    caches, vLLM's paged one included, lack the flag."""
+    return getattr(cache, "fuse_projections", False)
+
+
+def layer_step(
+    layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One patched pre-norm decoder layer, its closing residual add left to the caller: returns
+    ``(mlp_out, residual)``, the layer's output being ``residual + mlp_out``.
+
+    ``residual`` None: ``h`` is the layer's input. Otherwise ``h`` is the previous layer's
+    ``mlp_out`` and its add to ``residual`` is fused into this layer's input RMSNorm
+    (``rms_norm(h, residual=r)`` rounds ``h + r`` once and normalises it: the bits of the add
+    then the norm, one kernel fewer). ``attn_kwargs`` go to the attention module."""
+    norm = layer.input_layernorm
+    if residual is None:
+        x, residual = norm(h), h
+    else:
+        x, residual = rlk.rms_norm(h, norm.weight, norm.variance_epsilon, residual=residual)
+    a, _ = layer.self_attn(hidden_states=x, **attn_kwargs)
+    norm = layer.post_attention_layernorm
+    x, residual = rlk.rms_norm(a, norm.weight, norm.variance_epsilon, residual=residual)
+    if _fused_step(attn_kwargs.get("past_key_values")):
+        return attn_kwargs["past_key_values"].mlp(layer.mlp, x), residual
+    return layer.mlp(x), residual
+
+
+# --------------------------------------------------------------------------------------------
+# patch / unpatch
+# --------------------------------------------------------------------------------------------
+
+
+def _check_supported(model: nn.Module) -> Architecture:
+    """The model's :class:`~rlk_integrations.models.architectures.Architecture`; raises
+    ``NotImplementedError`` for an architecture or a config option rlk cannot run."""
+    cfg = model.config
+    arch = architecture(cfg)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"rlk MLP needs hidden_act='silu', got {cfg.hidden_act!r}")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        raise NotImplementedError("pretraining_tp > 1 is not supported")
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope!r} depends on the sequence length")
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        raise NotImplementedError("sliding-window layers are not supported by rlk attention")
+    return arch
+
+
+def _take_cache(past_key_values: Any, kwargs: dict) -> Any:
+    """The KV cache of a layer or attention call, under either of its names.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` inside the models (the old name
+    is deprecated). A cache passed under a name the patched forward did not read would be
+    silently dropped (the decode steps would attend to the new token alone), so both are read
+    here, and both given at once is an error."""
+    cache = kwargs.pop("cache", None)
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("got two KV caches: past_key_values and cache")
+    return past_key_values if past_key_values is not None else cache
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``"cache"`` on
+    transformers >= 5.24, ``"past_key_values"`` before."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+_version_warned = False
+
+
+def _installed_transformers() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_transformers(model: nn.Module, arch: Architecture) -> None:
+    """Warn (once) on a transformers release outside :data:`TESTED_TRANSFORMERS`; raise where
+    the model's forwards do not follow the conventions the patched forwards rely on.
+
+    A convention that changed silently (as ``past_key_values`` -> ``cache`` did in 5.24) would
+    otherwise give wrong log-probabilities without an error, so what can be checked from the
+    code's signatures is checked here, before anything is patched.
+    """
+    global _version_warned
+    (lo, hi), found = TESTED_TRANSFORMERS, _installed_transformers()
+    m = re.match(r"(\d+)\.(\d+)", found)
+    if m and not (lo <= (int(m[1]), int(m[2])) <= hi) and not _version_warned:
+        _version_warned = True
+        warnings.warn(
+            f"rlk's transformers integration is tested with transformers "
+            f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, this is {found}: run `rlk consistency` "
+            "(both rollout modes must give 0) before trusting its log-probabilities",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    problems = []
+    try:
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import (  # noqa: F401
+            ALL_MASK_ATTENTION_FUNCTIONS,
+            flash_attention_mask,
+        )
+    except ImportError as e:
+        problems.append(f"the attention registry is not where rlk registers ({e})")
+    classes = arch.classes()
+    needs = {
+        classes["decoder_layer"]: ("hidden_states", "attention_mask", "position_embeddings"),
+        classes["attention"]: ("hidden_states", "position_embeddings", "attention_mask"),
+    }
+    seen = {type(model)}
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        for base, names in needs.items():
+            if not isinstance(module, base):
+                continue
+            params = inspect.signature(cls.forward).parameters
+            missing = [n for n in names if n not in params]
+            if "past_key_values" not in params and "cache" not in params:
+                missing.append("past_key_values or cache")
+            if missing:
+                problems.append(f"{cls.__name__}.forward takes no {', '.join(missing)}")
+    params = inspect.signature(type(model).forward).parameters
+    if "past_key_values" not in params and "cache" not in params:
+        problems.append(f"{type(model).__name__}.forward takes no past_key_values or cache")
+    if problems:
+        raise RuntimeError(
+            f"transformers {found} changed conventions rlk's patched forwards rely on "
+            f"(tested: {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}): " + "; ".join(problems)
+        )
+
+
+#: The patched forward of each role of an architecture (see
+#: :data:`rlk_integrations.models.architectures.ROLES`).
+FORWARDS = {
+    "rotary": _rotary_forward,
+    "decoder_layer": _decoder_layer_forward,
+    "rms_norm": _rms_norm_forward,
+    "attention": _attention_forward,
+    "mlp": _mlp_forward,
+}
+
+
+def _plan(model: nn.Module, arch: Architecture, leaves: int | None) -> list[tuple[nn.Module, Any]]:
+    """(module, forward) for every module ``patch_model`` replaces; raises before anything is
+    patched if the model holds a module of the architecture that rlk does not replace."""
+    from transformers import PreTrainedModel
+
+    classes = arch.classes()
+    # The MoE block runs its router and experts itself (their forwards are never called).
+    block, *run_by_block = arch.moe_classes() or (None,)
+    plan, unknown = [], []
+    for path, module in model.named_modules():
+        role = next((r for r, cls in classes.items() if isinstance(module, cls)), None)
+        if block is not None and isinstance(module, block):
+            plan.append((module, moe_forward))
+        elif run_by_block and isinstance(module, tuple(run_by_block)):
+            continue
+        elif isinstance(module, nn.Linear) and leaves and path.endswith(ROW_PARALLEL_LINEARS):
+            if module.in_features % leaves:
+                raise ValueError(f"leaves = {leaves} must divide {path}'s K = {module.in_features}")
+            plan.append((module, _tree_linear_forward))
+        elif isinstance(module, nn.Linear):
+            plan.append((module, _linear_forward))
+        elif role is not None:
+            plan.append((module, FORWARDS[role]))
+        elif type(module).__module__ == arch.modeling and not isinstance(module, PreTrainedModel):
+            unknown.append(f"{path} ({type(module).__name__})")
+    if unknown:
+        replaced = ", ".join(cls.__name__ for cls in (*classes.values(), *arch.moe_classes()))
+        raise NotImplementedError(
+            f"rlk's {arch.model_type} patch replaces {replaced} and nn.Linear; this model also "
+            f"holds {', '.join(unknown[:5])}, which it would leave stock"
+        )
+    return plan
+
+
+def _patch(model: nn.Module, arch: Architecture, leaves: int | None) -> nn.Module:
+    """Replace the forwards of ``model``'s modules of ``arch`` (see :func:`patch_model`)."""
+    if getattr(model, "_rlk_patched", None) is not None:
+        if getattr(model, "_rlk_leaves", None) != leaves:
+            raise ValueError(
+                f"model already patched with leaves={model._rlk_leaves}; unpatch_model first"
+            )
+        return model
+    if _check_supported(model) is not arch:
+        raise ValueError(
+            f"this {arch.model_type} patch got a model_type={model.config.model_type!r} model: "
+            "use patch_model, which picks the patch of the model's architecture"
+        )
+    _check_transformers(model, arch)
+    check_moe(model, arch, leaves)
+    if leaves is not None:
+        leaves = rlk.parallel._leaves(leaves)
+    plan = _plan(model, arch, leaves)
+    _register_attention()
+    for module, fn in plan:
+        if fn is _tree_linear_forward:
+            module._rlk_leaves = leaves
+        if fn is _rotary_forward:
+            module._rlk_table = RotaryTable.for_module(module)
+        module.forward = types.MethodType(fn, module)
+    model._rlk_patched = ([m for m, _ in plan], model.config._attn_implementation)
+    model._rlk_leaves = leaves
+    model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def patch_llama(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Llama model on rlk (see :func:`patch_model`): the forwards of its
+    ``LlamaRotaryEmbedding``, ``LlamaDecoderLayer``, ``LlamaRMSNorm``, ``LlamaAttention``,
+    ``LlamaMLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, LLAMA, leaves)
+
+
+def patch_qwen2(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen2 model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen2RotaryEmbedding``, ``Qwen2DecoderLayer``, ``Qwen2RMSNorm``, ``Qwen2Attention``,
+    ``Qwen2MLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, QWEN2, leaves)
+
+
+def patch_qwen3(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen3 model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen3RotaryEmbedding``, ``Qwen3DecoderLayer``, ``Qwen3RMSNorm`` (the q/k norms too),
+    ``Qwen3Attention``, ``Qwen3MLP`` and ``nn.Linear`` modules are replaced."""
+    return _patch(model, QWEN3, leaves)
+
+
+def patch_qwen3_moe(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen3-MoE model on rlk (see :func:`patch_model`): the forwards of its
+    ``Qwen3MoeRotaryEmbedding``, ``Qwen3MoeDecoderLayer``, ``Qwen3MoeRMSNorm``,
+    ``Qwen3MoeAttention``, ``Qwen3MoeMLP`` (dense layers), ``Qwen3MoeSparseMoeBlock`` (which
+    then runs its ``Qwen3MoeTopKRouter`` and ``Qwen3MoeExperts`` on rlk) and ``nn.Linear``
+    modules are replaced. ``leaves`` and ``output_router_logits=True`` are refused."""
+    return _patch(model, QWEN3_MOE, leaves)
+
+
+#: The patch of each supported ``model_type``.
+PATCHES = {
+    "llama": patch_llama,
+    "qwen2": patch_qwen2,
+    "qwen3": patch_qwen3,
+    "qwen3_moe": patch_qwen3_moe,
+}
+
+
+def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``/
+    ``Qwen3MoeForCausalLM`` (or its base model) run every decoder op on rlk:
+    :func:`patch_llama`, :func:`patch_qwen2`, :func:`patch_qwen3` or :func:`patch_qwen3_moe` by
+    ``model.config.model_type``; ``NotImplementedError`` naming any other architecture (Qwen2-MoE
+    and DeepSeek-style routers, with shared experts, grouped top-k or a score-correction bias,
+    among them). In place; returns ``model``. Idempotent (patching again with other
+    ``leaves`` raises).
+
+    What runs after patching (the module classes are named by
+    :mod:`rlk_integrations.models.architectures`):
+
+    - ``nn.Linear`` (every projection and ``lm_head``): :func:`rlk.linear`;
+    - ``*RMSNorm``: :func:`rlk.rms_norm`;
+    - ``*MLP``: ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
+    - ``Qwen3MoeSparseMoeBlock``: :func:`rlk.linear` (router logits), :func:`rlk.moe_route`,
+      :func:`rlk.moe_experts`;
+    - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.models.rotary.RotaryTable`;
+    - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
+      function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;
+    - ``*DecoderLayer``: the pre-norm layer with the post-attention norm fused with its
+      residual add (``rlk.rms_norm(..., residual=)``).
+
+    A model holding another module class of the architecture's modeling file is refused
+    before anything is patched.
+
+    ``leaves``: None runs every linear on :func:`rlk.linear`. A power of two runs ``o_proj``
+    and ``down_proj`` (the row-parallel layers under tensor parallelism) on
+    :func:`rlk.parallel.tree_linear` with that many K-leaves, whose bits are those of
+    :func:`rlk.parallel.row_parallel_linear` at any power-of-two TP size dividing ``leaves``
+    (e.g. Megatron's :func:`rlk_integrations.adapters.megatron.build_gpt_model` with the same
+    ``leaves``). It must divide those layers' input sizes; it needs a backend with the
+    tree-ordered GEMM (triton, cuda, rocm).
+
+    Works with ``model(...)``, ``model.generate(...)`` and transformers' dynamic and static KV
+    caches; inputs may be padded (``attention_mask``) or packed (``position_ids`` restarting at
+    0 in a ``[1, T]`` row). Undo with :func:`unpatch_model`.
+    """
+    return PATCHES[architecture(model.config).model_type](model, leaves)
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: the class forwards and the previous attention come back."""
+    state = getattr(model, "_rlk_patched", None)
+    if state is None:
+        return model
+    patched, attn_impl = state
+    for module in patched:
+        del module.forward
+        if hasattr(module, "_rlk_table"):
+            del module._rlk_table
+        if hasattr(module, "_rlk_leaves"):
+            del module._rlk_leaves
+        if hasattr(module, "_rlk_fused"):  # fused.fuse_projections (the weights stay views)
+            del module._rlk_fused
+    model.config._attn_implementation = attn_impl
+    model._rlk_patched = None
+    model._rlk_leaves = None
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, "_rlk_patched", None) is not None
+
+
+def graph_reads(model: nn.Module, device: torch.device) -> tuple[int, ...]:
+    """The addresses a CUDA graph of a patched model's pass reads besides its own buffers:
+    every parameter and buffer of ``model`` and the device copy of the rotary table. A graph
+    replays those addresses, so once any of them moves (weights replaced rather than updated
+    in place, a table grown by a longer sequence) its graphs must be captured again."""
+    table = decoder(model).rotary_emb._rlk_table.on.get(device)
+    ptrs = [t.data_ptr() for t in model.parameters()] + [t.data_ptr() for t in model.buffers()]
+    return tuple(ptrs + ([t.data_ptr() for t in table] if table is not None else []))

@@ -1,0 +1,709 @@
+"""``rlk consistency``: rollout vs training log-probability mismatch, stock transformers vs rlk.
+
+For each side the same model (same weights) samples responses to a batch of random prompts
+(left-padded batch, KV cache, one decode step per token) and records the log-probability of each
+sampled token; then a training pass recomputes those log-probabilities on packed micro-batches of
+another composition (another order and size) with gradients on, and runs backward.
+
+- stock: transformers as shipped (SDPA attention, torch ops), ``torch.multinomial`` sampling,
+  ``log_softmax`` of the logits on both sides;
+- rlk: the model patched by :func:`rlk_integrations.models.transformers.patch_model`, ``rlk.sample``
+  and ``rlk.logprobs`` in the rollout, ``rlk.linear_logprobs`` in training.
+
+Rollout modes (``rollout_modes``/``--rollout-mode``) are the rollout engines of
+:mod:`rlk_integrations.engine.engines`, run through its protocol alone: ``padded`` is the
+left-padded batch above; ``paged`` is :class:`rlk_integrations.engine.paged.PagedRollout` (paged KV
+cache, continuous batching, ``rlk.paged_attention``). The rlk side gets one row per engine, each
+with its own rollout and training recompute; by default every registered engine that can run here,
+and the report names the others with the reason. The stock side runs the padded batch with
+torch sampling (``PaddedRollout(sampler="torch")``), and beside it each rlk engine's stock
+counterpart where it has one (``RolloutEngine.stock_twin``: for ``vllm``, vLLM's own model
+classes and kernels).
+
+Training engines (``train_engine``/``--train-engine``): ``transformers`` recomputes with the
+same (patched) transformers model; ``megatron`` recomputes the rlk rows in Megatron-core's
+``GPTModel`` built with rlk's layer spec (:mod:`rlk_integrations.adapters.megatron`, weights
+converted by ``hf_to_megatron``; Megatron's process groups are set up in this process and torn down
+after), while the rollout stays transformers + rlk. ``transformers-graphs`` recomputes the rlk rows
+with the transformers model through :class:`rlk_integrations.engine.training.GraphedLogprobs`, its
+bucket the largest micro-batch: on a GPU the pass and its backward replay as CUDA graphs, on CPU
+the same padded bucket runs eagerly. The stock row always trains with stock transformers.
+
+``leaves`` (``--leaves N``): the rlk side runs ``o_proj``/``down_proj`` (the row-parallel
+linears) on :func:`rlk.parallel.tree_linear` with ``N`` K-leaves in the rollout and the
+transformers recompute, and Megatron's row/column-parallel linears on :mod:`rlk.parallel`'s
+tree-ordered linears with the same ``N``: the bits that tensor parallelism keeps.
+
+The report has one row per side: tokens compared, max and mean ``|dlogp|``, the fraction of
+tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
+rollout and training (forward + backward) tokens per second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rlk
+from rlk_integrations.engine import engines, tp_workers, training
+from rlk_integrations.engine.engines import RolloutEngine
+from rlk_integrations.engine.rollout import PaddedRollout
+from rlk_integrations.models import moe
+from rlk_integrations.models.transformers import patch_model, unpatch_model
+from rlk_integrations.tools import zoo
+from rlk_integrations.tools.zoo import CONFIGS
+
+SIDES = ("stock", "rlk")
+TRAIN_ENGINES = ("transformers", "megatron", "transformers-graphs")
+
+
+@dataclass
+class SideResult:
+    side: str
+    rollout_mode: str
+    train_engine: str
+    tokens: int
+    max_abs_dlogp: float
+    mean_abs_dlogp: float
+    frac_differ: float
+    k3_kl: float
+    rollout_tok_s: float
+    train_tok_s: float
+    #: Mixture of experts: the share of tokens routed to other experts in training than in
+    #: the rollout (rlk_integrations.models.moe.routing_differ); None where not measured.
+    expert_differ: float | None = None
+
+
+def compare(rollout_lps: list[torch.Tensor], train_lps: list[torch.Tensor]) -> dict[str, float]:
+    """Mismatch metrics over all tokens; k3 = mean(r - 1 - log r) with r = p_train / p_rollout."""
+    a = torch.cat([x.detach().double().cpu() for x in rollout_lps])
+    b = torch.cat([x.detach().double().cpu() for x in train_lps])
+    if a.numel() == 0:
+        return dict(tokens=0, max_abs_dlogp=0.0, mean_abs_dlogp=0.0, frac_differ=0.0, k3_kl=0.0)
+    log_r = b - a
+    return dict(
+        tokens=a.numel(),
+        max_abs_dlogp=float(log_r.abs().max()),
+        mean_abs_dlogp=float(log_r.abs().mean()),
+        frac_differ=float((log_r != 0).double().mean()),
+        k3_kl=float((log_r.exp() - 1 - log_r).mean()),
+    )
+
+
+def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in lens]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CUDA device; nothing elsewhere): timings end here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_side(
+    side: str,
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    engine: RolloutEngine,
+    micro_batch: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    train_model: torch.nn.Module | None = None,
+    recompute: Callable[..., tuple[list[torch.Tensor], float]] | None = None,
+    warm_passes: int = 0,
+    train_graphs: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> SideResult:
+    """Rollout with ``engine`` (a :class:`~rlk_integrations.engine.engines.RolloutEngine`; its name
+    is the row's rollout mode), then training recompute (forward + backward) on one side; ``model``
+    is patched or unpatched by the caller to match ``side``. ``train_model``: an rlk Megatron
+    ``GPTModel`` with ``model``'s weights (rlk only) that does the training recompute instead
+    of ``model``. ``recompute(samples, groups, temperature, logits_dtype) -> (log-probs per
+    sample, seconds)``: a training recompute done elsewhere (TP ranks), rlk only.
+    ``warm_passes``: untimed training passes before the timed one (on a GPU the training
+    shapes' kernels compile in the first). ``train_graphs``: the transformers recompute through
+    ``training.GraphedLogprobs`` (rlk only)."""
+    use_rlk = side == "rlk"
+    if (train_model is not None or recompute is not None) and not use_rlk:
+        raise ValueError("the Megatron and tensor-parallel paths run on rlk only")
+    if train_graphs and (not use_rlk or train_model is not None or recompute is not None):
+        raise ValueError("train_graphs is rlk's transformers recompute in this process")
+    trainer = model if train_model is None else train_model
+    train_engine = "transformers" if train_model is None and recompute is None else "megatron"
+    train_engine = "transformers-graphs" if train_graphs else train_engine
+    say = progress or (lambda msg: None)
+    device = next(model.parameters()).device
+    seeds = [seed * 100003 + i for i in range(len(prompts))]
+    say(f"[{side}] {engine.name} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
+    # An MoE model's expert choices are logged where both passes run the model's forward here
+    # (a padded rollout, this process's eager recompute).
+    here = engine.name == "padded" and train_model is None and recompute is None
+    routes = moe.routing_logs(model, here and not train_graphs)
+    with routes[0]:
+        ro = engine.generate(
+            model, prompts, new_tokens, seeds, temperature=temperature, progress=progress
+        )
+    # Training sees the samples in another order and another batch composition.
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    groups = training.micro_batches(len(prompts), micro_batch, order)
+    say(
+        f"[{side}] training ({train_engine}): {len(groups)} packed micro-batches of <= "
+        f"{micro_batch} sequences"
+    )
+    if recompute is not None:
+        train_lps, train_s = recompute(ro.samples, groups, temperature, ro.logits_dtype)
+        train_tokens = sum(len(s.tokens) for s in ro.samples)
+        train_engine = getattr(recompute, "engine", train_engine)
+    else:
+        graphed = None
+        if train_graphs:
+            graphed = _bucket(model, ro.samples, groups, temperature, ro.logits_dtype, device)
+        with routes[1]:
+            train_lps, train_tokens, train_s = _recompute_here(
+                model, trainer, train_model, ro, groups, temperature, use_rlk, device,
+                warm_passes, graphed,
+            )  # fmt: skip
+    m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
+    m["expert_differ"] = moe.expert_differ(*routes, groups)
+    return SideResult(
+        side=side,
+        rollout_mode=engine.name,
+        train_engine=train_engine,
+        rollout_tok_s=ro.new_tokens / ro.seconds if ro.seconds > 0 else math.inf,
+        train_tok_s=train_tokens / train_s if train_s > 0 else math.inf,
+        **m,
+    )
+
+
+def _bucket(model, samples, groups, temperature, logits_dtype, device):
+    """A :class:`~rlk_integrations.engine.training.GraphedLogprobs` whose bucket holds the largest
+    of ``groups`` (captured on a GPU, eager on CPU)."""
+    return training.GraphedLogprobs.for_batches(
+        model,
+        [[samples[i] for i in g] for g in groups],
+        temperature=temperature,
+        logits_dtype=logits_dtype,
+        capture=device.type == "cuda",
+    )
+
+
+def _recompute_here(model, trainer, train_model, ro, groups, temperature, use_rlk, device,
+                    warm_passes=0, graphed=None):  # fmt: skip
+    """Training recompute (forward + backward) in this process: (log-probs, tokens, seconds).
+    ``warm_passes`` untimed passes first (the training shapes' kernels compile there; a
+    ``graphed`` recompute captures there)."""
+
+    def one_pass():
+        lps_out: list[torch.Tensor | None] = [None] * len(ro.samples)
+        tokens = 0
+        with torch.enable_grad():
+            for group in groups:
+                batch = [ro.samples[i] for i in group]
+                if graphed is not None:
+                    lps = graphed(batch)
+                elif train_model is None:
+                    lps = training.packed_logprobs(
+                        model,
+                        batch,
+                        temperature=temperature,
+                        use_rlk=use_rlk,
+                        logits_dtype=ro.logits_dtype,
+                    )
+                else:
+                    # Megatron-core is optional (rlk-integrations[megatron]): imported here.
+                    from rlk_integrations.adapters import megatron
+
+                    lps = megatron.packed_logprobs(
+                        train_model, batch, temperature=temperature, logits_dtype=ro.logits_dtype
+                    )
+                loss = -torch.cat(lps).sum() / max(ro.new_tokens, 1)
+                loss.backward()
+                tokens += sum(len(s.tokens) for s in batch)
+                for i, lp in zip(group, lps):
+                    lps_out[i] = lp.detach()
+        trainer.zero_grad(set_to_none=True)
+        return lps_out, tokens
+
+    trainer.zero_grad(set_to_none=True)
+    for _ in range(warm_passes):
+        one_pass()
+    sync(device)
+    start = time.perf_counter()
+    train_lps, train_tokens = one_pass()
+    sync(device)
+    return train_lps, train_tokens, time.perf_counter() - start
+
+
+class MegatronTP:
+    """Training recompute in Megatron-core at tensor parallelism ``world``: spawns ``world``
+    processes (NCCL, rank r on ``cuda:r``, when ``model`` is on a CUDA device; gloo on CPU)
+    that each build the rlk ``GPTModel`` (``leaves`` tree-ordered linears) from their
+    :func:`~rlk_integrations.adapters.megatron.shard_for_tp` shard of ``model``'s weights, run the
+    micro-batches forward + backward, and rank 0 hands back the log-probs and the time of the
+    forward/backward loop. Usable as ``run_side``'s ``recompute``."""
+
+    def __init__(self, model: torch.nn.Module, world: int, leaves: int, backend: str | None):
+        self.config = model.config
+        self.device = next(model.parameters()).device.type
+        if self.device == "cuda" and torch.cuda.device_count() < world:
+            raise RuntimeError(
+                f"train_tp = {world} needs {world} GPUs, {torch.cuda.device_count()} visible"
+            )
+        self.state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        self.world, self.leaves, self.backend = world, leaves, backend
+        self.engine = f"megatron-tp{world}"
+
+    def __call__(self, samples, groups, temperature, logits_dtype):
+        # The workers need the tokens only; CPU copies keep CUDA tensors out of the pickles.
+        samples = [dataclasses.replace(s, logprobs=s.logprobs.detach().cpu()) for s in samples]
+        with tempfile.TemporaryDirectory(prefix="rlk-tp-") as tmp:
+            weights, out = os.path.join(tmp, "weights.pt"), os.path.join(tmp, "out.pt")
+            torch.save(self.state, weights)
+            rendezvous = os.path.join(tmp, "rendezvous")
+            args = (self.world, rendezvous, self.device, self.config, weights, self.leaves)
+            args += (self.backend, samples, groups, temperature, logits_dtype, out)
+            mp.spawn(_megatron_tp_worker, args=args, nprocs=self.world, join=True)
+            res = torch.load(out, weights_only=True)
+        return res["logprobs"], res["seconds"]
+
+
+def _megatron_tp_worker(
+    rank, world, init_file, device, config, weights, leaves, backend, samples, groups,
+    temperature, logits_dtype, out,
+):  # fmt: skip
+    # Spawned: importing rlk_integrations.tools.consistency imported rlk first, which picks Triton's
+    # CPU interpreter (on a machine without a GPU) before Megatron imports triton.
+    # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
+    from rlk_integrations.adapters import megatron
+
+    dev, teardown = megatron.init_distributed(rank, world, init_file, device)
+    try:
+        with rlk.use_backend(backend) if backend else contextlib.nullcontext():
+            state = torch.load(weights, weights_only=True)
+            dtype = next(iter(state.values())).dtype
+            mg = megatron.build_gpt_model(config, dtype=dtype, leaves=leaves)
+            megatron.load_hf_weights(mg, state, config, rank=rank, world_size=world)
+            del state
+            mg.to(dev)
+            lps: list[torch.Tensor | None] = [None] * len(samples)
+            total = max(sum(len(s.response) for s in samples), 1)
+            sync(dev)
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.enable_grad():
+                for group in groups:
+                    batch = [samples[i] for i in group]
+                    got = megatron.packed_logprobs(
+                        mg, batch, temperature=temperature, logits_dtype=logits_dtype
+                    )
+                    (-torch.cat(got).sum() / total).backward()
+                    for i, lp in zip(group, got):
+                        lps[i] = lp.detach()
+            sync(dev)
+            dist.barrier()
+            seconds = time.perf_counter() - start
+        if rank == 0:
+            torch.save({"logprobs": [lp.cpu() for lp in lps], "seconds": seconds}, out)
+    finally:
+        teardown()
+
+
+class UsageError(ValueError):
+    """An argument of :func:`run` that cannot work, found before anything runs."""
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_args(
+    model_name: str,
+    *,
+    backend: str | None,
+    prompts: int,
+    new_tokens: int,
+    prompt_len: tuple[int, int],
+    micro_batch: int,
+    temperature: float,
+    device: str | None,
+    rollout_modes: tuple[str, ...] | None,
+    page_size: int,
+    max_batch: int | None,
+    train_engine: str,
+    leaves: int | None,
+    train_tp: int,
+    rollout_tp: int,
+) -> None:
+    """Raise :class:`UsageError` (or :class:`rlk.BackendError` for the backend) for arguments
+    of :func:`run` that cannot work, before the first model is built: a bad argument must not
+    cost the stock half of the run."""
+    if model_name not in CONFIGS and not os.path.isdir(model_name):
+        raise UsageError(
+            f"unknown model {model_name!r}: a built-in config ({', '.join(CONFIGS)}) "
+            "or a local checkpoint directory"
+        )
+    for name, value in (("prompts", prompts), ("new_tokens", new_tokens)):
+        _positive(name, value)
+    _positive("micro_batch", micro_batch)
+    _positive("page_size", page_size)
+    _positive("max_batch", max_batch, allow_none=True)
+    lo, hi = prompt_len
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise UsageError(f"prompt_len must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
+        temperature < 0
+    ):
+        raise UsageError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if rollout_modes is not None and (
+        not rollout_modes or any(m not in engines.names() for m in rollout_modes)
+    ):
+        raise UsageError(f"rollout modes must be among {engines.names()}, got {rollout_modes!r}")
+    if train_engine not in TRAIN_ENGINES:
+        raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
+    if train_engine == "transformers-graphs" and train_tp > 1:
+        raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
+    if leaves is not None and (
+        isinstance(leaves, bool)
+        or not isinstance(leaves, int)
+        or leaves < 1
+        or leaves & (leaves - 1)
+    ):
+        raise UsageError(f"leaves must be a power of two, got {leaves!r}")
+    for name, tp in (("train_tp", train_tp), ("rollout_tp", rollout_tp)):
+        _positive(name, tp)
+        if tp == 1:
+            continue
+        if not leaves:
+            raise UsageError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
+        if leaves % tp or tp & (tp - 1):
+            raise UsageError(f"{name} must be a power of two dividing leaves = {leaves}")
+    try:
+        dev = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"device {device!r} is not a torch device ({e})") from None
+    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r}: this torch sees no CUDA/ROCm GPU")
+    if dev is not None and dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
+    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    options = engines.RolloutOptions(
+        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
+    )
+    if rollout_modes is not None:  # asked for by name: each must run here
+        _, skipped = engines.available(rollout_modes, torch.device("cuda" if on_gpu else "cpu"),
+                                       options)  # fmt: skip
+        if skipped:
+            raise UsageError("; ".join(f"rollout engine {n!r} cannot run here: {why}"
+                                       for n, why in skipped.items()))  # fmt: skip
+    tp = max(train_tp, rollout_tp)
+    if on_gpu and tp > torch.cuda.device_count():
+        raise UsageError(
+            f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    if backend is not None:
+        with rlk.use_backend(backend):
+            rlk.current_backend(dev)
+
+
+def run(
+    model_name: str = "tiny",
+    *,
+    backend: str | None = None,
+    prompts: int = 8,
+    new_tokens: int = 16,
+    prompt_len: tuple[int, int] = (4, 12),
+    micro_batch: int = 3,
+    seed: int = 0,
+    temperature: float = 1.0,
+    device: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    warmup: bool | None = None,
+    sides: tuple[str, ...] = SIDES,
+    rollout_modes: tuple[str, ...] | None = None,
+    page_size: int = 16,
+    max_batch: int | None = None,
+    train_engine: str = "transformers",
+    leaves: int | None = None,
+    train_tp: int = 1,
+    rollout_tp: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run both sides on one model; returns the report (``rows`` holds a dict per side and
+    rollout mode: the stock side once, padded; the rlk side once per engine of
+    ``rollout_modes``, names of :func:`rlk_integrations.engine.engines.names`, each of which must be
+    able to run here; None: every registered engine that can, the others in
+    ``rollout_skipped`` with the reason). ``train_engine="megatron"``: the rlk side's training
+    recompute runs in Megatron-core (see the module docstring); ``leaves``: tree-ordered
+    row-parallel linears on the rlk side; ``train_tp``: the training engine's tensor
+    parallelism, ``rollout_tp``: the rollout's (> 1: that many spawned processes, gloo on CPU
+    and NCCL on GPUs; needs ``leaves``, of which each must be a power-of-two divisor)."""
+    check_args(
+        model_name,
+        backend=backend,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        prompt_len=prompt_len,
+        micro_batch=micro_batch,
+        temperature=temperature,
+        device=device,
+        rollout_modes=rollout_modes,
+        page_size=page_size,
+        max_batch=max_batch,
+        train_engine=train_engine,
+        leaves=leaves,
+        train_tp=train_tp,
+        rollout_tp=rollout_tp,
+    )
+    teardown = None
+    if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
+        from rlk_integrations.adapters import megatron
+
+        teardown = megatron.init_single_process()
+    try:
+        return _run(
+            model_name,
+            backend=backend,
+            prompts=prompts,
+            new_tokens=new_tokens,
+            prompt_len=prompt_len,
+            micro_batch=micro_batch,
+            seed=seed,
+            temperature=temperature,
+            device=device,
+            dtype=dtype,
+            warmup=warmup,
+            sides=sides,
+            rollout_modes=rollout_modes,
+            page_size=page_size,
+            max_batch=max_batch,
+            train_engine=train_engine,
+            leaves=leaves,
+            train_tp=train_tp,
+            rollout_tp=rollout_tp,
+            progress=progress,
+        )
+    finally:
+        if teardown is not None:
+            teardown()
+
+
+def _run(
+    model_name: str,
+    *,
+    backend: str | None,
+    prompts: int,
+    new_tokens: int,
+    prompt_len: tuple[int, int],
+    micro_batch: int,
+    seed: int,
+    temperature: float,
+    device: str | None,
+    dtype: torch.dtype,
+    warmup: bool | None,
+    sides: tuple[str, ...],
+    rollout_modes: tuple[str, ...] | None,
+    page_size: int,
+    max_batch: int | None,
+    train_engine: str,
+    leaves: int | None,
+    train_tp: int,
+    rollout_tp: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    say = progress or (lambda msg: None)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    warmup = dev.type == "cuda" if warmup is None else warmup
+    say(f"loading {model_name} ({dtype}, {dev})")
+    model = zoo.load_model(model_name, dtype=dtype, device=dev, seed=seed)
+    vocab = model.config.vocab_size
+    batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
+    options = engines.RolloutOptions(
+        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
+    )
+    rlk_engines, skipped = engines.available(rollout_modes, dev, options)
+    # (the warm-up engine, the timed one) per row: the stock row samples with torch.
+    rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
+    rollouts["rlk"] = [(e, e) for e in rlk_engines]
+    for e in rlk_engines:  # an engine's own stock counterpart, beside the padded baseline
+        twin = e.stock_twin(model, dev)
+        if isinstance(twin, str):
+            skipped[f"{e.name}-stock"] = twin
+        elif twin is not None:
+            rollouts["stock"].append((twin, twin))
+    train_model = recompute = None
+    if rollout_tp > 1 and "rlk" in sides:
+        say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
+        rollouts["rlk"] = [
+            (e, tp_workers.TPRollout(e.name, options, rollout_tp, leaves, backend, warmup))
+            for e in rlk_engines
+        ]
+    if train_tp > 1 and "rlk" in sides and train_engine == "transformers":
+        say(f"transformers training at TP={train_tp}: {train_tp} spawned processes")
+        recompute = tp_workers.TransformersTP(model, train_tp, leaves, backend, warmup)
+    elif train_tp > 1 and "rlk" in sides:
+        comm = "NCCL" if dev.type == "cuda" else "gloo"
+        say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned {comm} processes")
+        recompute = MegatronTP(model, train_tp, leaves, backend)  # type: ignore[arg-type]
+    elif train_engine == "megatron" and "rlk" in sides:
+        from rlk_integrations.adapters import megatron
+
+        say(f"building the Megatron-core GPTModel (rlk spec, leaves={leaves})")
+        train_model = megatron.build_gpt_model(model.config, dtype=dtype, leaves=leaves)
+        megatron.load_hf_weights(train_model, model.state_dict(), model.config)
+        train_model.to(dev)
+    rows = []
+    chosen = None
+    for side in sides:
+        ctx = rlk.use_backend(backend) if (side == "rlk" and backend) else contextlib.nullcontext()
+        with ctx:
+            if side == "rlk":
+                patch_model(model, leaves=leaves)
+                chosen = rlk.current_backend(dev.type)
+            else:
+                unpatch_model(model)
+            for warm_engine, engine in rollouts[side]:
+                kw: dict[str, Any] = dict(warm_passes=1 if warmup else 0)
+                if side == "rlk":
+                    kw.update(train_model=train_model, recompute=recompute)
+                    kw["train_graphs"] = train_engine == "transformers-graphs"
+                if warmup:
+                    # In this process only: spawned TP workers warm up themselves.
+                    say(f"[{side}] warm-up")
+                    here = dict(kw, warm_passes=0, engine=warm_engine)
+                    if side == "rlk":
+                        here.update(recompute=None)
+                    run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **here)
+                rows.append(
+                    run_side(
+                        side,
+                        model,
+                        batch,
+                        new_tokens,
+                        engine=engine,
+                        micro_batch=micro_batch,
+                        seed=seed,
+                        temperature=temperature,
+                        progress=say,
+                        **kw,
+                    )
+                )
+    unpatch_model(model)
+    return {
+        "model": model_name,
+        "model_type": model.config.model_type,
+        "backend": chosen,
+        "device": str(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "prompt_len": list(prompt_len),
+        "micro_batch": micro_batch,
+        "rollout_modes": [e.name for e in rlk_engines],
+        "rollout_skipped": skipped,
+        "page_size": page_size,
+        "max_batch": max_batch,
+        "train_engine": train_engine,
+        "leaves": leaves,
+        "train_tp": train_tp,
+        "rollout_tp": rollout_tp,
+        "seed": seed,
+        "temperature": temperature,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def ok(report: dict[str, Any]) -> bool:
+    """True when the rlk row exists, compared tokens, and shows exactly zero mismatch."""
+    rows = [r for r in report["rows"] if r["side"] == "rlk"]
+    return bool(rows) and all(
+        r["tokens"] > 0
+        and r["max_abs_dlogp"] == 0.0
+        and r["frac_differ"] == 0.0
+        and not r.get("expert_differ")
+        for r in rows
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (
+        f"model {report['model']} ({report['model_type']}, {report['dtype']}) on "
+        f"{report['device']}, rlk backend {report['backend']}; {report['prompts']} prompts x "
+        f"{report['new_tokens']} new tokens, training micro-batches of {report['micro_batch']}"
+    )
+    engine = report.get("train_engine", "transformers")
+    leaves = report.get("leaves")
+    notes = []
+    tp, rtp = report.get("train_tp", 1), report.get("rollout_tp", 1)
+    if engine != "transformers" or tp > 1 or rtp > 1:
+        core = "-core" if engine == "megatron" else ""
+        notes.append(
+            f"rlk rows: rollout transformers + rlk at TP={rtp}, training {engine}{core} + rlk "
+            f"at TP={tp}; the stock row is stock transformers on both sides at TP=1"
+        )
+    if leaves:
+        notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
+    if any(r.get("rollout_mode") == "vllm-stock" for r in report["rows"]):
+        notes.append(
+            "stock vllm-stock row: vLLM's own model classes and kernels sample, stock "
+            "transformers recomputes"
+        )
+    for name, why in report.get("rollout_skipped", {}).items():
+        notes.append(f"rollout engine {name} not run: {why}")
+    # Mixture of experts: the share of tokens whose experts differ ("-": not measured).
+    experts = any(r.get("expert_differ") is not None for r in report["rows"])
+    cols = (
+        f"{'side':<6} {'rollout':<10} {'train':<19} {'tokens':>7} {'max|dlogp|':>11} "
+        f"{'mean|dlogp|':>12} "
+        f"{'differ':>7} " + (f"{'experts':>8} " if experts else "") +
+        f"{'k3 KL':>10} {'rollout tok/s':>14} {'train tok/s':>12}"
+    )  # fmt: skip
+    lines = [head, *notes, cols, "-" * len(cols)]
+    for r in report["rows"]:
+        lines.append(
+            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<10} "
+            f"{r.get('train_engine', 'transformers'):<19} {r['tokens']:>7d} "
+            f"{_num(r['max_abs_dlogp']):>11} "
+            f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "
+            + (f"{_share(r.get('expert_differ')):>8} " if experts else "")
+            + f"{_num(r['k3_kl']):>10} {r['rollout_tok_s']:>14.1f} {r['train_tok_s']:>12.1f}"
+        )
+    lines.append(
+        "tok/s: this command's own loops (the paged rollout replays CUDA graphs of its decode "
+        "steps on a GPU, the others run eagerly; the padded stock row is not transformers' "
+        "generate). "
+        "Engine speed: rlk bench --only e2e."
+    )
+    return "\n".join(lines)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3e}"
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
