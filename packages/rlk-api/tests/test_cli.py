@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import rlk_cli
+import rlk_commands
 
 
 def test_help_and_version_do_not_import_torch():
@@ -43,7 +44,7 @@ def _entry_points(monkeypatch, *eps):
 
 def test_a_known_command_not_installed_says_what_to_install(capsys, monkeypatch):
     _entry_points(monkeypatch)
-    assert "consistency" in rlk_cli.parser().format_help()
+    assert "consistency" in rlk_commands.parser().format_help()
     for argv in (["consistency"], ["consistency", "--model", "tiny"], ["consistency", "-h"]):
         assert rlk_cli.main(argv) == 2
         err = capsys.readouterr().err
@@ -89,8 +90,8 @@ def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monke
         return 0
 
     cmd = rlk_cli.Command(help="a test command", add_arguments=add_arguments, run=run)
-    monkeypatch.setattr(rlk_cli, "_plugin_commands", lambda: {"probe": cmd})
-    assert "a test command" in rlk_cli.parser().format_help()
+    monkeypatch.setattr(rlk_commands, "_plugin_commands", lambda: {"probe": cmd})
+    assert "a test command" in rlk_commands.parser().format_help()
     assert rlk_cli.main(["probe", "--backend", "triton"]) == 0 and seen == {"backend": "triton"}
     assert rlk_cli.main(["probe", "--backend", "bogus"]) == 2
     assert capsys.readouterr().err == "rlk: error: unknown rlk backend 'bogus'\n"

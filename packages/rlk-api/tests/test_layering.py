@@ -1,5 +1,6 @@
 """The import graph runs one way: the integrations and the core (``rlk``) reach kernel packages
-only through plugins, and the shared kernels (``rlk_triton``) know none of their vendor users.
+only through plugins, the shared kernels (``rlk_triton``) know none of their vendor users, and
+inside rlk-api no two modules import each other, directly or through others (no circle).
 
 Reads the sources with ``ast`` (nothing is imported): ``import x``, ``from x import y`` and
 ``importlib.import_module("x")`` / ``__import__("x")`` with a literal name, anywhere in a file
@@ -19,6 +20,7 @@ PACKAGES = Path(__file__).resolve().parents[2]
 FORBIDDEN = {
     "rlk-api/src/rlk": ("rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
     "rlk-api/src/rlk_cli.py": ("rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
+    "rlk-api/src/rlk_commands.py": ("rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
     "rlk-triton/src/rlk_triton": ("rlk_cuda", "rlk_rocm", "rlk_ascend"),
     "rlk-reference/src/rlk_reference": ("rlk", "rlk_triton", "rlk_cuda", "rlk_rocm", "rlk_ascend"),
     # The integrations reach kernels through rlk only.
@@ -124,3 +126,102 @@ def test_the_private_scan_sees_every_form():
         "rlk._catalog.CATALOG",
         "rlk.bench._timing",
     ]
+
+
+#: Source folders (``packages/<dist>/src``) whose modules import one another without a circle:
+#: every import, inside functions too, runs one way.
+ACYCLIC = ("rlk-api/src",)
+
+
+def module_files(src: Path) -> dict[str, Path]:
+    """dotted module name -> file, for every module under ``src`` (a package is its
+    ``__init__.py``)."""
+    found = {}
+    for f in sorted(src.rglob("*.py")):
+        parts = f.relative_to(src).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return found
+
+
+def module_graph(src: Path) -> dict[str, set[str]]:
+    """module -> the modules under ``src`` it imports (the forms of :func:`imported_modules`,
+    relative imports included). ``from a import b`` imports ``a.b`` where that is a module, else
+    ``a``; importing ``a.b`` is not counted as importing ``a`` (every module would otherwise sit
+    in a circle with its package's ``__init__``)."""
+    files = module_files(src)
+    graph = {}
+    for name, f in files.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                targets += [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, (ast.Import, ast.Call)):
+                targets += [m for _, m in imported_modules(ast.unparse(node))]
+        deps = set()
+        for t in targets:
+            while t and t not in files:  # the deepest module of the tree the name names
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per group of modules that import one another, as its shortest path from the
+    group's first module back to it (``["a", "b", "a"]``)."""
+
+    def path(start: str, goal: str) -> list[str] | None:
+        came = {start: None}
+        todo = [start]
+        while todo:
+            node = todo.pop(0)
+            for nxt in sorted(graph[node]):
+                if nxt == goal:
+                    out = [goal]
+                    while node is not None:
+                        out.append(node)
+                        node = came[node]
+                    return out[::-1]
+                if nxt not in came:
+                    came[nxt] = node
+                    todo.append(nxt)
+        return None
+
+    found, done = [], set()
+    for start in sorted(graph):
+        loop = None if start in done else path(start, start)
+        if loop:
+            found.append(loop)
+            done |= {n for n in graph if path(start, n) and path(n, start)}
+    return found
+
+
+@pytest.mark.parametrize("src", ACYCLIC)
+def test_no_import_circle(src):
+    assert [" -> ".join(c) for c in circles(module_graph(PACKAGES / src))] == []
+
+
+def test_the_circle_scan_finds_every_circle(tmp_path):
+    files = {
+        "pkg/__init__.py": "from pkg import a\n",
+        "pkg/a.py": "import pkg.b\n",
+        "pkg/b.py": "def f():\n    from pkg.sub import c\n",  # (inside a function)
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "from .. import a\nimport torch\n",  # (relative)
+        "pkg/d.py": "importlib.import_module('pkg.e')\n",
+        "pkg/e.py": "from pkg.d import thing\nimport pkg.a\n",
+        "top.py": "import pkg\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = module_graph(tmp_path)
+    assert graph["pkg.sub.c"] == {"pkg.a"} and graph["top"] == {"pkg"}
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"], ["pkg.d", "pkg.e", "pkg.d"]]
+    assert circles({**graph, "pkg.sub.c": set(), "pkg.e": {"pkg.a"}}) == []

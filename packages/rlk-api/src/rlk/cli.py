@@ -1,5 +1,8 @@
 """The ``rlk`` command: ``rlk info``, ``rlk conformance`` and ``rlk bench``, and the commands of
-other distributions (``rlk_cli.Command``: ``rlk consistency`` comes with rlk-integrations)."""
+other distributions (``rlk_commands.Command``: ``rlk consistency`` comes with rlk-integrations).
+
+The arguments are parsed by :mod:`rlk_commands`, without torch; :func:`run` runs the command.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from rlk import selection
 from rlk._versions import versions
 from rlk.ops import CATALOG, OPTIONAL_OPS
 from rlk.plugins import BackendError
+from rlk_commands import parse
 
 
 def _device() -> dict[str, Any]:
@@ -186,7 +190,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 #: The command each of rlk's own subcommands runs (the parser lives in the torch-free module
-#: ``rlk_cli``; a command of another distribution brings its own ``run``).
+#: ``rlk_commands``; a command of another distribution brings its own ``run``).
 COMMANDS = {
     "info": _cmd_info,
     "conformance": _cmd_conformance,
@@ -207,9 +211,10 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import rlk_cli
-
-    return rlk_cli.main(argv)
+    """Run ``rlk`` with ``argv`` (default: ``sys.argv[1:]``), as the command ``rlk_cli.main``
+    does; returns the exit status."""
+    args = parse(argv)
+    return args if isinstance(args, int) else run(args, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -40,6 +40,18 @@ import torch
 
 from rlk._catalog import DECLARED, declared
 
+__all__ = [
+    "GUARANTEES",
+    "ORACLE",
+    "BackendError",
+    "BackendImpl",
+    "BackendSpec",
+    "Broken",
+    "OpAutograd",
+    "Registry",
+    "hookimpl",
+]
+
 #: The pluggy project name, which is also the entry-point group of backend plugins.
 PROJECT = "rlk"
 hookspec = pluggy.HookspecMarker(PROJECT)

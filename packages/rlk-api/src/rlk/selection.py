@@ -36,6 +36,20 @@ import torch
 from rlk import _builtin
 from rlk.plugins import ORACLE, BackendError, BackendImpl, Broken, Registry
 
+__all__ = [
+    "auto",
+    "backend_impl",
+    "claimants",
+    "current_backend",
+    "device_type",
+    "optional_op",
+    "registry",
+    "requested",
+    "reset_registry",
+    "resolved_impl",
+    "use_backend",
+]
+
 log = logging.getLogger("rlk")
 
 _registry: Registry | None = None
