@@ -12,7 +12,9 @@ import platform
 import sys
 from typing import Any
 
-from rlk import selection
+import torch
+
+from rlk import bench, selection
 from rlk._versions import versions
 from rlk.ops import CATALOG, OPTIONAL_OPS
 from rlk.plugins import BackendError
@@ -20,8 +22,6 @@ from rlk_commands import parse
 
 
 def _device() -> dict[str, Any]:
-    import torch
-
     if torch.cuda.is_available():
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         return {
@@ -141,7 +141,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
-    from rlk import testing
+    from rlk import testing  # (0.3 s to import: loaded for this command only, not for rlk info)
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
     try:
@@ -163,8 +163,6 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from rlk import bench
-
     if args.render:
         parts = []
         for path in args.render:

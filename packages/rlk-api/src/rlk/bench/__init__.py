@@ -39,6 +39,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -47,7 +48,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlk._versions import versions
+from rlk.bench.timing import ceilings
 
 #: Every family, in the order ``rlk bench`` runs them.
 FAMILIES = (
@@ -93,8 +97,6 @@ def _commit() -> str:
     """The commit measured: ``RLK_COMMIT`` when set (a script running on a copy of the tree,
     whose .git may be missing or stale, passes the commit it copied), else git's HEAD, marked
     ``+uncommitted`` when tracked files differ from it."""
-    import os
-
     if os.environ.get("RLK_COMMIT"):
         return os.environ["RLK_COMMIT"]
     here = Path(__file__).resolve().parent
@@ -115,10 +117,6 @@ def _commit() -> str:
 
 
 def meta(argv: list[str]) -> dict[str, Any]:
-    import torch
-
-    from rlk.bench.timing import ceilings
-
     m = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
@@ -409,8 +407,6 @@ def main(
     only: str | None, quick: bool, json_path: str | None, md_path: str | None, argv: list[str]
 ) -> int:
     """The ``rlk bench`` command; returns the exit status."""
-    import torch
-
     families = [f.strip() for f in (only or ",".join(available())).split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+import rlk
 from rlk.bench import timing as _timing
 
 # (B, S, Hq, Hk, D)
@@ -60,8 +61,6 @@ def _flash_attn():
 
 
 def _train_rows(b, s, hq, hk, d, emit) -> None:
-    import rlk
-
     dev, dt = _timing.DEVICE, torch.bfloat16
     shape = f"B={b} S={s} Hq={hq} Hk={hk} D={d}"
     flops = 2 * b * hq * s * s * d
@@ -131,8 +130,6 @@ def decode_inputs(b, ctx, hq, hk, d, page, device=None):
 
 
 def _decode_rows(b, ctx, hq, hk, d, page, emit) -> None:
-    import rlk
-
     shape = f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}"
     q, kc, vc, bt, lens, cu_q = decode_inputs(b, ctx, hq, hk, d, page)
     kv_bytes = 2 * b * ctx * hk * d * 2

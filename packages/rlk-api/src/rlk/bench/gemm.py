@@ -19,6 +19,7 @@ import math
 
 import torch
 
+import rlk
 from rlk.bench import timing as _timing
 
 # (name, K, N)
@@ -45,8 +46,6 @@ def _copies(n_bytes: int) -> int:
 
 
 def _forward_rows(name: str, M: int, K: int, N: int, emit) -> None:
-    import rlk
-
     dev, dt = _timing.DEVICE, torch.bfloat16
     x = torch.randn(M, K, device=dev, dtype=dt)
     n = _copies(N * K * 2) if M <= 256 else 1
@@ -64,8 +63,6 @@ def _forward_rows(name: str, M: int, K: int, N: int, emit) -> None:
 
 
 def _eager_rows(name: str, K: int, N: int, emit) -> None:
-    import rlk
-
     dev, dt = _timing.DEVICE, torch.bfloat16
     x = torch.randn(1, K, device=dev, dtype=dt)
     w = torch.randn(N, K, device=dev, dtype=dt) / K**0.5
@@ -76,8 +73,6 @@ def _eager_rows(name: str, K: int, N: int, emit) -> None:
 
 
 def _backward_rows(name: str, M: int, K: int, N: int, emit) -> None:
-    import rlk
-
     dev, dt = _timing.DEVICE, torch.bfloat16
     x = torch.randn(M, K, device=dev, dtype=dt, requires_grad=True)
     w = (torch.randn(N, K, device=dev, dtype=dt) / K**0.5).requires_grad_()

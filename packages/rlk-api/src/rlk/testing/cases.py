@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlk.ops import OPS
+from rlk.ops import AGG_MODES, KL_KINDS, OPS
 from rlk.ops.losses import _mode_params
 
 # KWONLY, SEED, Case, Gen, OpCases, call, select and batch_of are also read through this module
@@ -455,8 +455,6 @@ def _policy(gen: Gen, dt, b: int, length: int, agg: str, variant: str) -> Case:
 
 
 def policy_loss(gen: Gen, quick: bool) -> OpCases:
-    from rlk.ops import AGG_MODES
-
     b, length = (4, 12) if quick else (256, 4096)
     variants = list(POLICY_VARIANTS)
     # Every aggregation with every variant, in fp32; the low-precision dtypes on a few.
@@ -506,8 +504,6 @@ def _kl(
 
 
 def kl_penalty(gen: Gen, quick: bool) -> OpCases:
-    from rlk.ops import KL_KINDS
-
     b, length = (4, 12) if quick else (256, 4096)
     acc = [_kl(gen, FP32, b, length, kind) for kind in KL_KINDS]
     acc += [_kl(gen, dt, b, length, "k3") for dt in (BF16, FP16)]

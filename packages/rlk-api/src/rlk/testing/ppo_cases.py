@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from rlk.ops import AGG_MODES
 from rlk.testing.case_tools import BF16, FP16, FP32, Case, Gen, OpCases, dtype_name
 
 
@@ -106,8 +107,6 @@ def _value(gen: Gen, dt, b: int, length: int, agg: str, clip: float | None,
 
 
 def value_loss(gen: Gen, quick: bool) -> OpCases:
-    from rlk.ops import AGG_MODES
-
     b, length = (4, 12) if quick else (256, 4096)
     acc = [_value(gen, FP32, b, length, agg, clip) for agg in AGG_MODES for clip in (0.5, None)]
     acc += [_value(gen, FP32, b, length, agg, 0.2, counts=True) for agg in AGG_MODES]
