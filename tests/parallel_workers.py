@@ -116,6 +116,12 @@ def _worker(rank, world, init_file, dtypes, backward, device="cpu", sizes=(3, 64
             assert torch.equal(yt, y1), f"{tag}: column-parallel forward"
             local = P.column_parallel_linear(x, sh(w, 0), sh(b, 0), leaves=8)
             assert torch.equal(local, sh(rlk.linear(x, w, b), -1)), f"{tag}: column slice"
+            # gather_columns: the ranks' blocks in rank order; the gradient keeps the rank's block.
+            mine = local.detach().requires_grad_(True)
+            whole = P.gather_columns(mine)
+            assert torch.equal(whole, rlk.linear(x, w, b)), f"{tag}: gather_columns"
+            whole.backward(g.to(dtype))
+            assert torch.equal(mine.grad, sh(g.to(dtype), -1)), f"{tag}: gather_columns gradient"
             _vocab_parallel(T, H, dtype, dev, sh, tag)
     finally:
         dist.destroy_process_group()

@@ -117,6 +117,16 @@ def test_errors():
         P.column_parallel_linear(x, w, b, gather_output=1)
     with pytest.raises(ValueError, match="world_size = 3 must divide"):
         P.shard(w, 0, rank=0, world_size=3)
+    # The leaves rule as other distributions ask it: leaves per rank, or an error naming leaves.
+    assert P.check_leaves(8) == 8 and P.check_leaves(8, world=2) == 4
+    with pytest.raises(ValueError, match="leaves must be a power of two"):
+        P.check_leaves(6)
+    with pytest.raises(TypeError, match="leaves must be an int"):
+        P.check_leaves(True)
+    with pytest.raises(ValueError, match="leaves = 8 must be a multiple of .* size 3"):
+        P.check_leaves(8, world=3)
+    with pytest.raises(ValueError, match="group was given"):
+        P.group_info(object())
 
 
 class _PlainPlugin:
@@ -181,6 +191,9 @@ def test_no_process_group_is_one_rank():
     x, w, b = _inputs(3, 64, 16, torch.bfloat16)
     assert torch.equal(P.row_parallel_linear(x, w, b), P.tree_linear(x, w, b))
     assert torch.equal(P.column_parallel_linear(x, w, b, gather_output=True), rlk.linear(x, w, b))
+    assert P.group_info() == (0, 1)
+    y = torch.randn(2, 3, 5, requires_grad=True)
+    assert torch.equal(P.gather_columns(y), y)
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def _leaves(leaves: object) -> int:
     if isinstance(leaves, bool) or not isinstance(leaves, int):
         raise TypeError(f"leaves must be an int, got {type(leaves).__name__}")
     if leaves < 1 or leaves & (leaves - 1):
-        raise ValueError(f"leaves must be a power of two >= 1, got {leaves}")
+        raise ValueError(f"leaves must be a power of two, got {leaves}")
     return leaves
 
 
@@ -97,6 +97,41 @@ def _tp_leaves(leaves: int, world: int) -> int:
             "which must be a power of two"
         )
     return leaves // world
+
+
+def check_leaves(leaves: object, world: int = 1) -> int:
+    """The K-leaves rule of the tree-ordered linears, for callers outside rlk (a model patch,
+    a command's arguments): ``leaves`` must be an int power of two and a tensor-parallel
+    size ``world`` a power of two dividing it. Returns the leaves per rank, ``leaves //
+    world``; raises ``TypeError``/``ValueError`` naming ``leaves`` otherwise.
+
+    Example::
+
+        check_leaves(8, world=2)   # 4
+        check_leaves(6)            # ValueError: leaves must be a power of two, got 6
+    """
+    return _tp_leaves(_leaves(leaves), world)
+
+
+def group_info(group: Any = None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (default: the world); ``(0, 1)`` when
+    torch.distributed is not initialised (a ``ValueError`` if ``group`` is given then)."""
+    return _group_info(group)
+
+
+def gather_columns(y: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The ranks' column blocks ``y [..., n]`` of ``group`` concatenated in rank order:
+    ``[..., n * size]`` (an all-gather; an exact copy, so any order of arrival gives the same
+    bits). Differentiable: the gradient keeps this rank's block of the (replicated) output's
+    gradient, as :func:`column_parallel_linear`'s ``gather_output`` does.
+
+    Example::
+
+        logits = gather_columns(rlk.linear(h, lm_head_shard))   # [T, V] on every rank
+    """
+    rank, world = _group_info(group)
+    out = _GatherColumns.apply(_rows(y), rank, world, group)
+    return out.reshape(*y.shape[:-1], out.shape[-1])
 
 
 def _all_gather(t: torch.Tensor, world: int, group) -> list[torch.Tensor]:
@@ -494,8 +529,11 @@ def shard(t: torch.Tensor, dim: int, *, rank: int, world_size: int) -> torch.Ten
 __all__ = [
     "EXCHANGES",
     "Exchange",
+    "check_leaves",
     "column_parallel_linear",
     "column_tree_linear",
+    "gather_columns",
+    "group_info",
     "row_parallel_linear",
     "shard",
     "tree_backends",

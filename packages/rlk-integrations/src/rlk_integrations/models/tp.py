@@ -103,11 +103,9 @@ def _stock_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _stock_head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rank, world, group, _ = self._rlk_tp
+    group = self._rlk_tp[2]
     y = rlk.linear(_ReduceGrad.apply(x.contiguous(), group), self.weight, self.bias)
-    return P._GatherColumns.apply(y.reshape(-1, y.shape[-1]), rank, world, group).reshape(
-        *y.shape[:-1], -1
-    )
+    return P.gather_columns(y, group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,8 +138,8 @@ def shard_tp(model: nn.Module, *, group: Any = None, stock_allreduce: bool = Fal
         raise ValueError("shard_tp needs a model patched by patch_model(model, leaves=L)")
     if getattr(model, "_rlk_tp", None) is not None:
         raise ValueError("model is already sharded")
-    rank, world = P._group_info(group)
-    P._tp_leaves(leaves, world)
+    rank, world = P.group_info(group)
+    P.check_leaves(leaves, world)
     cfg = model.config
     for what, n in (
         ("num_attention_heads", cfg.num_attention_heads),

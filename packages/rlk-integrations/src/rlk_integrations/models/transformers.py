@@ -583,7 +583,7 @@ def _patch(model: nn.Module, arch: Architecture, leaves: int | None) -> nn.Modul
     _check_transformers(model, arch)
     check_moe(model, arch, leaves)
     if leaves is not None:
-        leaves = rlk.parallel._leaves(leaves)
+        leaves = rlk.parallel.check_leaves(leaves)
     plan = _plan(model, arch, leaves)
     _register_attention()
     for module, fn in plan:
