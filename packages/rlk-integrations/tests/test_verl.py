@@ -1,0 +1,237 @@
+"""rlk inside verl 0.9.1 (the real release, on CPU: FSDP2 over gloo, verl's CPU platform from
+the plugin): verl's actor engine selected by ``VERL_ENGINE_VENDOR=rlk`` gives the log-probs and
+entropies of rlk's rollout bit for bit (world size 1 and 2, bf16 over fp32 master weights,
+four architectures, any micro-batching), verl's own log-prob path on the same engine does not,
+a GRPO loop of verl's pieces keeps verl's ``rollout_probs_diff_max`` at 0, and options rlk
+cannot honour raise naming them.
+
+Skips when verl (rlk_integrations.adapters.verl.TESTED_VERL) is not installed, unless
+RLK_REQUIRE_VERL=1 (stage 4 of ``nox -s tests``, which installs it): then it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # verl's import and engines: stage 4 of nox -s tests
+
+# verl fixes its platform once, at its first use: the CPU one before anything imports verl.
+os.environ.setdefault("VERL_PLATFORM", "cpu")
+os.environ.setdefault("VERL_ENGINE_VENDOR", "rlk")
+pytest.importorskip("transformers")
+import rlk_integrations.adapters.verl as rv  # noqa: E402
+
+try:
+    rv.check_verl()
+except RuntimeError as e:
+    if os.environ.get("RLK_REQUIRE_VERL") == "1":
+        raise
+    pytest.skip(f"verl tests need verl {rv.TESTED_VERL}: {e}", allow_module_level=True)
+
+import verl_workers as vw  # noqa: E402  (sets VERL_PLATFORM=cpu before verl is imported)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-process gloo group for the module's engines (verl's engine reads the rank)."""
+    import torch.distributed as dist
+
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each model's tiny checkpoint and rlk rollout samples of it (prompts of 3 to 7 tokens,
+    6 new tokens each, saved beside it for the spawned ranks)."""
+    root = tmp_path_factory.mktemp("verl")
+    for name in vw.MODELS:
+        path = vw.checkpoint(str(root / name), name)
+        samples = vw.sample(vw.rollout_model(path), (5, 3, 7, 4), 6, seed=1)
+        torch.save(samples, os.path.join(path, "samples.pt"))
+    return root
+
+
+def _samples(checkpoints, name):
+    return torch.load(checkpoints / name / "samples.pt", weights_only=False)
+
+
+def test_plugin_loads_with_verl():
+    """verl loads its ``verl.plugins`` entry points at ``import verl`` and drops their errors:
+    a fresh process shows the engine and the CPU platform registered by it."""
+    code = (
+        "import verl\n"
+        "from verl.workers.engine.base import EngineRegistry as R\n"
+        "from verl.plugin.platform.platform_manager import PlatformRegistry as P\n"
+        "t = R._engines['language_model']\n"
+        "print(sorted(k for b in ('fsdp', 'fsdp2') for k, c in t[b].items()"
+        " if c.__name__ == 'RLKEngineWithLMHead'), P.get('cpu').__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_PLUGINS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    keys = [(d, rv.VENDOR) for d in rv.DEVICES]
+    assert out.stdout.strip().splitlines()[-1] == f"{sorted(keys * 2)} PlatformCPU"
+
+
+def test_external_lib(checkpoints):
+    """The plugin module is what ``actor_rollout_ref.model.external_lib`` names (verl imports it
+    with its model config, errors raised)."""
+    from verl.workers.config import HFModelConfig
+
+    HFModelConfig(path=str(checkpoints / "tiny"), load_tokenizer=False, external_lib=rv.PLUGIN)
+    with pytest.raises(ModuleNotFoundError):
+        HFModelConfig(
+            path=str(checkpoints / "tiny"), load_tokenizer=False, external_lib=rv.PLUGIN + "_x"
+        )
+
+
+@pytest.mark.parametrize("name", vw.MODELS)
+def test_infer_batch_bitwise(group, checkpoints, name):
+    """``infer_batch`` on one rank: log-probs and entropies equal rlk's rollout bit for bit, in
+    micro-batches of 1, 2 and all 4 samples, and in verl's dynamic batches (at most 20 tokens,
+    balanced and reordered by verl) of the samples reversed; verl's own log-probs on the same
+    engine (full logits, its log-softmax under autocast) differ."""
+    path = str(checkpoints / name)
+    samples, model = _samples(checkpoints, name), vw.rollout_model(path)
+    eng = vw.engine(path)
+    for micro in (1, 2, 4):
+        vw.check_equal(eng, model, samples, micro, f"{name} micro {micro}")
+    vw.check_equal(eng, model, samples[::-1], -20, f"{name} dynamic, reversed")
+    lp, _ = vw.infer(vw.engine(path, stock=True), samples, 2)
+    assert any(not torch.equal(lp[i, : len(s.response)], s.logprobs) for i, s in enumerate(samples))
+
+
+def test_infer_batch_two_ranks(checkpoints, tmp_path):
+    """The same at world size 2 (two spawned processes, gloo): each rank's half of the batch
+    gives rlk's rollout bits, on every model."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        vw.rank_worker,
+        args=(2, str(tmp_path / "pg"), str(checkpoints)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + 900
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two ranks did not finish in 900 s")
+
+
+def test_grpo_loop_rollout_probs_diff_zero(group, checkpoints):
+    """A GRPO loop of verl's pieces (3 steps, weights pushed into the rollout after each):
+    verl's ``rollout_probs_diff_max`` is exactly 0 at every step; verl's own log-probs on the
+    same engine give a non-zero one at every step."""
+    path = str(checkpoints / "tiny")
+    assert vw.grpo(path, 3) == [0.0, 0.0, 0.0]
+    assert all(d > 0 for d in vw.grpo(path, 3, stock=True))
+
+
+REFUSED = [
+    ("engine", {"ulysses_sequence_parallel_size": 2}, "ulysses_sequence_parallel_size=2"),
+    ("engine", {"strategy": "fsdp"}, "strategy='fsdp'"),
+    ("model", {"use_remove_padding": False}, "use_remove_padding=False"),
+    ("model", {"lora_rank": 8}, "lora_rank=8"),
+    ("model", {"use_liger": True}, "use_liger=True"),
+    ("model", {"tiled_mlp": {"enabled": True, "num_shards": 4}}, "tiled_mlp.enabled=True"),
+    (
+        "model",
+        {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "triton"}},
+        "impl_backend='triton'",
+    ),
+]
+
+
+@pytest.mark.parametrize("where, option, named", REFUSED, ids=[r[2] for r in REFUSED])
+def test_engine_refuses_by_name(checkpoints, where, option, named):
+    """An option rlk's engine cannot honour is a ``NotImplementedError`` naming it, raised when
+    verl builds the engine, before any weight is loaded (no process group is needed)."""
+    from rlk_integrations.adapters.verl.engine import RLKEngineWithLMHead
+
+    cfgs = vw.configs(str(checkpoints / "tiny"), **{where: option})
+    with pytest.raises(NotImplementedError, match=re.escape(named)):
+        RLKEngineWithLMHead(*cfgs)
+
+
+def test_engine_refuses_architecture_and_release(tmp_path, checkpoints, monkeypatch):
+    """An architecture rlk does not cover, and another verl release, raise before any work."""
+    from transformers import MistralConfig
+
+    from rlk_integrations.adapters.verl import release
+    from rlk_integrations.adapters.verl.engine import RLKEngineWithLMHead
+
+    MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        architectures=["MistralForCausalLM"],
+    ).save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="model_type='mistral'"):
+        RLKEngineWithLMHead(*vw.configs(str(tmp_path)))
+    monkeypatch.setattr(release, "installed_verl", lambda: "0.9.2")
+    with pytest.raises(RuntimeError, match="verl 0.9.1 only.*found 0.9.2"):
+        RLKEngineWithLMHead(*vw.configs(str(checkpoints / "tiny")))
+
+
+def _main_ppo_config(extra: list[str]):
+    """verl's own ``ppo_trainer`` Hydra config with ``overrides()`` and ``extra`` applied."""
+    import verl.trainer.config as cfg_pkg
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(os.path.dirname(cfg_pkg.__file__), version_base=None):
+        return compose("ppo_trainer", overrides=rv.overrides("Qwen3ForCausalLM") + extra)
+
+
+def test_overrides_apply_to_verls_config():
+    """The overrides compose onto verl's own ``main_ppo`` config: the plugin is its
+    ``external_lib``, vLLM gets rlk's model class as a dict, and ``check_config`` passes."""
+    cfg = _main_ppo_config([])
+    arr = cfg.actor_rollout_ref
+    assert arr.model.external_lib == rv.PLUGIN
+    assert dict(arr.rollout.engine_kwargs.vllm.hf_overrides) == {
+        "architectures": ["RLKQwen3ForCausalLM"]
+    }
+    rv.check_config(cfg)
+    with pytest.raises(NotImplementedError, match="rlk's rollout serves"):
+        rv.overrides("MistralForCausalLM")
+
+
+CONFIG_REFUSED = [
+    (
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "ulysses_sequence_parallel_size=2",
+    ),
+    ("actor_rollout_ref.model.use_remove_padding=False", "use_remove_padding=False"),
+    ("actor_rollout_ref.model.lora_rank=16", "lora_rank=16"),
+    ("actor_rollout_ref.model.use_liger=True", "use_liger=True"),
+    ("actor_rollout_ref.model.tiled_mlp.enabled=True", "tiled_mlp.enabled=True"),
+    ("actor_rollout_ref.actor.use_prefix_grouper=True", "use_prefix_grouper=True"),
+    ("actor_rollout_ref.rollout.name=sglang", "rollout.name='sglang'"),
+    ("actor_rollout_ref.rollout.temperature=0.7", "rollout.temperature=0.7"),
+    ("actor_rollout_ref.rollout.logprobs_mode=processed_logprobs", "processed_logprobs"),
+]
+
+
+@pytest.mark.parametrize("line, named", CONFIG_REFUSED, ids=[c[1] for c in CONFIG_REFUSED])
+def test_check_config_refuses_by_name(line, named):
+    """``check_config`` on a ``main_ppo`` config names each option rlk cannot honour."""
+    with pytest.raises(NotImplementedError, match=re.escape(named)):
+        rv.check_config(_main_ppo_config([line]))
