@@ -82,3 +82,25 @@ def test_tp_larger_than_the_gpus_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert cli.main(["consistency", "--device", "cuda", "--leaves", "8", "--train-tp", "2"]) == 2
     assert "tensor-parallel size 2 needs 2 GPUs, this machine has 1" in capsys.readouterr().err
+
+
+def test_the_config_is_checked_where_it_is_built_and_passed_whole(monkeypatch):
+    import dataclasses
+
+    from rlk_integrations.tools import consistency
+
+    with pytest.raises(consistency.UsageError, match="leaves must be a power of two, got 3"):
+        consistency.ConsistencyConfig.of("tiny", leaves=3)
+    with pytest.raises(consistency.UsageError, match="page_size must be an int >= 1"):
+        consistency.ConsistencyConfig.of("tiny", page_size=0)
+    config = consistency.ConsistencyConfig.of("tiny", page_size=8, leaves=8, rollout_tp=2)
+    assert (config.rollout.page_size, config.leaves, config.rollout.tp) == (8, 8, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.prompts = 3
+    seen = []
+    monkeypatch.setattr(consistency, "_run", lambda c, progress: seen.append(c) or {})
+    consistency.run(config)
+    consistency.run("tiny", page_size=8, leaves=8, rollout_tp=2)
+    assert seen == [config, config]  # the same settings, whichever way they came
+    with pytest.raises(TypeError, match="not both"):
+        consistency.run(config, prompts=3)

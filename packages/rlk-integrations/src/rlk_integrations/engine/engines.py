@@ -69,6 +69,19 @@ class RolloutResult:
     extra: dict = field(default_factory=dict)
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature a sampled token's log-probability is taken at: ``temperature``, except
+    for a greedy sample (``temperature == 0``, the argmax), whose log-probability is that of
+    the unscaled softmax (temperature 1). Every rollout and every recompute asks this one rule,
+    so that they agree on greedy samples.
+
+    Example::
+
+        rlk.logprobs(logits, tokens, temperature=logprob_temperature(0.0))   # temperature 1
+    """
+    return temperature if temperature > 0 else 1.0
+
+
 @dataclass(frozen=True)
 class RolloutOptions:
     """The rollout settings of the command line; each engine reads those that concern it.
@@ -187,5 +200,6 @@ __all__ = [
     "Sample",
     "available",
     "create",
+    "logprob_temperature",
     "names",
 ]

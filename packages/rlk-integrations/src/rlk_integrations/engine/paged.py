@@ -56,7 +56,12 @@ from tqdm import tqdm
 import rlk
 from rlk.validate import validate_requested
 from rlk_integrations.engine import fused
-from rlk_integrations.engine.engines import RolloutOptions, RolloutResult, Sample
+from rlk_integrations.engine.engines import (
+    RolloutOptions,
+    RolloutResult,
+    Sample,
+    logprob_temperature,
+)
 from rlk_integrations.engine.paged_step import _DecodeGraphs, _eager_step, _Launched
 from rlk_integrations.models.tp import local_kv_heads
 from rlk_integrations.models.transformers import decoder, graph_reads, is_patched
@@ -320,7 +325,7 @@ class PagedEngine:
         self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
         self.cuda_graphs = cuda_graphs
         self.sample_kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        self.lp_temperature = temperature if temperature > 0 else 1.0
+        self.lp_temperature = logprob_temperature(temperature)
         padded_decode = cuda_graphs or _EAGER_PADDED_DECODE
         reserved = pad_pages(max_batch, page_size) if padded_decode else 0
         self.cache = PagedKVCache(

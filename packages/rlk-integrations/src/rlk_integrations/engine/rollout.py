@@ -23,7 +23,12 @@ import torch
 
 import rlk
 from rlk_integrations.engine.critic import final_hidden_hook
-from rlk_integrations.engine.engines import RolloutOptions, RolloutResult, Sample
+from rlk_integrations.engine.engines import (
+    RolloutOptions,
+    RolloutResult,
+    Sample,
+    logprob_temperature,
+)
 from rlk_integrations.models.transformers import cache_kwarg
 
 
@@ -115,7 +120,7 @@ def generate(
                     top_k=top_k,
                     top_p=top_p,
                 )
-                lp = rlk.logprobs(logits, tok, temperature=temperature if temperature > 0 else 1.0)
+                lp = rlk.logprobs(logits, tok, temperature=logprob_temperature(temperature))
             else:
                 tok, lp = _sample_torch(logits, temperature, gen)
             if progress is not None and (step + 1) % max(1, max_new_tokens // 4) == 0:

@@ -22,7 +22,7 @@ import rlk
 from rlk import validate
 from rlk.parallel import vocab_parallel_linear_logprobs
 from rlk_integrations.engine.critic import ValueHead
-from rlk_integrations.engine.engines import Sample
+from rlk_integrations.engine.engines import Sample, logprob_temperature
 from rlk_integrations.models.transformers import decoder, graph_reads, is_patched
 
 
@@ -117,7 +117,7 @@ def packed_logprobs(
         raise ValueError("return_entropy=True needs use_rlk=True")
     device = next(model.parameters()).device
     ids, pos, rows, targets = pack_samples(samples, device)
-    temperature = temperature if temperature > 0 else 1.0
+    temperature = logprob_temperature(temperature)
     sizes = [len(s.response) for s in samples]
     if use_rlk:
         # A model sharded by shard_model runs this as an FSDP forward method (its root
@@ -173,7 +173,7 @@ def compiled_logprobs(
             head.weight,
             targets,
             bias=head.bias,
-            temperature=temperature if temperature > 0 else 1.0,
+            temperature=logprob_temperature(temperature),
             logits_dtype=logits_dtype,
         )
 
@@ -327,7 +327,7 @@ class GraphedLogprobs:
             max_seq_len,
             max_rows,
         )
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.temperature = logprob_temperature(temperature)
         self.logits_dtype = logits_dtype
         self.entropy = validate.flag("return_entropy", return_entropy)
         # Offsets: the real sequences, then padding sequences of at most max_seq_len tokens,
@@ -584,7 +584,7 @@ def grpo_step(
         # logits_dtype None is the hidden states' dtype: lm_head's.
         head_dtype = model.get_output_embeddings().weight.dtype
         have = (graphed.temperature, graphed.logits_dtype or head_dtype)
-        want = (temperature if temperature > 0 else 1.0, logits_dtype or head_dtype)
+        want = (logprob_temperature(temperature), logits_dtype or head_dtype)
         if have != want:
             raise ValueError(
                 f"graphed has temperature {have[0]} and logits_dtype {have[1]}; "
@@ -645,7 +645,7 @@ def packed_logprobs_and_values(
         lm_head.weight,
         targets,
         bias=lm_head.bias,
-        temperature=temperature if temperature > 0 else 1.0,
+        temperature=logprob_temperature(temperature),
         logits_dtype=logits_dtype,
     )
     sizes = [len(s.response) for s in samples]

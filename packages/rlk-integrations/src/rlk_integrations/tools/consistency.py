@@ -37,6 +37,9 @@ tree-ordered linears with the same ``N``: the bits that tensor parallelism keeps
 The report has one row per side: tokens compared, max and mean ``|dlogp|``, the fraction of
 tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
 rollout and training (forward + backward) tokens per second.
+
+A run's settings are one frozen :class:`ConsistencyConfig` (the engines' ``RolloutOptions``
+inside), validated once where it is built and passed whole to :func:`run`.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rlk
+import rlk.parallel
 from rlk_integrations.engine import engines, tp_workers, training
-from rlk_integrations.engine.engines import RolloutEngine
+from rlk_integrations.engine.engines import RolloutEngine, RolloutOptions
 from rlk_integrations.engine.rollout import PaddedRollout
 from rlk_integrations.models import moe
 from rlk_integrations.models.transformers import patch_model, unpatch_model
@@ -335,212 +339,207 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> None:
         raise UsageError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def check_args(
-    model_name: str,
-    *,
-    backend: str | None,
-    prompts: int,
-    new_tokens: int,
-    prompt_len: tuple[int, int],
-    micro_batch: int,
-    temperature: float,
-    device: str | None,
-    rollout_modes: tuple[str, ...] | None,
-    page_size: int,
-    max_batch: int | None,
-    train_engine: str,
-    leaves: int | None,
-    train_tp: int,
-    rollout_tp: int,
-) -> None:
-    """Raise :class:`UsageError` (or :class:`rlk.BackendError` for the backend) for arguments
-    of :func:`run` that cannot work, before the first model is built: a bad argument must not
-    cost the stock half of the run."""
-    if model_name not in CONFIGS and not os.path.isdir(model_name):
-        raise UsageError(
-            f"unknown model {model_name!r}: a built-in config ({', '.join(CONFIGS)}) "
-            "or a local checkpoint directory"
-        )
-    for name, value in (("prompts", prompts), ("new_tokens", new_tokens)):
-        _positive(name, value)
-    _positive("micro_batch", micro_batch)
-    _positive("page_size", page_size)
-    _positive("max_batch", max_batch, allow_none=True)
-    lo, hi = prompt_len
-    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-        raise UsageError(f"prompt_len must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)) or (
-        temperature < 0
-    ):
-        raise UsageError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if rollout_modes is not None and (
-        not rollout_modes or any(m not in engines.names() for m in rollout_modes)
-    ):
-        raise UsageError(f"rollout modes must be among {engines.names()}, got {rollout_modes!r}")
-    if train_engine not in TRAIN_ENGINES:
-        raise UsageError(f"train_engine must be one of {TRAIN_ENGINES}, got {train_engine!r}")
-    if train_engine == "transformers-graphs" and train_tp > 1:
-        raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
-    if leaves is not None and (
-        isinstance(leaves, bool)
-        or not isinstance(leaves, int)
-        or leaves < 1
-        or leaves & (leaves - 1)
-    ):
-        raise UsageError(f"leaves must be a power of two, got {leaves!r}")
-    for name, tp in (("train_tp", train_tp), ("rollout_tp", rollout_tp)):
-        _positive(name, tp)
-        if tp == 1:
-            continue
-        if not leaves:
-            raise UsageError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
-        if leaves % tp or tp & (tp - 1):
-            raise UsageError(f"{name} must be a power of two dividing leaves = {leaves}")
-    try:
-        dev = torch.device(device) if device is not None else None
-    except (RuntimeError, TypeError) as e:
-        raise UsageError(f"device {device!r} is not a torch device ({e})") from None
-    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {device!r}: this torch sees no CUDA/ROCm GPU")
-    if dev is not None and dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"device {device!r}: rlk consistency runs on cpu or cuda")
-    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
-    options = engines.RolloutOptions(
-        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
-    )
-    if rollout_modes is not None:  # asked for by name: each must run here
-        _, skipped = engines.available(rollout_modes, torch.device("cuda" if on_gpu else "cpu"),
-                                       options)  # fmt: skip
-        if skipped:
-            raise UsageError("; ".join(f"rollout engine {n!r} cannot run here: {why}"
-                                       for n, why in skipped.items()))  # fmt: skip
-    tp = max(train_tp, rollout_tp)
-    if on_gpu and tp > torch.cuda.device_count():
-        raise UsageError(
-            f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
-            f"{torch.cuda.device_count()}"
-        )
-    if backend is not None:
-        with rlk.use_backend(backend):
-            rlk.current_backend(dev)
+@dataclass(frozen=True)
+class ConsistencyConfig:
+    """One ``rlk consistency`` run, validated once where it is built and passed whole.
+
+    ``model``: a built-in config of :mod:`rlk_integrations.tools.zoo` or a local checkpoint
+    directory, loaded with ``dtype`` on ``device`` (None: cuda if present, else cpu) and
+    ``seed``. ``prompts`` random prompts of ``prompt_len`` = (min, max) tokens; ``new_tokens``
+    sampled after each at ``temperature`` (0: greedy); training micro-batches of
+    ``micro_batch`` sequences. ``sides``: ``stock`` and/or ``rlk``; ``backend``: the rlk
+    backend (None: the selected one). ``rollout_modes``: engines of
+    :mod:`rlk_integrations.engine.registry`, each of which must be able to run here (None:
+    every one that can); ``rollout``: their options, also the run's ``leaves`` (the rlk side's
+    tree-ordered row-parallel linears, rollout and training) and the rollout's tensor-parallel
+    size ``rollout.tp``. ``train_engine``: one of :data:`TRAIN_ENGINES`, at tensor-parallel
+    size ``train_tp``. ``warmup``: untimed passes first (None: on a GPU).
+
+    A value that cannot work raises :class:`UsageError` naming it (or
+    :class:`rlk.BackendError` for ``backend``) when the config is built, before a model is:
+    a bad argument must not cost the stock half of the run. The rules that are rlk's (leaves a
+    power of two, a tensor-parallel size a power of two dividing them) are asked of
+    :func:`rlk.parallel.check_leaves`.
+
+    Example::
+
+        config = ConsistencyConfig.of("tiny", leaves=8, rollout_tp=2)   # the flat options
+        report = run(config)
+    """
+
+    model: str = "tiny"
+    backend: str | None = None
+    prompts: int = 8
+    new_tokens: int = 16
+    prompt_len: tuple[int, int] = (4, 12)
+    micro_batch: int = 3
+    seed: int = 0
+    temperature: float = 1.0
+    device: str | None = None
+    dtype: torch.dtype = torch.bfloat16
+    warmup: bool | None = None
+    sides: tuple[str, ...] = SIDES
+    rollout_modes: tuple[str, ...] | None = None
+    rollout: RolloutOptions = RolloutOptions()
+    train_engine: str = "transformers"
+    train_tp: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        model: str = "tiny",
+        *,
+        page_size: int = 16,
+        max_batch: int | None = None,
+        leaves: int | None = None,
+        rollout_tp: int = 1,
+        **fields: Any,
+    ) -> ConsistencyConfig:
+        """The config of ``rlk consistency``'s options, the rollout's given flat as the command
+        line takes them (``page_size``, ``max_batch``, ``leaves``, ``rollout_tp``); ``fields``:
+        the other fields."""
+        rollout = RolloutOptions(page_size=page_size, max_batch=max_batch, leaves=leaves,
+                                 tp=rollout_tp)  # fmt: skip
+        return cls(model, rollout=rollout, **fields)
+
+    @property
+    def leaves(self) -> int | None:
+        return self.rollout.leaves
+
+    @property
+    def torch_device(self) -> torch.device:
+        """``device`` as a torch device; None: cuda if present, else cpu."""
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def __post_init__(self) -> None:
+        if self.model not in CONFIGS and not os.path.isdir(self.model):
+            raise UsageError(
+                f"unknown model {self.model!r}: a built-in config ({', '.join(CONFIGS)}) "
+                "or a local checkpoint directory"
+            )
+        for name in ("prompts", "new_tokens", "micro_batch", "train_tp"):
+            _positive(name, getattr(self, name))
+        _positive("page_size", self.rollout.page_size)
+        _positive("max_batch", self.rollout.max_batch, allow_none=True)
+        _positive("rollout_tp", self.rollout.tp)
+        lo, hi = self.prompt_len
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise UsageError(f"prompt_len must be MIN:MAX with 1 <= MIN <= MAX, got {lo}:{hi}")
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t)) or t < 0:
+            raise UsageError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.rollout_modes is not None and (
+            not self.rollout_modes or any(m not in engines.names() for m in self.rollout_modes)
+        ):
+            raise UsageError(
+                f"rollout modes must be among {engines.names()}, got {self.rollout_modes!r}"
+            )
+        if self.train_engine not in TRAIN_ENGINES:
+            raise UsageError(
+                f"train_engine must be one of {TRAIN_ENGINES}, got {self.train_engine!r}"
+            )
+        if self.train_engine == "transformers-graphs" and self.train_tp > 1:
+            raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
+        self._check_leaves()
+        self._check_machine()
+
+    def _check_leaves(self) -> None:
+        leaves = self.leaves
+        if leaves is not None:
+            try:
+                rlk.parallel.check_leaves(leaves)
+            except (TypeError, ValueError) as e:
+                raise UsageError(str(e)) from None
+        for name, tp in (("train_tp", self.train_tp), ("rollout_tp", self.rollout.tp)):
+            if tp == 1:
+                continue
+            if not leaves:
+                raise UsageError(f"{name} > 1 needs leaves (tree-ordered row-parallel linears)")
+            try:
+                rlk.parallel.check_leaves(leaves, tp)
+            except ValueError:
+                raise UsageError(
+                    f"{name} must be a power of two dividing leaves = {leaves}"
+                ) from None
+
+    def _check_machine(self) -> None:
+        """What this machine must have: the device, the GPUs, each engine asked for by name,
+        the backend."""
+        try:
+            dev = torch.device(self.device) if self.device is not None else None
+        except (RuntimeError, TypeError) as e:
+            raise UsageError(f"device {self.device!r} is not a torch device ({e})") from None
+        if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"device {self.device!r}: this torch sees no CUDA/ROCm GPU")
+        if dev is not None and dev.type not in ("cpu", "cuda"):
+            raise UsageError(f"device {self.device!r}: rlk consistency runs on cpu or cuda")
+        on_gpu = self.torch_device.type == "cuda"
+        if self.rollout_modes is not None:  # asked for by name: each must run here
+            _, skipped = engines.available(self.rollout_modes, self.torch_device, self.rollout)
+            if skipped:
+                raise UsageError("; ".join(f"rollout engine {n!r} cannot run here: {why}"
+                                           for n, why in skipped.items()))  # fmt: skip
+        tp = max(self.train_tp, self.rollout.tp)
+        if on_gpu and tp > torch.cuda.device_count():
+            raise UsageError(
+                f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
+                f"{torch.cuda.device_count()}"
+            )
+        if self.backend is not None:
+            with rlk.use_backend(self.backend):
+                rlk.current_backend(dev)
 
 
 def run(
-    model_name: str = "tiny",
+    model: str | ConsistencyConfig = "tiny",
     *,
-    backend: str | None = None,
-    prompts: int = 8,
-    new_tokens: int = 16,
-    prompt_len: tuple[int, int] = (4, 12),
-    micro_batch: int = 3,
-    seed: int = 0,
-    temperature: float = 1.0,
-    device: str | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    warmup: bool | None = None,
-    sides: tuple[str, ...] = SIDES,
-    rollout_modes: tuple[str, ...] | None = None,
-    page_size: int = 16,
-    max_batch: int | None = None,
-    train_engine: str = "transformers",
-    leaves: int | None = None,
-    train_tp: int = 1,
-    rollout_tp: int = 1,
     progress: Callable[[str], None] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Run both sides on one model; returns the report (``rows`` holds a dict per side and
     rollout mode: the stock side once, padded; the rlk side once per engine of
-    ``rollout_modes``, names of :func:`rlk_integrations.engine.engines.names`, each of which must be
-    able to run here; None: every registered engine that can, the others in
-    ``rollout_skipped`` with the reason). ``train_engine="megatron"``: the rlk side's training
-    recompute runs in Megatron-core (see the module docstring); ``leaves``: tree-ordered
-    row-parallel linears on the rlk side; ``train_tp``: the training engine's tensor
-    parallelism, ``rollout_tp``: the rollout's (> 1: that many spawned processes, gloo on CPU
-    and NCCL on GPUs; needs ``leaves``, of which each must be a power-of-two divisor)."""
-    check_args(
-        model_name,
-        backend=backend,
-        prompts=prompts,
-        new_tokens=new_tokens,
-        prompt_len=prompt_len,
-        micro_batch=micro_batch,
-        temperature=temperature,
-        device=device,
-        rollout_modes=rollout_modes,
-        page_size=page_size,
-        max_batch=max_batch,
-        train_engine=train_engine,
-        leaves=leaves,
-        train_tp=train_tp,
-        rollout_tp=rollout_tp,
-    )
+    ``rollout_modes``; engines that cannot run here in ``rollout_skipped`` with the reason).
+    ``model``: a :class:`ConsistencyConfig`, or the model's name and ``options`` the config's
+    fields as :meth:`ConsistencyConfig.of` takes them (``page_size=``, ``leaves=``,
+    ``rollout_tp=``, ``train_engine=``, ...), checked before anything runs. ``progress`` gets a
+    line now and then (None: silent).
+
+    Example::
+
+        report = run("tiny", rollout_modes=("paged",), leaves=8, train_engine="megatron")
+        assert ok(report)
+    """
+    if isinstance(model, ConsistencyConfig):
+        if options:
+            raise TypeError(
+                f"run takes a ConsistencyConfig or options, not both: {sorted(options)}"
+            )
+        config = model
+    else:
+        config = ConsistencyConfig.of(model, **options)
     teardown = None
-    if train_engine == "megatron" and train_tp == 1 and "rlk" in sides:
+    if config.train_engine == "megatron" and config.train_tp == 1 and "rlk" in config.sides:
+        # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
         from rlk_integrations.adapters import megatron
 
         teardown = megatron.init_single_process()
     try:
-        return _run(
-            model_name,
-            backend=backend,
-            prompts=prompts,
-            new_tokens=new_tokens,
-            prompt_len=prompt_len,
-            micro_batch=micro_batch,
-            seed=seed,
-            temperature=temperature,
-            device=device,
-            dtype=dtype,
-            warmup=warmup,
-            sides=sides,
-            rollout_modes=rollout_modes,
-            page_size=page_size,
-            max_batch=max_batch,
-            train_engine=train_engine,
-            leaves=leaves,
-            train_tp=train_tp,
-            rollout_tp=rollout_tp,
-            progress=progress,
-        )
+        return _run(config, progress)
     finally:
         if teardown is not None:
             teardown()
 
 
-def _run(
-    model_name: str,
-    *,
-    backend: str | None,
-    prompts: int,
-    new_tokens: int,
-    prompt_len: tuple[int, int],
-    micro_batch: int,
-    seed: int,
-    temperature: float,
-    device: str | None,
-    dtype: torch.dtype,
-    warmup: bool | None,
-    sides: tuple[str, ...],
-    rollout_modes: tuple[str, ...] | None,
-    page_size: int,
-    max_batch: int | None,
-    train_engine: str,
-    leaves: int | None,
-    train_tp: int,
-    rollout_tp: int,
-    progress: Callable[[str], None] | None,
-) -> dict[str, Any]:
+def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> dict[str, Any]:
+    c = config
     say = progress or (lambda msg: None)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    warmup = dev.type == "cuda" if warmup is None else warmup
-    say(f"loading {model_name} ({dtype}, {dev})")
-    model = zoo.load_model(model_name, dtype=dtype, device=dev, seed=seed)
+    dev = c.torch_device
+    warmup = dev.type == "cuda" if c.warmup is None else c.warmup
+    say(f"loading {c.model} ({c.dtype}, {dev})")
+    model = zoo.load_model(c.model, dtype=c.dtype, device=dev, seed=c.seed)
     vocab = model.config.vocab_size
-    batch = random_prompts(prompts, vocab, prompt_len[0], prompt_len[1], seed)
-    options = engines.RolloutOptions(
-        page_size=page_size, max_batch=max_batch, leaves=leaves, tp=rollout_tp
-    )
-    rlk_engines, skipped = engines.available(rollout_modes, dev, options)
+    batch = random_prompts(c.prompts, vocab, c.prompt_len[0], c.prompt_len[1], c.seed)
+    rlk_engines, skipped = engines.available(c.rollout_modes, dev, c.rollout)
     # (the warm-up engine, the timed one) per row: the stock row samples with torch.
     rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
     rollouts["rlk"] = [(e, e) for e in rlk_engines]
@@ -551,31 +550,33 @@ def _run(
         elif twin is not None:
             rollouts["stock"].append((twin, twin))
     train_model = recompute = None
-    if rollout_tp > 1 and "rlk" in sides:
+    leaves, rollout_tp, train_tp = c.leaves, c.rollout.tp, c.train_tp
+    if rollout_tp > 1 and "rlk" in c.sides:
         say(f"rlk rollout at TP={rollout_tp}: {rollout_tp} spawned processes")
         rollouts["rlk"] = [
-            (e, tp_workers.TPRollout(e.name, options, rollout_tp, leaves, backend, warmup))
+            (e, tp_workers.TPRollout(e.name, c.rollout, rollout_tp, leaves, c.backend, warmup))
             for e in rlk_engines
         ]
-    if train_tp > 1 and "rlk" in sides and train_engine == "transformers":
+    if train_tp > 1 and "rlk" in c.sides and c.train_engine == "transformers":
         say(f"transformers training at TP={train_tp}: {train_tp} spawned processes")
-        recompute = tp_workers.TransformersTP(model, train_tp, leaves, backend, warmup)
-    elif train_tp > 1 and "rlk" in sides:
+        recompute = tp_workers.TransformersTP(model, train_tp, leaves, c.backend, warmup)
+    elif train_tp > 1 and "rlk" in c.sides:
         comm = "NCCL" if dev.type == "cuda" else "gloo"
         say(f"Megatron-core training at TP={train_tp}: {train_tp} spawned {comm} processes")
-        recompute = MegatronTP(model, train_tp, leaves, backend)  # type: ignore[arg-type]
-    elif train_engine == "megatron" and "rlk" in sides:
+        recompute = MegatronTP(model, train_tp, leaves, c.backend)  # type: ignore[arg-type]
+    elif c.train_engine == "megatron" and "rlk" in c.sides:
+        # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
         from rlk_integrations.adapters import megatron
 
         say(f"building the Megatron-core GPTModel (rlk spec, leaves={leaves})")
-        train_model = megatron.build_gpt_model(model.config, dtype=dtype, leaves=leaves)
+        train_model = megatron.build_gpt_model(model.config, dtype=c.dtype, leaves=leaves)
         megatron.load_hf_weights(train_model, model.state_dict(), model.config)
         train_model.to(dev)
     rows = []
     chosen = None
-    for side in sides:
-        ctx = rlk.use_backend(backend) if (side == "rlk" and backend) else contextlib.nullcontext()
-        with ctx:
+    for side in c.sides:
+        use = side == "rlk" and c.backend
+        with rlk.use_backend(c.backend) if use else contextlib.nullcontext():
             if side == "rlk":
                 patch_model(model, leaves=leaves)
                 chosen = rlk.current_backend(dev.type)
@@ -585,49 +586,50 @@ def _run(
                 kw: dict[str, Any] = dict(warm_passes=1 if warmup else 0)
                 if side == "rlk":
                     kw.update(train_model=train_model, recompute=recompute)
-                    kw["train_graphs"] = train_engine == "transformers-graphs"
+                    kw["train_graphs"] = c.train_engine == "transformers-graphs"
                 if warmup:
                     # In this process only: spawned TP workers warm up themselves.
                     say(f"[{side}] warm-up")
                     here = dict(kw, warm_passes=0, engine=warm_engine)
                     if side == "rlk":
                         here.update(recompute=None)
-                    run_side(side, model, batch, 2, micro_batch=micro_batch, seed=seed + 7, **here)
+                    run_side(side, model, batch, 2, micro_batch=c.micro_batch, seed=c.seed + 7,
+                             **here)  # fmt: skip
                 rows.append(
                     run_side(
                         side,
                         model,
                         batch,
-                        new_tokens,
+                        c.new_tokens,
                         engine=engine,
-                        micro_batch=micro_batch,
-                        seed=seed,
-                        temperature=temperature,
+                        micro_batch=c.micro_batch,
+                        seed=c.seed,
+                        temperature=c.temperature,
                         progress=say,
                         **kw,
                     )
                 )
     unpatch_model(model)
     return {
-        "model": model_name,
+        "model": c.model,
         "model_type": model.config.model_type,
         "backend": chosen,
         "device": str(dev),
-        "dtype": str(dtype).replace("torch.", ""),
-        "prompts": prompts,
-        "new_tokens": new_tokens,
-        "prompt_len": list(prompt_len),
-        "micro_batch": micro_batch,
+        "dtype": str(c.dtype).replace("torch.", ""),
+        "prompts": c.prompts,
+        "new_tokens": c.new_tokens,
+        "prompt_len": list(c.prompt_len),
+        "micro_batch": c.micro_batch,
         "rollout_modes": [e.name for e in rlk_engines],
         "rollout_skipped": skipped,
-        "page_size": page_size,
-        "max_batch": max_batch,
-        "train_engine": train_engine,
+        "page_size": c.rollout.page_size,
+        "max_batch": c.rollout.max_batch,
+        "train_engine": c.train_engine,
         "leaves": leaves,
         "train_tp": train_tp,
         "rollout_tp": rollout_tp,
-        "seed": seed,
-        "temperature": temperature,
+        "seed": c.seed,
+        "temperature": c.temperature,
         "rows": [asdict(r) for r in rows],
     }
 

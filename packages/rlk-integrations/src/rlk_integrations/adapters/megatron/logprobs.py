@@ -18,6 +18,7 @@ from torch import nn
 
 import rlk
 import rlk.parallel
+from rlk_integrations.engine.engines import logprob_temperature
 from rlk_integrations.engine.training import pack_samples
 
 
@@ -82,7 +83,7 @@ def packed_logprobs(
     ids, _, rows, targets = pack_samples(samples, device)
     params = packed_seq_params([len(s.tokens) for s in samples], device)
     hidden = hidden_states(model, ids, params)[:, 0].index_select(0, rows)
-    kw = dict(temperature=temperature if temperature > 0 else 1.0, logits_dtype=logits_dtype)
+    kw = dict(temperature=logprob_temperature(temperature), logits_dtype=logits_dtype)
     local = _local_output_weight(model)
     from megatron.core import parallel_state
 
