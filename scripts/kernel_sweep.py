@@ -969,8 +969,8 @@ GEMM_EXTRA = [
 #: (K, N, Ms) per projection: the bench's shapes below 0.9x cuBLAS, projections no config was
 #: chosen on (Qwen2.5-7B qkv and o_proj, Qwen3-4B qkv and down, Qwen2-0.5B down), Llama-3-8B's
 #: k/v projection at decode sizes (N = 1024: a few dozen tiles for 132 SMs), and the fused
-#: projections the paged rollout runs (rlk_integrations.fused: Llama-3-8B's q/k/v and gate/up,
-#: Qwen2.5-7B's gate/up).
+#: projections the paged rollout runs (rlk_integrations.engine.fused: Llama-3-8B's q/k/v and
+#: gate/up, Qwen2.5-7B's gate/up).
 GEMM_SHAPES = {
     "qkv_fused": (4096, 6144, [16, 64, 256]),
     "gate_up": (4096, 28672, [16, 64, 256]),
