@@ -95,3 +95,30 @@ def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monke
     assert rlk_cli.main(["probe", "--backend", "triton"]) == 0 and seen == {"backend": "triton"}
     assert rlk_cli.main(["probe", "--backend", "bogus"]) == 2
     assert capsys.readouterr().err == "rlk: error: unknown rlk backend 'bogus'\n"
+
+
+def _framework_ok():
+    return {"name": "fw", "tested": "1.0", "installed": "1.0", "ok": True, "note": "selected"}
+
+
+def test_info_shows_the_integrations_checks(capsys, monkeypatch):
+    """``rlk info`` lists each check of the ``rlk.info`` group (an integration's framework
+    release); one whose import fails is listed by name as not usable, and the command goes on."""
+    import types
+
+    from rlk import cli
+
+    monkeypatch.setitem(sys.modules, "rlk_info_probe", types.SimpleNamespace(info=_framework_ok))
+    ep = importlib.metadata.EntryPoint
+    _entry_points(
+        monkeypatch,
+        ep("fw", "rlk_info_probe:info", "rlk.info"),
+        ep("gone", "rlk_no_such_module:info", "rlk.info"),
+    )
+    found = {i["name"]: i for i in cli.info_dict()["integrations"]}
+    assert found["fw"] == _framework_ok()
+    assert found["gone"]["ok"] is False and "ModuleNotFoundError" in found["gone"]["note"]
+    cli._print_info(cli.info_dict())
+    out = capsys.readouterr().out
+    assert "   fw         tested 1.0, installed 1.0: ok (selected)" in out
+    assert "   gone       not usable (broken: ModuleNotFoundError" in out

@@ -235,3 +235,13 @@ def test_check_config_refuses_by_name(line, named):
     """``check_config`` on a ``main_ppo`` config names each option rlk cannot honour."""
     with pytest.raises(NotImplementedError, match=re.escape(named)):
         rv.check_config(_main_ppo_config([line]))
+
+
+def test_rlk_info_shows_the_verl_release():
+    """``rlk info`` (its ``rlk.info`` entry point) shows the release rlk's engine is written for
+    and the installed one."""
+    from rlk.cli import info_dict
+
+    found = {i["name"]: i for i in info_dict()["integrations"]}
+    assert found["verl"]["tested"] == found["verl"]["installed"] == rv.TESTED_VERL
+    assert found["verl"]["ok"] is True

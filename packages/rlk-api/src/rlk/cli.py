@@ -33,6 +33,28 @@ def _device() -> dict[str, Any]:
     return {"type": "cpu", "name": platform.processor() or platform.machine()}
 
 
+#: Entry-point group of the checks other distributions add to ``rlk info``: each entry point is a
+#: function returning ``{"name", "tested", "installed", "ok", "note"}`` about an outside framework
+#: it integrates (rlk-integrations' verl engine, e.g.), imported only when ``rlk info`` runs.
+INFO_GROUP = "rlk.info"
+
+
+def _integrations() -> list[dict[str, Any]]:
+    """The checks of :data:`INFO_GROUP`, by name; one whose import or call fails is listed with
+    ``ok: False`` and the error, not raised (``rlk info`` reports, it does not stop)."""
+    import importlib.metadata as md
+
+    out = []
+    for ep in sorted(md.entry_points(group=INFO_GROUP), key=lambda e: e.name):
+        try:
+            entry = dict(ep.load()())
+        except Exception as e:  # noqa: BLE001 - any failure is shown with its name
+            entry = {"ok": False, "note": f"broken: {type(e).__name__}: {e}"}
+        entry.setdefault("name", ep.name)
+        out.append(entry)
+    return out
+
+
 def info_dict() -> dict[str, Any]:
     """What ``rlk info`` shows. ``selected`` is None when the requested backend (auto or a name)
     cannot serve this machine's device; ``error`` then says why, and the table is still there."""
@@ -90,6 +112,7 @@ def info_dict() -> dict[str, Any]:
         "device": device,
         "versions": versions(),
         "backends": backends,
+        "integrations": _integrations(),
     }
 
 
@@ -126,6 +149,16 @@ def _print_info(d: dict[str, Any]) -> None:
             print(f"      optional ops it lacks: {', '.join(b['missing_optional_ops'])}")
         for op, how in (b.get("delegated") or {}).items():
             print(f"      delegates {op}: {how}")
+    if d.get("integrations"):
+        print("integrations:")
+    for i in d.get("integrations", []):
+        state = "ok" if i.get("ok") else "not usable"
+        tested = (
+            f"tested {i['tested']}, installed {i.get('installed') or 'none'}: "
+            if "tested" in i
+            else ""
+        )
+        print(f"   {i['name']:<10} {tested}{state}" + (f" ({i['note']})" if i.get("note") else ""))
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

@@ -33,3 +33,17 @@ def check_verl() -> str:
             f"FSDP engine), found {found}"
         )
     return found
+
+
+def info() -> dict[str, object]:
+    """``rlk info``'s line for verl (entry point ``rlk.info``): the release rlk's engine is
+    written for, the installed one, and whether the engine accepts it."""
+    found = installed_verl()
+    ok = found == TESTED_VERL
+    if ok:
+        note = "VERL_ENGINE_VENDOR=rlk selects rlk's FSDP2 engine"
+    elif found is None:
+        note = f'pip install "rlk-integrations[verl]" && pip install --no-deps verl=={TESTED_VERL}'
+    else:
+        note = f"rlk's engine refuses verl {found}"
+    return {"name": "verl", "tested": TESTED_VERL, "installed": found, "ok": ok, "note": note}
