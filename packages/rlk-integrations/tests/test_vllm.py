@@ -1,6 +1,7 @@
 """rlk inside vLLM (the real engine, CPU build): the log-probability vLLM reports for each sampled
 token equals the training recompute on the same tokens bit for bit, through prefix-cache hits,
-chunked prefill, staggered arrivals and n > 1; stock vLLM on the same checkpoint does not.
+chunked prefill, staggered arrivals and n > 1; stock vLLM on the same checkpoint does not
+(test_consistency_vllm_row_is_exact here, and test_vllm_rl.py's control at head_dim 64).
 
 Skips, saying why, when vLLM (rlk_integrations.adapters.vllm.TESTED_VLLM) is not installed, and when
 its engine cannot start on this machine unless RLK_REQUIRE_VLLM=1 (``nox -s tests`` sets it: there a
@@ -9,47 +10,26 @@ start failure fails). One engine per module: starting one takes about 20 s on 2 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from vllm_helpers import VOCAB, load_trainer, prompts, rv, start_engine  # skips without vLLM
+
+from rlk_integrations.engine import training
+from rlk_integrations.engine.engines import Sample
+from rlk_integrations.tools import zoo
 
 # Starting vLLM's engine takes about 20 s on 2 cores: stage 2 of nox -s tests (and stage 4, with
 # vLLM installed).
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("transformers")
-import rlk_integrations.adapters.vllm as rv  # noqa: E402
-
-try:
-    rv.check_vllm()
-except RuntimeError as e:
-    pytest.skip(f"vLLM tests need vLLM {rv.TESTED_VLLM}: {e}", allow_module_level=True)
-
-from rlk_integrations.engine import training  # noqa: E402
-from rlk_integrations.engine.engines import Sample  # noqa: E402
-from rlk_integrations.models import transformers as rt  # noqa: E402
-from rlk_integrations.tools import zoo  # noqa: E402
-
-VOCAB = 512
 NEW = 4
-#: vLLM's engine arguments of every engine here: small blocks and steps, so that a prompt of 100
-#: tokens fills blocks (prefix caching) and is prefilled in chunks. vLLM 0.32's CPU runner fails
+#: vLLM's engine arguments of every engine here, besides vllm_helpers.ENGINE's (blocks of 16
+#: tokens, prefix caching): small steps, so that a prompt of 100 tokens fills blocks and is
+#: prefilled in chunks. vLLM 0.32's CPU runner fails
 #: a seeded request whose prefill is chunked (it rewinds the request's generator by an offset,
 #: which a CPU generator does not have: "CPU Generator does not use offset"), so the seeded
 #: requests here are short and the long prompt is sampled greedily.
-ENGINE = dict(
-    enforce_eager=True,
-    skip_tokenizer_init=True,
-    gpu_memory_utilization=0.1,  # on CPU: the share of host memory reserved for the KV cache
-    max_model_len=128,
-    block_size=16,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    enable_chunked_prefill=True,
-    enable_prefix_caching=True,
-    seed=0,
-)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True)
 
 
 def write_checkpoint(path: str, name: str = "tiny") -> None:
@@ -59,20 +39,7 @@ def write_checkpoint(path: str, name: str = "tiny") -> None:
 
 
 def start(path: str, **kw):
-    """A vLLM engine, or a skip naming why it cannot start (a failure under RLK_REQUIRE_VLLM=1)."""
-    from vllm import LLM
-
-    try:
-        return LLM(model=path, **{**ENGINE, **kw})
-    except Exception as e:  # noqa: BLE001 - any start failure is reported, never swallowed
-        if os.environ.get("RLK_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(f"vLLM's engine cannot start here: {type(e).__name__}: {e}")
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return start_engine(path, **{**ENGINE, **kw})
 
 
 def run(llm, prompt_list, seeds, n=1, max_tokens=NEW):
@@ -105,7 +72,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(checkpoint):
-    return rt.patch_model(zoo.load_model(checkpoint, dtype=torch.bfloat16))
+    return load_trainer(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -193,20 +160,39 @@ def test_n_samples_per_prompt(llm, trainer):
     assert_trainer_equal(trainer, got[0])
 
 
-def test_stock_vllm_differs(checkpoint, trainer):
-    """The negative control: stock vLLM (its CPU attention, torch's log_softmax) on the same
-    checkpoint gives log-probabilities that are not the trainer's bits."""
-    stock = start(checkpoint, block_size=32)  # vLLM's CPU attention: multiples of 32
-    try:
-        got, _ = run(stock, prompts([5, 9, 11]), seeds=[1, 2, 3])
-    finally:
-        stock.llm_engine.engine_core.shutdown()
-    samples = [g[0] for g in got]
-    train = training.recompute_logprobs(trainer, samples, 2, temperature=1.0)
-    same = [torch.equal(s.logprobs, lp) for s, lp in zip(samples, train)]
-    assert not all(same), "stock vLLM matched the trainer bit for bit"
-    close = [torch.allclose(s.logprobs, lp, atol=0.1) for s, lp in zip(samples, train)]
-    assert all(close)  # the same model: only rounding differs
+def test_raw_logprobs_are_temperature_one_at_any_temperature(llm, trainer):
+    """``raw_logprobs`` (this engine's mode): sampled at 0.6, 0.7 and 1.3, with and without
+    top-k / top-p, the values are ``log_softmax(logits)``'s, the recompute at temperature 1; the
+    control: recomputed at the sampling temperature they differ."""
+    from vllm import SamplingParams
+
+    temps = [(0.6, -1, 1.0), (0.7, 20, 0.9), (1.3, -1, 0.9)]
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=NEW, logprobs=0, seed=i)
+        for i, (t, k, p) in enumerate(temps)
+    ]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts([5, 8, 6], seed=6)], params, use_tqdm=False
+    )
+    samples = [_sample(o.prompt_token_ids, o.outputs[0]) for o in outs]
+    assert_trainer_equal(trainer, samples)
+    for s, (t, _, _) in zip(samples, temps):
+        (lp,) = training.recompute_logprobs(trainer, [s], 1, temperature=t)
+        assert not torch.equal(s.logprobs, lp)
+
+
+def test_full_vocabulary_logprobs_are_refused_before_the_engine(llm):
+    """``logprobs=-1`` (vLLM turns it into the vocabulary size before the sampler runs) and a
+    count as large as the vocabulary: a ValueError naming them, in the caller's process."""
+    from vllm import SamplingParams
+
+    for field, k in (("logprobs", -1), ("logprobs", VOCAB), ("prompt_logprobs", -1)):
+        with pytest.raises(ValueError, match=f"do not serve {field}={k}"):
+            llm.generate(
+                [{"prompt_token_ids": [1, 2, 3]}],
+                SamplingParams(max_tokens=1, **{field: k}),
+                use_tqdm=False,
+            )
 
 
 def test_an_architecture_rlk_does_not_cover_is_refused_at_start(tmp_path):
@@ -220,13 +206,19 @@ def test_an_architecture_rlk_does_not_cover_is_refused_at_start(tmp_path):
         LLM(model=str(tmp_path), **{**ENGINE, **rv.engine_args()})
 
 
-def test_consistency_vllm_row_is_exact():
-    """``rlk consistency --rollout-engine vllm`` on the tiny Qwen2: the rlk-in-vLLM row shows no
-    mismatch; both stock rows (the padded torch rollout, and stock vLLM's own model and kernels)
-    differ from stock transformers' recompute, by rounding only."""
+def test_consistency_vllm_row_is_exact(tmp_path):
+    """``rlk consistency --rollout-engine vllm --temperature 0.7`` on a tiny Qwen2 of head_dim 64
+    (:mod:`vllm_checkpoints`): the rlk-in-vLLM row shows no mismatch; both stock rows (the padded
+    torch rollout, and stock vLLM's own model and kernels) differ from stock transformers'
+    recompute, by rounding only."""
+    from vllm_helpers import write_checkpoint as write_hd64
+
     from rlk_integrations.tools import consistency
 
-    report = consistency.run("tiny", prompts=3, new_tokens=4, rollout_modes=("vllm",))
+    write_hd64(str(tmp_path))
+    report = consistency.run(
+        str(tmp_path), prompts=3, new_tokens=4, temperature=0.7, rollout_modes=("vllm",)
+    )
     rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
     assert set(rows) == {("stock", "padded"), ("stock", "vllm-stock"), ("rlk", "vllm")}
     assert "vllm-stock" not in report["rollout_skipped"]

@@ -3,9 +3,11 @@ config objects, stood in for here by namespaces with the same fields)."""
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -51,6 +53,7 @@ def _config(**changes):
 
 def test_supported_config_passes():
     check_config(_config())
+    check_config(_config(logprobs_mode="processed_logprobs"))
 
 
 @pytest.mark.parametrize(
@@ -62,7 +65,8 @@ def test_supported_config_passes():
         (dict(tp=2), "tensor_parallel_size=2"),
         (dict(pp=2), "pipeline_parallel_size=2"),
         (dict(cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
-        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode='processed_logprobs'"),
+        (dict(logprobs_mode="raw_logits"), "logprobs_mode='raw_logits'"),
+        (dict(logprobs_mode="processed_logits"), "logprobs_mode='processed_logits'"),
         (dict(v2=True), "V2 model runner"),
         (dict(pcp=2), "prefill_context_parallel_size=2"),
         (dict(dcp=2), "decode_context_parallel_size=2"),
@@ -113,7 +117,7 @@ def test_another_vllm_release_is_refused(monkeypatch):
         dict(speculative_config={"method": "ngram"}),
         dict(tensor_parallel_size=2),
         dict(kv_cache_dtype="fp8"),
-        dict(logprobs_mode="processed_logprobs"),
+        dict(logprobs_mode="processed_logits"),
         dict(pipeline_parallel_size=2),
         dict(decode_context_parallel_size=2),
         dict(runner="pooling"),
@@ -127,3 +131,103 @@ def test_engine_args_refuses_an_unsupported_option_at_once(monkeypatch, kw):
     with pytest.raises(NotImplementedError, match=f"do not support {name}="):
         rv.engine_args(**kw)
     assert rv.engine_args(block_size=16)["block_size"] == 16  # a supported option passes
+
+
+def test_engine_args_sets_the_worker_extension_and_takes_processed_logprobs(monkeypatch):
+    monkeypatch.setattr(rv, "installed_vllm", lambda: rv.TESTED_VLLM)
+    args = rv.engine_args(logprobs_mode="processed_logprobs")
+    assert args["logprobs_mode"] == "processed_logprobs"
+    assert args["worker_extension_cls"] == rv.WORKER_EXTENSION
+    if not torch.cuda.is_available():  # the interpreter's engine start: eager (seconds)
+        assert args["enforce_eager"] is True
+        assert rv.engine_args(enforce_eager=False)["enforce_eager"] is False
+    module, _, name = rv.WORKER_EXTENSION.rpartition(".")
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_a_checkpoints_tensors_are_the_models_pieces(tmp_path):
+    """Qwen3-MoE: the checkpoint stores each expert's gate/up/down projection; the model fuses
+    them (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``). Every tensor
+    name of a saved checkpoint is one piece of the model, and lands in its slice."""
+    from safetensors import safe_open
+
+    from rlk_integrations.adapters.vllm.model import _pieces, _target
+    from rlk_integrations.tools import zoo
+
+    model = zoo.load_model("tiny-qwen3-moe")
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert set(_pieces(params).values()) == saved
+    keys, dest = _target(params, "model.layers.1.mlp.experts.3.up_proj.weight")
+    fused = params["model.layers.1.mlp.experts.gate_up_proj"]
+    half = fused.shape[1] // 2
+    assert dest.data_ptr() == fused[3, half:].data_ptr() and dest.shape == (half, fused.shape[2])
+    assert keys < _target(params, "model.layers.1.mlp.experts.gate_up_proj")[0]
+    assert _target(params, f"model.layers.1.mlp.experts.{fused.shape[0]}.up_proj.weight") is None
+    assert _target(params, "model.layers.1.mlp.experts.3.gate_up_proj.weight") is None
+
+
+def test_a_bucket_that_cannot_travel_is_refused_by_name():
+    from rlk_integrations.adapters.vllm.worker import pack, unpack
+
+    t = torch.ones(2, dtype=torch.bfloat16)
+    got = dict(unpack(pack([("a", t), ("b", t * 2)])))  # a file's order is not the bucket's
+    assert set(got) == {"a", "b"} and torch.equal(got["b"], t * 2) and got["a"].dtype == t.dtype
+    with pytest.raises(ValueError, match=r"names a tensor twice: \['a'\]"):
+        pack([("a", t), ("a", t)])
+    with pytest.raises(TypeError, match="a: a list, not a torch.Tensor"):
+        unpack([("a", [1.0, 2.0])])  # what vLLM's message queues make of a bare tensor
+    with pytest.raises(TypeError, match="bucket must be safetensors bytes"):
+        unpack({"a": t})
+
+
+def bare_model(name: str = "tiny"):
+    """An RLKForCausalLM around a transformers model, without vLLM's engine (only the weight
+    bookkeeping runs: load_weights, stale_parameters, the forward's check)."""
+    from torch import nn
+
+    from rlk_integrations.adapters.vllm.model import RLKForCausalLM
+    from rlk_integrations.tools import zoo
+
+    model = RLKForCausalLM.__new__(RLKForCausalLM)
+    nn.Module.__init__(model)
+    hf = zoo.load_model(name)
+    object.__setattr__(model, "hf", hf)
+    model.model, model.lm_head, model._pushed = hf.model, hf.lm_head, None
+    return model
+
+
+def test_load_weights_checks_the_whole_bucket_then_copies_and_tracks_staleness():
+    model = bare_model()
+    named = [(n, p.detach().clone() + 1) for n, p in model.hf.named_parameters()]
+    before = {n: p.detach().clone() for n, p in model.hf.named_parameters()}
+    bad = named[:2] + [
+        ("model.layers.9.mlp.up_proj.weight", named[0][1]),
+        (named[2][0], named[2][1][:1]),
+        (named[3][0], named[3][1].float()),
+    ]
+    with pytest.raises(ValueError, match="no weight changed, the bucket has 3 bad entries") as e:
+        model.load_weights(bad)
+    for named_in in ("'model.layers.9.mlp.up_proj.weight' is no parameter", "shape", "dtype"):
+        assert named_in in str(e.value)
+    for n, p in model.hf.named_parameters():
+        assert torch.equal(p, before[n]), n  # nothing copied
+    assert model.stale_parameters() == []
+    model._check_fresh()
+
+    assert model.load_weights(named[:3]) == {n for n, _ in named[:3]}
+    total = len(named)
+    assert len(model.stale_parameters()) == total - 3
+    with pytest.raises(RuntimeError, match=f"{total - 3} of {total} tensors are stale"):
+        model._check_fresh()
+    model.load_weights(named[3:])  # the rest: complete
+    assert model.stale_parameters() == []
+    model._check_fresh()
+    for n, p in model.hf.named_parameters():
+        assert torch.equal(p, dict(named)[n]), n
+
+    model.load_weights(named[:1])
+    assert model.declare_partial_update() == total - 1
+    model._check_fresh()

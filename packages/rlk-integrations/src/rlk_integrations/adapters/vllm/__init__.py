@@ -18,11 +18,14 @@ Use (one change: the engine arguments)::
     out[0].outputs[0].logprobs      # per token: {token: Logprob}, rlk.logprobs' bits
 
 What :func:`engine_args` sets: ``hf_overrides`` (:func:`rlk_architectures`: the checkpoint's
-``Qwen2ForCausalLM`` becomes ``RLKQwen2ForCausalLM``, etc.) and ``logprobs_mode="raw_logprobs"``
-(the values of ``softmax(logits)`` before temperature, which the trainer recomputes with
-``temperature=1.0``). The model classes are in :mod:`~rlk_integrations.adapters.vllm.model`, the
-attention backend on vLLM's paged cache in :mod:`~rlk_integrations.adapters.vllm.attention`, the
-sampler's log-probabilities in :mod:`~rlk_integrations.adapters.vllm.sampler`.
+``Qwen2ForCausalLM`` becomes ``RLKQwen2ForCausalLM``, etc.; :func:`hf_overrides` gives the dict
+form for ``vllm serve``), ``logprobs_mode="raw_logprobs"`` (``"processed_logprobs"`` is served
+too: :mod:`~rlk_integrations.adapters.vllm.sampler` says which distribution each mode reports
+and which temperature the trainer recomputes it with), rlk's worker extension (weight updates:
+:func:`update_weights`, :mod:`~rlk_integrations.adapters.vllm.worker`) and, without CUDA,
+``enforce_eager=True``. The model classes are in :mod:`~rlk_integrations.adapters.vllm.model`
+(weights loaded in buckets, a staleness guard), the attention backend on vLLM's paged cache in
+:mod:`~rlk_integrations.adapters.vllm.attention`.
 
 Only vLLM :data:`TESTED_VLLM` is accepted (the sampler wrapper relies on its internals): any other
 release raises ``RuntimeError``. Options the rlk models cannot run raise ``NotImplementedError``
@@ -31,18 +34,32 @@ naming them (:func:`rlk_integrations.adapters.vllm.model.check_config`).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from rlk_integrations.adapters.vllm import sampler
+from rlk_integrations.adapters.vllm.worker import pack
 
 #: The vLLM release this integration is written and tested against.
 TESTED_VLLM = "0.32.0"
+#: The ``logprobs_mode`` values the rlk models serve (:mod:`~rlk_integrations.adapters.vllm.sampler`
+#: says which distribution each one reports).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 #: The checkpoint architectures the plugin serves, each as ``"RLK" + name``.
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+#: vLLM's ``worker_extension_cls`` that :func:`engine_args` sets (``--worker-extension-cls``).
+WORKER_EXTENSION = "rlk_integrations.adapters.vllm.worker.RLKWorkerExtension"
 
 
 def installed_vllm() -> str | None:
@@ -98,16 +115,72 @@ def engine_args(**overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args())`` (or ``EngineArgs``) that
     run the checkpoint on rlk's model classes; ``overrides`` are added to them.
 
-    Checks the vLLM release first (:func:`check_vllm`). On a machine without CUDA it sets
-    ``TRITON_INTERPRET=1`` in the environment that vLLM's processes inherit, so that rlk's
-    Triton kernels run under the interpreter there."""
+    Sets ``hf_overrides`` (:func:`rlk_architectures`), ``logprobs_mode="raw_logprobs"`` (pass
+    ``"processed_logprobs"`` to sample at another temperature:
+    :mod:`~rlk_integrations.adapters.vllm.sampler` says which distribution each reports) and
+    ``worker_extension_cls`` (:data:`WORKER_EXTENSION`, for :func:`update_weights`). Checks the
+    vLLM release first (:func:`check_vllm`). On a machine without CUDA it also sets
+    ``enforce_eager=True`` (vLLM's warm-up and graph capture would run rlk's kernels through
+    Triton's interpreter: minutes instead of seconds) and ``TRITON_INTERPRET=1`` in the
+    environment that vLLM's processes inherit, so that rlk's Triton kernels run under the
+    interpreter there."""
     check_vllm()
+    _check_overrides(overrides)
+    args: dict[str, Any] = {
+        "hf_overrides": rlk_architectures,
+        "logprobs_mode": "raw_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    _check_overrides(overrides)
-    args: dict[str, Any] = {"hf_overrides": rlk_architectures, "logprobs_mode": "raw_logprobs"}
+        args["enforce_eager"] = True
     args.update(overrides)
     return args
+
+
+def hf_overrides(checkpoint: str) -> dict[str, list[str]]:
+    """The dict form of ``hf_overrides`` for ``checkpoint`` (a directory with a
+    ``config.json``), for where a callable cannot go: ``vllm serve --hf-overrides '<json>'``,
+    or an ``LLM``/``AsyncEngineArgs`` built from a config file. ``{"architectures":
+    ["RLKQwen2ForCausalLM"]}`` for a Qwen2 checkpoint; ``NotImplementedError`` for an
+    architecture rlk does not serve."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        cfg = json.load(f)
+    mapped = rlk_architectures(SimpleNamespace(**{"architectures": cfg.get("architectures")}))
+    return {"architectures": list(mapped.architectures)}
+
+
+def update_weights(
+    llm: Any,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    bucket_size: int = 0,
+    partial: bool = False,
+) -> int:
+    """Push ``named_tensors`` (checkpoint names -> tensors of the model's shapes and dtypes)
+    into a running ``vllm.LLM`` on rlk's models, then reset its prefix cache so that no block
+    computed with the old weights is read again. ``bucket_size``: tensors per
+    ``collective_rpc`` call (0: all in one); each bucket is checked before any of it is copied
+    (:meth:`~rlk_integrations.adapters.vllm.model.RLKForCausalLM.load_weights`).
+    ``partial=True``: the update ends with these tensors even if others were not pushed (else
+    generation refuses to run until every tensor of the checkpoint has been).
+
+    Returns how many tensors are stale (0 after a complete update). Example::
+
+        rv.update_weights(llm, trainer.named_parameters(), bucket_size=64)
+    """
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 0:
+        raise ValueError(f"bucket_size must be an int >= 0, got {bucket_size!r}")
+    items = [(str(n), t) for n, t in named_tensors]
+    step = bucket_size or max(len(items), 1)
+    stale = 0
+    for i in range(0, len(items), step):
+        last = i + step >= len(items)
+        bucket = pack(items[i : i + step])
+        stale = max(llm.collective_rpc("rlk_update_weights", args=(bucket, partial and last)))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
+    return stale
 
 
 def _check_overrides(kw: dict[str, Any]) -> None:
@@ -126,7 +199,7 @@ def _check_overrides(kw: dict[str, Any]) -> None:
         "runner": kw.get("runner", "auto") not in ("auto", "generate"),
         "enable_prompt_embeds": bool(kw.get("enable_prompt_embeds")),
         "kv_cache_dtype": kw.get("kv_cache_dtype", "auto") != "auto",
-        "logprobs_mode": kw.get("logprobs_mode", "raw_logprobs") != "raw_logprobs",
+        "logprobs_mode": kw.get("logprobs_mode", "raw_logprobs") not in LOGPROBS_MODES,
         "hf_overrides": "hf_overrides" in kw,
     }
     bad = [f"{k}={kw[k]!r}" for k, on in refused.items() if on]
@@ -155,3 +228,4 @@ def register() -> None:
             f"RLK{arch}", f"rlk_integrations.adapters.vllm.model:RLK{arch}"
         )
     sampler.install()
+    sampler.install_request_check()

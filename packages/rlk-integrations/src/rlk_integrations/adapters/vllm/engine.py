@@ -7,8 +7,9 @@ The weights reach vLLM through a checkpoint: the first call with a model (and ev
 its parameters moved or changed in place) saves it with ``save_pretrained`` to a temporary
 directory and starts an engine on it (about 20 s on 2 CPU cores). The sampled tokens are vLLM's
 (its sampler, seeded per request by ``seeds[i]``), not :func:`rlk.sample`'s; the
-log-probabilities are vLLM's raw ones, so only ``temperature=1.0`` is accepted (they are those
-of ``softmax(logits)``, the distribution sampled at temperature 1).
+log-probabilities are vLLM's ``processed_logprobs``: for rlk's engine those of
+``softmax(logits / temperature)`` over the whole vocabulary, which the trainer recomputes with
+the same temperature (stock vLLM's renormalise over the tokens top-k / top-p keep).
 
 Engine settings: eager (no CUDA graphs: the RLK attention backend has none), prefix caching on,
 a step budget that holds every prompt of the call (vLLM 0.32's CPU runner fails a seeded request
@@ -99,9 +100,10 @@ class VLLMRollout:
             enable_prefix_caching=True,
             dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
             seed=0,
+            logprobs_mode="processed_logprobs",
         )
         if not self.stock:
-            kw.update(rv.engine_args(block_size=self.options.page_size))
+            kw = rv.engine_args(block_size=self.options.page_size, **kw)
         self._llm = LLM(model=self._dir, **kw)
         self._key, self._max_len = key, max_len
         return self._llm
@@ -121,10 +123,9 @@ class VLLMRollout:
     ) -> RolloutResult:
         from vllm import SamplingParams
 
-        if temperature != 1.0:
+        if not temperature > 0:
             raise ValueError(
-                "the vLLM rollout reports vLLM's raw log-probabilities (temperature 1): "
-                f"run it with temperature=1.0, not {temperature}"
+                f"temperature must be > 0 (vLLM samples greedily at 0), got {temperature}"
             )
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
@@ -133,7 +134,7 @@ class VLLMRollout:
         llm = self._engine(model, max(longest + new_tokens + 1, 512), step_tokens)
         params = [
             SamplingParams(
-                temperature=1.0, top_k=top_k if top_k > 0 else -1, top_p=top_p,
+                temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p,
                 max_tokens=new_tokens, logprobs=0, seed=s, ignore_eos=eos_token_id is None,
                 stop_token_ids=[eos_token_id] if eos_token_id is not None else None,
             )

@@ -16,20 +16,21 @@ Weights are the checkpoint's own tensors, copied by name (``load_weights``); so
 Anything the classes cannot run raises at engine start, naming it (:func:`check_config`):
 quantization, LoRA, speculative decoding, tensor, pipeline or context parallelism above 1, a
 runner other than ``generate`` (pooling), prompt embeddings, a KV cache dtype other than the
-model's, a ``logprobs_mode`` other than ``raw_logprobs``, vLLM's V2 model
+model's, a ``logprobs_mode`` other than ``raw_logprobs`` / ``processed_logprobs``, vLLM's V2 model
 runner, an architecture other than Llama / Qwen2 / Qwen3.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from rlk_integrations.adapters.vllm import check_vllm
+from rlk_integrations.adapters.vllm import LOGPROBS_MODES, check_vllm
 from rlk_integrations.adapters.vllm import sampler as rlk_sampler
 from rlk_integrations.engine.paged_step import forward_packed
 from rlk_integrations.models.architectures import architecture
@@ -61,8 +62,10 @@ def check_config(vllm_config: Any) -> None:
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto":
         bad.append(f"kv_cache_dtype={cache_dtype!r}")
-    if mc.logprobs_mode != "raw_logprobs":
-        bad.append(f"logprobs_mode={mc.logprobs_mode!r} (only 'raw_logprobs')")
+    if mc.logprobs_mode not in LOGPROBS_MODES:
+        bad.append(
+            f"logprobs_mode={mc.logprobs_mode!r} (only {' or '.join(map(repr, LOGPROBS_MODES))})"
+        )
     if getattr(vllm_config, "use_v2_model_runner", False):
         bad.append("vLLM's V2 model runner")
     if bad:
@@ -133,6 +136,8 @@ class RLKForCausalLM(nn.Module):
             for i in range(len(self.model.layers))
         )
         self._cache = _Cache(self.attn)
+        #: ids of the parameters pushed since an incomplete update began; None: none is.
+        self._pushed: set[int] | None = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -148,6 +153,7 @@ class RLKForCausalLM(nn.Module):
         """``input_ids``/``positions`` int64 ``[T]`` (vLLM's packed step) -> hidden ``[T, H]``."""
         if inputs_embeds is not None or intermediate_tensors is not None:
             raise NotImplementedError("rlk's vLLM models take token ids (no inputs_embeds)")
+        self._check_fresh()
         return forward_packed(self.model, input_ids, positions, self._cache)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -156,25 +162,134 @@ class RLKForCausalLM(nn.Module):
         return rlk_sampler.mark(self.lm_head(hidden_states.contiguous()))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors by name; raises ``ValueError`` for a name the model has
-        no parameter for, and for a parameter the checkpoint lacks."""
-        params = dict(self.hf.named_parameters(remove_duplicate=False))
-        seen = set()
-        for name, tensor in weights:
-            if name not in params:
-                raise ValueError(f"the checkpoint's {name!r} is no parameter of the rlk model")
-            p = params[name]
-            if p.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(p.shape)}"
-                )
-            with torch.no_grad():
-                p.copy_(tensor)
-            seen.add(id(p))
-        missing = [n for n, p in params.items() if id(p) not in seen]
-        if missing:
-            raise ValueError(f"the checkpoint lacks {missing}")
-        return {name for name, _ in self.named_parameters()}
+        """Copy a bucket of ``(name, tensor)`` pairs into the model: any subset of the
+        checkpoint's tensors, in any number of calls (vLLM's checkpoint load, ``collective_rpc``
+        through :class:`~rlk_integrations.adapters.vllm.worker.RLKWorkerExtension`, TRL's and
+        verl's weight sync and vLLM's weight-transfer engines all end here).
+
+        Names are the checkpoint's (``model.layers.0.self_attn.q_proj.weight``; a Qwen3-MoE
+        expert's ``model.layers.0.mlp.experts.3.gate_proj.weight``, which lands in its slice of
+        the fused ``experts.gate_up_proj``) or the model's own parameter names (the fused
+        expert tensors whole, as a trainer's ``named_parameters()`` gives them). Each tensor must
+        have its destination's shape and dtype (no cast: the trainer's bits are the rollout's).
+        The whole bucket is checked first, then copied: a ``ValueError`` naming every bad entry
+        (unknown name, shape, dtype) changes no weight.
+
+        An update is complete when every tensor of the checkpoint has been pushed since the last
+        complete one. While one is incomplete (a later bucket failed, or is still to come),
+        :meth:`forward` refuses to run, naming how many tensors are stale;
+        :meth:`declare_partial_update` accepts the mix on purpose. After an update reset vLLM's
+        prefix cache (``llm.reset_prefix_cache()``; :func:`rlk_integrations.adapters.vllm.
+        update_weights` does both), else a cached prefix serves the old weights' keys and values.
+
+        Returns the names (as ``named_parameters()`` gives them) this bucket wrote to."""
+        params = self._named_params()
+        bucket = list(weights)
+        errors, targets = [], []
+        for name, tensor in bucket:
+            target = _target(params, name)
+            if target is None:
+                errors.append(f"{name!r} is no parameter of the rlk model")
+            elif not isinstance(tensor, torch.Tensor):
+                errors.append(f"{name}: a {type(tensor).__name__}, not a torch.Tensor")
+            elif tensor.shape != target[1].shape:
+                shape = tuple(target[1].shape)
+                errors.append(f"{name}: shape {tuple(tensor.shape)}, the model's {shape}")
+            elif tensor.dtype != target[1].dtype:
+                errors.append(f"{name}: dtype {tensor.dtype}, the model's {target[1].dtype}")
+            targets.append(target)
+        if errors:
+            raise ValueError(
+                f"no weight changed, the bucket has {len(errors)} bad entries: {errors}"
+            )
+        written: set[tuple] = set()
+        with torch.no_grad():
+            for (keys, dest), (_, tensor) in zip(targets, bucket):
+                dest.copy_(tensor)
+                written |= keys
+        pushed = (self._pushed or set()) | written
+        self._pushed = None if pushed >= set(_pieces(params)) else pushed
+        ids = {key[0] for key in written}
+        return {n for n, p in self.named_parameters() if id(p) in ids}
+
+    def _named_params(self) -> dict[str, nn.Parameter]:
+        """Parameter name -> parameter, a tied head under both of its names."""
+        return dict(self.hf.named_parameters(remove_duplicate=False))
+
+    def stale_parameters(self) -> list[str]:
+        """The checkpoint tensors not pushed since an incomplete update began (``[]``: none)."""
+        if self._pushed is None:
+            return []
+        return [
+            name for key, name in _pieces(self._named_params()).items() if key not in self._pushed
+        ]
+
+    def declare_partial_update(self) -> int:
+        """Accept an incomplete update on purpose (e.g. only some layers trained): generation
+        runs with the mix of new and old weights. Returns how many tensors stayed stale."""
+        stale = len(self.stale_parameters())
+        self._pushed = None
+        return stale
+
+    def _check_fresh(self) -> None:
+        stale = self.stale_parameters()
+        if stale:
+            total = len(_pieces(self._named_params()))
+            raise RuntimeError(
+                "rlk's vLLM model refuses to generate with an incomplete weight update: "
+                f"{len(stale)} of {total} tensors are stale (not pushed since the update "
+                f"began, e.g. {stale[:3]}); push them, or call declare_partial_update() "
+                "(llm.collective_rpc('rlk_declare_partial_update')) to sample with the mix"
+            )
+
+
+#: A Qwen3-MoE expert's tensor in the checkpoint: its slice of the fused ``experts.*`` parameter.
+_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
+
+
+def _fused_parts(name: str) -> tuple[str, ...]:
+    """The checkpoint's per-expert parts of a fused expert parameter (none for another one)."""
+    if name.endswith(".experts.gate_up_proj"):
+        return ("gate", "up")
+    if name.endswith(".experts.down_proj"):
+        return ("down",)
+    return ()
+
+
+def _pieces(params: dict[str, nn.Parameter]) -> dict[tuple, str]:
+    """Every checkpoint tensor of the model: ``(id(param),)`` or ``(id(fused), expert, part)``
+    -> its checkpoint name (a tied head counted once)."""
+    out: dict[tuple, str] = {}
+    for name, p in params.items():
+        parts = _fused_parts(name)
+        if not parts:
+            out.setdefault((id(p),), name)
+            continue
+        base = name.rsplit(".", 1)[0]
+        for e in range(p.shape[0]):
+            for part in parts:
+                out.setdefault((id(p), e, part), f"{base}.{e}.{part}_proj.weight")
+    return out
+
+
+def _target(params: dict[str, nn.Parameter], name: str) -> tuple[set[tuple], torch.Tensor] | None:
+    """The piece keys a checkpoint name covers and the tensor it is copied into (a parameter,
+    or an expert's slice of a fused one), None for a name the model does not have."""
+    p = params.get(name)
+    if p is not None:
+        parts = _fused_parts(name)
+        if not parts:
+            return {(id(p),)}, p
+        return {(id(p), e, part) for e in range(p.shape[0]) for part in parts}, p
+    m = _EXPERT.match(name)
+    fused_name = m and m["base"] + (".down_proj" if m["part"] == "down" else ".gate_up_proj")
+    fused = params.get(fused_name) if m else None
+    if fused is None or int(m["e"]) >= fused.shape[0]:
+        return None
+    e, part = int(m["e"]), m["part"]
+    half = fused.shape[1] // 2
+    dest = {"gate": fused[e, :half], "up": fused[e, half:], "down": fused[e]}[part]
+    return {(id(fused), e, part)}, dest
 
 
 class RLKLlamaForCausalLM(RLKForCausalLM):
@@ -187,3 +302,8 @@ class RLKQwen2ForCausalLM(RLKForCausalLM):
 
 class RLKQwen3ForCausalLM(RLKForCausalLM):
     """Qwen3 on rlk ops (vLLM)."""
+
+
+class RLKQwen3MoeForCausalLM(RLKForCausalLM):
+    """Qwen3-MoE on rlk ops (vLLM): the router and experts of :mod:`rlk_integrations.models.moe`,
+    the trainer's routing."""
