@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 import rlk
 from rlk.bench import timing as _timing
+from rlk.selection import backend_impl
 from rlk_triton import gemm, tuning
 from rlk_triton._triton import jit, tl, triton
 
@@ -203,7 +204,7 @@ def tma_part(rows) -> None:
     """TMA (tensor descriptors), one tile per program or persistent, against the pointer kernel:
     the same bits are required, and the time against cuBLAS."""
     dev, dt = "cuda", torch.bfloat16
-    table = rlk._plugins.backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
+    table = backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
     big = [
         {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": wp, "num_stages": st}
         for bm, bn, wp in ((128, 256, 8), (128, 128, 8), (64, 128, 4), (64, 256, 8))
@@ -311,7 +312,9 @@ def _rotary_shape(rows, T: int, Hq: int, Hk: int, D: int) -> None:
     print(json.dumps(r), flush=True)
 
 
-ATTN_SHAPES = [(8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128)]
+ATTN_SHAPES = [
+    (8, 4096, 32, 8, 128), (16, 2048, 14, 2, 64), (4, 8192, 16, 16, 128), (8, 2048, 28, 4, 128),
+]  # fmt: skip
 ATTN_FWD = [
     {"BLOCK_M": bm, "num_warps": w, "num_stages": st, **({"TMA": True} if tma else {})}
     for tma in (False, True)
@@ -758,7 +761,7 @@ def _norm_bwd_shape(rows, T: int, H: int) -> None:
     from rlk.bench._peers import compiled, fwd_bwd_step
     from rlk_triton import norm as normmod
 
-    table = rlk._plugins.backend_impl(torch.device("cuda")).ops["rms_norm"].keywords["table"]
+    table = backend_impl(torch.device("cuda")).ops["rms_norm"].keywords["table"]
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(H, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -992,7 +995,6 @@ def gemm_part(rows) -> None:
     """Every bf16 candidate of ``gemm._CONFIGS`` and :data:`GEMM_EXTRA` at :data:`GEMM_SHAPES`
     (CUDA graphs, bits compared with the chosen config's). An eager call's host cost, layer by
     layer: ``scripts/host_overhead.py``."""
-    from rlk._plugins import backend_impl
 
     dev, dt = "cuda", torch.bfloat16
     table = backend_impl(torch.device(dev)).ops["linear"].keywords["table"]
@@ -1101,6 +1103,9 @@ def main() -> None:
     ap.add_argument("--attn-fwd-only", action="store_true", help="attention: forward configs")
     ap.add_argument("--norm-shapes", default=None, help="norm, normbwd: TxH,TxH,...")
     ap.add_argument("--paged-shapes", default=None, help="paged: indices into DECODE (0,1,..)")
+    ap.add_argument(
+        "--gemm-ms", default=None, help="gemm: time rlk bench's shapes at these M instead (256,...)"
+    )
     args = ap.parse_args()
     parts = args.parts.split(",")
     global ATTN_FWD_ONLY, NORM_SHAPES, PAGED_SHAPES
@@ -1118,6 +1123,12 @@ def main() -> None:
         bn=[int(b) for b in args.bn.split(",")],
         bm=[int(b) for b in args.bm.split(",")],
     )
+    if args.gemm_ms:
+        from rlk.bench import gemm as bench_gemm
+
+        ms = [int(m) for m in args.gemm_ms.split(",")]
+        GEMM_SHAPES.clear()
+        GEMM_SHAPES.update({name: (K, N, ms) for name, K, N in bench_gemm.SHAPES})
     rows: list[dict] = []
     runs = {
         "decode": decode_part, "tma": tma_part, "rotary": rotary_part,
@@ -1151,7 +1162,7 @@ def decode_part(rows) -> None:
     # 1. eager per-call cost at M=1, o_proj
     x = torch.randn(1, 4096, device=dev, dtype=dt)
     w = torch.randn(4096, 4096, device=dev, dtype=dt) / 64
-    table = rlk._plugins.backend_impl(x.device).ops["linear"].keywords["table"]
+    table = backend_impl(x.device).ops["linear"].keywords["table"]
     cfg = tuning.config(table, "linear.fwd", M=1, N=4096, K=4096, dtype_bytes=2)
     c = torch.empty(1, 4096, device=dev, dtype=dt)
     eager = {
