@@ -64,7 +64,8 @@ def server(checkpoint, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint,
         "--host", "127.0.0.1", "--port", str(port),
         "--hf-overrides", json.dumps(rv.hf_overrides(checkpoint)),
-        "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--max-model-len", "128",
+        "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", rv.WORKER_EXTENSION,
+        "--enforce-eager", "--max-model-len", "128",
         "--block-size", "16", "--gpu-memory-utilization", "0.1", "--seed", "0",
     ]  # fmt: skip
     log_path = tmp_path_factory.mktemp("server") / "server.log"
