@@ -114,6 +114,20 @@ def test_greedy_processed_logprobs_are_temperature_one(checkpoint, any_temperatu
     assert differing(load_trainer(checkpoint), got[-1:], 1.0) == []
 
 
+def test_prompt_logprobs_are_temperature_one(llm, checkpoint):
+    """``prompt_logprobs`` of a request sampled at 0.7 in processed mode: vLLM computes them
+    from the raw logits, and they are the recompute's bits at temperature 1 (not at 0.7)."""
+    from vllm import SamplingParams
+
+    p = prompts([7], seed=12)[0]
+    sp = SamplingParams(temperature=0.7, max_tokens=1, prompt_logprobs=0, seed=1)
+    (out,) = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+    lps = torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], p[1:])])
+    prompt = Sample(p[:1], p[1:], lps)
+    assert differing(load_trainer(checkpoint), [prompt], 1.0) == []
+    assert differing(load_trainer(checkpoint), [prompt], 0.7) == [0]
+
+
 def named_weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach().clone()) for n, p in model.named_parameters()]
 
