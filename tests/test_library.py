@@ -122,6 +122,17 @@ CASES = {
         {"gamma": 0.99, "lam": 0.95},
     ),
     "value_loss": _value,
+    "moe_route": lambda: ((_t(5, 8, dtype=BF, grad=True), 3), {"normalize": True}),
+    "moe_experts": lambda: (
+        (
+            _t(5, 8, dtype=BF, grad=True),
+            torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [0, 2]]),
+            _t(5, 2, grad=True, seed=1),
+            _t(4, 8, 8, dtype=BF, grad=True, seed=2),
+            _t(4, 8, 4, dtype=BF, grad=True, seed=3),
+        ),
+        {},
+    ),
     "sample": lambda: (
         (_t(3, 16), torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9])),
         {"temperature": 0.8, "top_k": torch.tensor([0, 4, 8]), "top_p": 0.9},

@@ -126,8 +126,8 @@ def test_backends_take_the_catalog_keywords(backend):
 def test_operator_schemas_end_in_the_catalog_keywords():
     # rlk._library derives how a backend is called from each schema and the catalog, and
     # refuses a schema whose keyword arguments are not the catalog's.
-    assert set(_library.SCHEMAS) == set(OPS)
-    for name in OPS:
+    assert set(OPS) <= set(_library.SCHEMAS)
+    for name in _library.SCHEMAS:
         positional = [n for n, k in _library.ARGS[name] if k.startswith("pos")]
         params = inspect.signature(getattr(rlk, name)).parameters.values()
         assert positional == [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD], name

@@ -97,8 +97,8 @@ class OpSpec:
     name (one per output, comma-separated, where they differ). ``optional``: a backend may leave
     the op out and still be selected; rlk then raises :class:`rlk.BackendError` where the op is
     asked for. ``module``: the module of ``rlk`` holding the public function. ``operator``:
-    a required op's custom operator (:class:`Operator`); an optional op has none and is traced
-    into the backend's call.
+    the op's custom operator (:class:`Operator`): every required op has one; an optional op
+    without one is traced into the backend's call.
     """
 
     name: str

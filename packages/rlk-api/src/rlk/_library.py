@@ -48,8 +48,9 @@ from rlk.selection import resolved_impl
 
 LIB = "rlk"
 
-#: Per required op, its operator as its catalog entry declares it (``rlk._catalog.Operator``);
-#: the tables below are views of these.
+#: Per op with an operator (every required op, and the optional ones that declare one: their
+#: forward raises rlk.BackendError where the selected backend lacks them), its operator as its
+#: catalog entry declares it (``rlk._catalog.Operator``); the tables below are views of these.
 OPERATORS: dict[str, Operator] = {s.name: s.operator for s in CATALOG if s.operator is not None}
 
 #: The operators' schemas (their arguments; every forward returns ``Tensor[]``: the outputs,
@@ -219,6 +220,8 @@ def _forward_impl(op: str) -> Callable[..., list[torch.Tensor]]:
     def impl(*values: Any) -> list[torch.Tensor]:
         args, kwargs = backend_call(op, values)
         impl_ = resolved_impl(values[0].device)
+        if op not in impl_.ops:  # an optional op: a BackendError naming the backends that have it
+            selection.optional_op(values[0].device, op, f"rlk.{op}")
         split = impl_.autograd.get(op) if extras_of is not None else None
         if split is not None:
             outs, extras = split.forward(*args, **kwargs)

@@ -159,16 +159,23 @@ class _RouteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dw, _didx):
         logits, weights, indices = ctx.saved_tensors
-        T, E = logits.shape
-        dl = torch.empty((T, E), dtype=logits.dtype, device=logits.device)
-        if T:
-            cfg, blocks, rows = _route_launch(ctx.table, "moe_route.bwd", T, E)
-            _route_bwd_kernel[(cdiv(T, rows),)](
-                logits, weights, indices, dw.contiguous(), dl, T, E, logits.stride(0),
-                TOP_K=indices.shape[1], **blocks, ROWS=rows, NORMALIZE=ctx.normalize,
-                num_warps=cfg["num_warps"],
-            )  # fmt: skip
+        dl = _route_backward(logits, weights, indices, dw, ctx.normalize, ctx.table)
         return dl, None, None, None
+
+
+def _route_backward(logits, weights, indices, dw, normalize, table):
+    """d(logits) ``[T, E]`` from d(weights) ``[T, k]`` (None: zeros) and the forward's outputs."""
+    T, E = logits.shape
+    dw = torch.zeros_like(weights) if dw is None else dw.contiguous()
+    dl = torch.empty((T, E), dtype=logits.dtype, device=logits.device)
+    if T:
+        cfg, blocks, rows = _route_launch(table, "moe_route.bwd", T, E)
+        _route_bwd_kernel[(cdiv(T, rows),)](
+            logits, weights, indices, dw, dl, T, E, logits.stride(0),
+            TOP_K=indices.shape[1], **blocks, ROWS=rows, NORMALIZE=normalize,
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return dl
 
 
 def _route_forward(logits, top_k, normalize, table):
@@ -517,41 +524,85 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, indices, weights, gate_up, down, gu, h = ctx.saved_tensors
-        d, table = ctx.dispatch, ctx.table
-        dout = dout.contiguous()
-        T, k = indices.shape
-        I = down.shape[2]
-        # G[s] = dOut[token(s)] @ down_e: down [E, H, I] as B_e[k = h, n = i].
-        g = torch.empty((d.slots, I), dtype=torch.float32, device=x.device)
-        _grouped(table, "moe_experts.gemm", d, dout, down, g, gather=d.token,
-                 b_kn=(down.stride(1), down.stride(2)))  # fmt: skip
-        dgu = torch.empty_like(gu)
-        dweights = torch.full((T * k,), float("nan"), dtype=torch.float32, device=x.device)
-        if d.slots:
-            w_flat = weights.reshape(-1)
-            rows = 16
-            _swiglu_bwd_kernel[(cdiv(d.slots, rows),)](
-                g, gu, h, w_flat, d.order, d.offsets, dgu, dweights, d.slots, I, d.experts,
-                ROWS=rows, CHUNK=_CHUNK, LOG2_CHUNK=_LOG2_CHUNK, num_warps=4,
-            )  # fmt: skip
-        dx = None
-        if ctx.needs_input_grad[0]:
-            # dX[t] = sum_r dGU[slot] @ gate_up_e: gate_up [E, 2I, H] as B_e[k = n2, n = h].
-            dxs = torch.empty((d.slots, x.shape[1]), dtype=torch.float32, device=x.device)
-            _grouped(table, "moe_experts.gemm", d, dgu, gate_up, dxs, gather=None,
-                     b_kn=(gate_up.stride(1), gate_up.stride(2)))  # fmt: skip
-            dx = torch.empty_like(x)
-            _combine(table, d, dxs, indices, None, dx)
-        dgate_up = ddown = None
-        if ctx.needs_input_grad[3]:
-            dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=x.device)
-            _grouped_dw(table, d, dgu, x, dgate_up, gather_b=True)
-        if ctx.needs_input_grad[4]:
-            # dY[s] = w * dOut[token(s)], rounded to the input dtype, as the product's operand.
-            ddown = torch.empty(down.shape, dtype=down.dtype, device=x.device)
-            _grouped_dw(table, d, dout, h, ddown, weights=weights.reshape(-1))
-        dw = dweights.view(T, k).to(weights.dtype) if ctx.needs_input_grad[2] else None
+        n = ctx.needs_input_grad
+        dx, dw, dgate_up, ddown = _experts_backward(
+            dout, x, indices, weights, gate_up, down, gu, h, ctx.dispatch, ctx.table,
+            (n[0], n[2], n[3], n[4]),
+        )  # fmt: skip
         return dx, None, dw, dgate_up, ddown, None
+
+
+def _experts_backward(dout, x, indices, weights, gate_up, down, gu, h, d, table, needs):
+    """``(dx, d(weights), d(gate_up), d(down))`` of :func:`moe_experts`, each None unless
+    ``needs`` (four bools, in that order) asks; ``gu``/``h`` and the dispatch ``d`` are the
+    forward's."""
+    dout = torch.zeros_like(x) if dout is None else dout.contiguous()
+    T, k = indices.shape
+    I = down.shape[2]
+    # G[s] = dOut[token(s)] @ down_e: down [E, H, I] as B_e[k = h, n = i].
+    g = torch.empty((d.slots, I), dtype=torch.float32, device=x.device)
+    _grouped(table, "moe_experts.gemm", d, dout, down, g, gather=d.token,
+             b_kn=(down.stride(1), down.stride(2)))  # fmt: skip
+    dgu = torch.empty_like(gu)
+    dweights = torch.full((T * k,), float("nan"), dtype=torch.float32, device=x.device)
+    if d.slots:
+        w_flat = weights.reshape(-1)
+        rows = 16
+        _swiglu_bwd_kernel[(cdiv(d.slots, rows),)](
+            g, gu, h, w_flat, d.order, d.offsets, dgu, dweights, d.slots, I, d.experts,
+            ROWS=rows, CHUNK=_CHUNK, LOG2_CHUNK=_LOG2_CHUNK, num_warps=4,
+        )  # fmt: skip
+    dx = None
+    if needs[0]:
+        # dX[t] = sum_r dGU[slot] @ gate_up_e: gate_up [E, 2I, H] as B_e[k = n2, n = h].
+        dxs = torch.empty((d.slots, x.shape[1]), dtype=torch.float32, device=x.device)
+        _grouped(table, "moe_experts.gemm", d, dgu, gate_up, dxs, gather=None,
+                 b_kn=(gate_up.stride(1), gate_up.stride(2)))  # fmt: skip
+        dx = torch.empty_like(x)
+        _combine(table, d, dxs, indices, None, dx)
+    dgate_up = ddown = None
+    if needs[2]:
+        dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=x.device)
+        _grouped_dw(table, d, dgu, x, dgate_up, gather_b=True)
+    if needs[3]:
+        # dY[s] = w * dOut[token(s)], rounded to the input dtype, as the product's operand.
+        ddown = torch.empty(down.shape, dtype=down.dtype, device=x.device)
+        _grouped_dw(table, d, dout, h, ddown, weights=weights.reshape(-1))
+    dw = dweights.view(T, k).to(weights.dtype) if needs[1] else None
+    return dx, dw, dgate_up, ddown
+
+
+def _route_split_forward(logits, top_k, normalize=False, *, table):
+    return _route_forward(logits, top_k, normalize, table), ()
+
+
+def _route_split_backward(grads, outs, extras, needs, logits, top_k, normalize=False, *, table):
+    return (_route_backward(logits, outs[0], outs[1], grads[0], normalize, table),)
+
+
+def _experts_split_forward(x, indices, weights, gate_up, down, *, table):
+    x, indices, weights = x.contiguous(), indices.contiguous(), weights.contiguous()
+    out, _, gu, h = _experts_forward(x, indices, weights, gate_up, down, table, keep=True)
+    return (out,), (gu, h)
+
+
+def _experts_split_backward(grads, outs, extras, needs, x, indices, weights, gate_up, down, *,
+                            table):  # fmt: skip
+    # The dispatch again from the indices (integer sorts: the forward's slots, exactly).
+    x, indices, weights = x.contiguous(), indices.contiguous(), weights.contiguous()
+    d = _Dispatch(indices, down.shape[0])
+    gu, h = extras
+    return _experts_backward(grads[0], x, indices, weights, gate_up, down, gu, h, d, table, needs)
+
+
+#: The MoE ops' forward and backward as two calls (``rlk.plugins.OpAutograd``; the
+#: ``torch.compile`` path): the launches of :class:`_RouteFunction` and
+#: :class:`_ExpertsFunction`, the experts' backward reading the forward's gate/up and SwiGLU
+#: rows (``gu``, ``h``) as the extras.
+AUTOGRAD = {
+    "moe_route": (_route_split_forward, _route_split_backward),
+    "moe_experts": (_experts_split_forward, _experts_split_backward),
+}
 
 
 def moe_experts(

@@ -3,9 +3,13 @@
 A mixture-of-experts layer is ``rlk.linear`` (the router's logits), then :func:`moe_route`, then
 :func:`moe_experts`. Both are optional ops (``rlk._catalog``): a backend without them raises
 :class:`rlk.BackendError` naming those that have them; rlk never runs another backend's kernel
-in their place. Contract (docs/guide.md, "Mixture of experts"): a token's experts, weights and
-output depend only on its own row, its experts' weights and nothing of the batch; ties go to
-the lower expert index; the k expert outputs are added in rank order.
+in their place. Each is also a ``torch.library`` operator (``torch.ops.rlk.moe_route``,
+``moe_experts``), opaque to ``torch.compile`` as the required ops are: its backward runs the
+backend's backward kernels on what the forward kept (rlk-triton's ``OpAutograd``), or, for a
+backend without that pair, the op again under autograd. Contract (docs/guide.md,
+"Mixture of experts"): a token's experts, weights and output depend only on its own row, its
+experts' weights and nothing of the batch; ties go to the lower expert index; the k expert
+outputs are added in rank order.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 
 from rlk import _validate as chk
 from rlk import selection
-from rlk._catalog import op
+from rlk._catalog import Operator, no_extras, op
 
 #: The ops declared here (``rlk`` exports them).
 __all__ = ["moe_route", "moe_experts"]
@@ -22,7 +26,25 @@ __all__ = ["moe_route", "moe_experts"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@op("moe", grad_args=("logits",), unit_grads=("logits",), out_dtype="float32,int64", optional=True)
+def _routed(a: dict) -> list[torch.Tensor]:
+    t, k = a["logits"].shape[0], a["top_k"]
+    dev = a["logits"].device
+    return [torch.empty((t, k), dtype=dtype, device=dev) for dtype in (torch.float32, torch.int64)]
+
+
+@op(
+    "moe",
+    grad_args=("logits",),
+    unit_grads=("logits",),
+    out_dtype="float32,int64",
+    optional=True,
+    operator=Operator(
+        "Tensor logits, int top_k, bool normalize",
+        outputs=_routed,
+        extras=no_extras,
+        saved_outputs=lambda a: (0, 1),
+    ),
+)
 def moe_route(
     logits: torch.Tensor, top_k: int, normalize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +74,23 @@ def moe_route(
     return fn(logits, top_k, normalize)
 
 
+def _expert_rows(a: dict) -> list[torch.Tensor]:
+    # The backward's extras: per (token, rank) slot, the gate/up outputs [T * k, 2I] and the
+    # SwiGLU rows [T * k, I], in x's dtype.
+    x, slots, i = a["x"], a["indices"].numel(), a["down"].shape[2]
+    return [x.new_empty((slots, 2 * i)), x.new_empty((slots, i))]
+
+
 @op(
     "moe",
     grad_args=("x", "weights", "gate_up", "down"),
     unit_grads=("x", "weights"),
     optional=True,
+    operator=Operator(
+        "Tensor x, Tensor indices, Tensor weights, Tensor gate_up, Tensor down",
+        outputs=lambda a: [torch.empty_like(a["x"], memory_format=torch.contiguous_format)],
+        extras=_expert_rows,
+    ),
 )
 def moe_experts(
     x: torch.Tensor,

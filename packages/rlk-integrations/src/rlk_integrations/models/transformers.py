@@ -154,6 +154,40 @@ def _padded_index(attention_mask, position_ids, b: int, s: int, skv: int, device
     return qi, ki, _cu(qmask.sum(1)), _cu(kmask.sum(1))
 
 
+def _packed_cu_static(position_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`_packed_cu_seqlens` without a host read, for ``torch.compile``: ``[T + 1]``
+    offsets, the sequences' starts in order, then ``T`` repeated (empty sequences, which
+    rlk.attention skips). One sequence or several, a row's bits are those of its sequence."""
+    pos = position_ids.reshape(-1)
+    n = pos.numel()
+    idx = torch.arange(n, device=pos.device)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    firsts = torch.sort(torch.where(starts, idx, n)).values
+    return torch.cat([firsts, idx.new_full((1,), n)]).to(torch.int32)
+
+
+def _padded_order(attention_mask: torch.Tensor | None, b: int, s: int, device) -> tuple:
+    """:func:`_padded_index` for a ``[B, S]`` batch without a cache under ``torch.compile``,
+    with no shape that depends on the mask's values: ``(order, real, cu)``. ``order [B * S]``
+    puts the real tokens first, row by row (those :func:`_padded_index` selects, in its order),
+    then the pad tokens; ``cu [B + 2]`` holds the rows' real tokens as sequences, then the pad
+    tokens as one sequence more, whose rows are dropped (``real [B * S]`` marks the real ones in
+    ``order``). A sequence's rows depend on that sequence alone (rlk.attention's contract), so
+    the real rows are the eager path's bits. Without a mask: every token, ``real`` None."""
+    if attention_mask is None:
+        cu = torch.arange(b + 1, dtype=torch.int32, device=device) * s
+        return torch.arange(b * s, device=device), None, cu
+    m = attention_mask.to(device=device, dtype=torch.bool)
+    if m.shape[1] != s:
+        raise ValueError(f"attention_mask covers {m.shape[1]} tokens but there are {s} keys")
+    real = m.reshape(-1)
+    order = torch.argsort((~real).to(torch.int32), stable=True)
+    lengths = m.sum(1)
+    cu = torch.cat([_cu(lengths), lengths.new_full((1,), b * s).to(torch.int32)])
+    return order, real.index_select(0, order), cu
+
+
 def rlk_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -215,7 +249,9 @@ def rlk_attention_forward(
         and s == skv
         and (cu_q is not None or position_ids is not None)
     ):
-        if cu_q is None:
+        if cu_q is None and torch.compiler.is_compiling():
+            cu_q = cu_k = _packed_cu_static(position_ids)
+        elif cu_q is None:
             cu_q = _packed_memo.get((position_ids,), (), lambda: _packed_cu_seqlens(position_ids))
             cu_k = cu_q
         if cu_q is not None:  # packed sequences in one row
@@ -232,11 +268,21 @@ def rlk_attention_forward(
                 **bounds,
             )
             return out.unsqueeze(0), None
-    qi, ki, cu_q, cu_k = _padded_memo.get(
-        (attention_mask, position_ids),
-        (b, s, skv, query.device),
-        lambda: _padded_index(attention_mask, position_ids, b, s, skv, query.device),
-    )
+    if torch.compiler.is_compiling():
+        if s != skv:
+            raise NotImplementedError(
+                "rlk attention under torch.compile takes a batch without a KV cache "
+                f"({s} queries, {skv} keys)"
+            )
+        qi, real, cu_q = _padded_order(attention_mask, b, s, query.device)
+        ki, cu_k = qi, cu_q
+    else:
+        qi, ki, cu_q, cu_k = _padded_memo.get(
+            (attention_mask, position_ids),
+            (b, s, skv, query.device),
+            lambda: _padded_index(attention_mask, position_ids, b, s, skv, query.device),
+        )
+        real = None
     # Index gathers and an index scatter: no host read (boolean indexing would sync per layer).
     out_flat = rlk.attention(
         q.reshape(b * s, hq, d).index_select(0, qi),
@@ -247,18 +293,33 @@ def rlk_attention_forward(
         causal=True,
         scale=scaling,
     )
+    if real is not None:  # the pad tokens' own sequence (torch.compile): dropped
+        out_flat = torch.where(real[:, None, None], out_flat, 0.0)
     out = query.new_zeros(b * s, hq, d)
     out.index_copy_(0, qi, out_flat)
     return out.view(b, s, hq, d), None
 
 
+def rlk_attention_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """The mask transformers hands rlk attention: the 2-D padding mask or None, as for flash
+    attention (rlk attention is unpadded too). Eagerly flash attention's function, which
+    drops a mask without padding; under ``torch.compile`` the mask's last ``kv_length``
+    columns as they are (whether it pads is a value, which the graph cannot branch on; a mask
+    of ones gives the bits of none)."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if torch.compiler.is_compiling():
+        kv_length = kwargs.get("kv_length", args[2] if len(args) > 2 else None)
+        return None if attention_mask is None else attention_mask[:, -kv_length:]
+    return flash_attention_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def _register_attention() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTN_NAME, rlk_attention_forward)
-    # Like flash attention, rlk attention is unpadded: it wants the 2-D padding mask or None.
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, flash_attention_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, rlk_attention_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,6 +652,8 @@ def _patch(model: nn.Module, arch: Architecture, leaves: int | None) -> nn.Modul
             module._rlk_leaves = leaves
         if fn is _rotary_forward:
             module._rlk_table = RotaryTable.for_module(module)
+            # Its first chunk now: a forward under torch.compile cannot build the table.
+            module._rlk_table.reserve(1)
         module.forward = types.MethodType(fn, module)
     model._rlk_patched = ([m for m, _ in plan], model.config._attn_implementation)
     model._rlk_leaves = leaves

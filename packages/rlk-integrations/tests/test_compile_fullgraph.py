@@ -1,0 +1,103 @@
+"""``torch.compile(model, fullgraph=True)(input_ids)`` of a patched model, as users write it: a
+plain ``[B, S]`` batch, with and without an ``attention_mask`` (left padding), one graph, the
+eager logits bit for bit, for every architecture (Qwen2, Llama, Qwen3, Qwen3-MoE).
+
+What would stop the graph is a shape that depends on values: the real tokens of a padded batch
+(eagerly gathered by ``nonzero``), the sequences of a packed row, transformers dropping a mask
+without padding, the MoE dispatch. Under compile, attention takes every token, the pad tokens
+as one sequence of their own whose rows are dropped, and the MoE ops are opaque operators.
+
+The negative control: the graph Dynamo captures is checked to run rlk's operators and no stock
+matmul, attention, softmax, top-k or activation; the same check on an unpatched model fails.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rlk_integrations.models.transformers import patch_model  # noqa: E402
+from rlk_integrations.tools import zoo  # noqa: E402
+
+#: Stock compute that must not be in a patched model's graph (Dynamo's call targets).
+STOCK = re.compile(
+    r"\b(linear|matmul|mm|bmm|scaled_dot_product_attention|softmax|topk|silu|rms_norm)\b"
+)
+
+
+def _targets(graphs) -> set[str]:
+    return {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def stock_compute(graphs) -> list[str]:
+    """The call targets of Dynamo's ``graphs`` that are stock compute, not rlk's operators."""
+    return sorted(t for t in _targets(graphs) if not t.startswith("rlk.") and STOCK.search(t))
+
+
+def _compile(model, inductor: bool):
+    """``torch.compile(model, fullgraph=True)`` with a backend that keeps Dynamo's graphs and
+    hands them to Inductor (or runs them as they are)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs) if inductor else gm.forward
+
+    return torch.compile(model, fullgraph=True, backend=backend), graphs
+
+
+def _batch(vocab: int, masked: bool):
+    ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(0))
+    if not masked:
+        return ids, {}
+    return ids, {"attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_compiled_model_gives_the_eager_logits(name, masked):
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    model = patch_model(zoo.load_model(name))
+    ids, kwargs = _batch(model.config.vocab_size, masked)
+    compiled, graphs = _compile(model, inductor=True)
+    with inductor_config.patch(emulate_precision_casts=True), torch.no_grad():
+        got = compiled(ids, **kwargs).logits  # compiled first: nothing of eager cached
+        want = model(ids, **kwargs).logits
+    assert torch.equal(want, got)
+    assert len(graphs) == 1
+    want_ops = {"rlk.linear", "rlk.attention", "rlk.rms_norm", "rlk.apply_rotary"}
+    if name == "tiny-qwen3-moe":
+        want_ops |= {"rlk.moe_route", "rlk.moe_experts"}
+    assert want_ops <= _targets(graphs)
+    assert not stock_compute(graphs)
+
+
+def test_one_row_compiles_as_one_sequence():
+    # B = 1 without a mask: the packed-row path (positions that may restart), without a host
+    # read. Dynamo's graph run as it is: the bits are those of the same rlk ops.
+    torch._dynamo.reset()
+    model = patch_model(zoo.load_model("tiny"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator())
+    compiled, graphs = _compile(model, inductor=False)
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, model(ids).logits)
+    assert len(graphs) == 1 and "rlk.attention" in _targets(graphs)
+
+
+def test_the_check_catches_a_stock_graph():
+    # The negative control: an unpatched model's graph runs stock linears and attention.
+    torch._dynamo.reset()
+    model = zoo.load_model("tiny")
+    compiled, graphs = _compile(model, inductor=False)
+    with torch.no_grad():
+        compiled(*_batch(model.config.vocab_size, masked=False)[:1])
+    assert "linear" in " ".join(stock_compute(graphs))
