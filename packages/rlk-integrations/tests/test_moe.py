@@ -1,5 +1,6 @@
-"""Qwen3-MoE on rlk: the patched sparse block against transformers', routing logs, refusals,
-and rollout = training with the experts' choice measured (tiny-qwen3-moe)."""
+"""Qwen3-MoE and Qwen2-MoE on rlk: the patched sparse block against transformers', routing logs,
+refusals, and rollout = training with the experts' choice measured (tiny-qwen3-moe,
+tiny-qwen2-moe; Qwen2-MoE's shared expert has its own tests in test_qwen2_moe.py)."""
 
 from __future__ import annotations
 
@@ -14,20 +15,24 @@ from rlk_integrations.models import moe as rmoe  # noqa: E402
 from rlk_integrations.models import transformers as rt  # noqa: E402
 from rlk_integrations.tools import consistency, zoo  # noqa: E402
 
+MODELS = ["tiny-qwen3-moe", "tiny-qwen2-moe"]
+
 
 def _ids(b, s, seed=0):
     return torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(seed))
 
 
-def test_patched_matches_transformers():
+@pytest.mark.parametrize("name", MODELS)
+def test_patched_matches_transformers(name):
     """fp32 on the float64 backend: the patched model is transformers' (router, top-k with
-    renormalised weights, experts, combine), to rounding; unpatching restores it."""
-    model = zoo.load_model("tiny-qwen3-moe", dtype=torch.float32)
+    renormalised weights (Qwen3-MoE) or not (Qwen2-MoE), experts, Qwen2-MoE's gated shared
+    expert, combine), to rounding; unpatching restores it."""
+    model = zoo.load_model(name, dtype=torch.float32)
     ids = _ids(2, 7)
     with torch.no_grad():
         ref = model(ids).logits
         rt.patch_model(model)
-        blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+        blocks = [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
         assert blocks and all(rmoe._is_patched(b) for b in blocks)
         with rlk.use_backend("reference"):
             out = model(ids).logits
@@ -36,34 +41,38 @@ def test_patched_matches_transformers():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_refusals():
-    model = zoo.load_model("tiny-qwen3-moe", dtype=torch.float32)
+@pytest.mark.parametrize("name", MODELS)
+def test_refusals(name):
+    model = zoo.load_model(name, dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="leaves"):
         rt.patch_model(model, leaves=2)
     model.config.output_router_logits = True
     with pytest.raises(NotImplementedError, match="output_router_logits"):
         rt.patch_model(model)
     assert not rt.is_patched(model)
-    # Shared experts (Qwen2-MoE), DeepSeek's grouped top-k and score-correction bias: other
-    # model types, refused by name.
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    # DeepSeek-V3's multi-head latent attention, grouped top-k and score-correction bias:
+    # another model type, refused by name.
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    cfg = Qwen2MoeConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, num_experts=4, moe_intermediate_size=16,
-                         shared_expert_intermediate_size=16, intermediate_size=32,
-                         vocab_size=64)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="qwen2_moe"):
-        rt.patch_model(Qwen2MoeForCausalLM(cfg))
+    cfg = DeepseekV3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, intermediate_size=32, vocab_size=64,
+                           q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                           qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+                           first_k_dense_replace=0)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="deepseek_v3"):
+        rt.patch_model(DeepseekV3ForCausalLM(cfg))
     from rlk_integrations.models.megatron.config import _check_supported
 
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        _check_supported(zoo.make_config("tiny-qwen3-moe"))
+        _check_supported(zoo.make_config(name))
 
 
-def test_rollout_equals_training_with_the_same_experts():
+@pytest.mark.parametrize("name", MODELS)
+def test_rollout_equals_training_with_the_same_experts(name):
     """bf16 on the auto backend: a padded rollout and a packed training pass in another batch
     composition give the same log-probabilities and route every token to the same experts."""
-    model = rt.patch_model(zoo.load_model("tiny-qwen3-moe", dtype=torch.bfloat16))
+    model = rt.patch_model(zoo.load_model(name, dtype=torch.bfloat16))
     prompts = consistency.random_prompts(4, 512, 3, 7, seed=1)
     with rmoe.RoutingLog(model) as rlog:
         ro = rollout.generate(model, prompts, 5, seeds=[3, 4, 5, 6])
@@ -89,10 +98,12 @@ def test_routing_differ_counts_tokens():
 
 
 @pytest.mark.slow
-def test_consistency_tiny_qwen3_moe():
-    """``rlk consistency --model tiny-qwen3-moe``: rlk rows 0 (padded and paged), experts
-    column 0 for rlk's padded row; the stock row's experts differ for some tokens."""
-    report = consistency.run("tiny-qwen3-moe")
+@pytest.mark.parametrize("name", MODELS)
+def test_consistency_tiny_moe(name):
+    """``rlk consistency --model tiny-qwen3-moe`` / ``tiny-qwen2-moe``: rlk rows 0 (padded and
+    paged), experts column 0 for rlk's padded row; the stock row's experts differ for some
+    tokens (about 4 minutes each on 2 shared CPU cores)."""
+    report = consistency.run(name)
     assert consistency.ok(report), consistency.format_table(report)
     rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
     assert rows["rlk", "padded"]["expert_differ"] == 0.0

@@ -5,9 +5,10 @@ defines the model and, by name, each module class whose computation rlk replaces
 (:func:`rlk_integrations.models.transformers.patch_model` for transformers, the rotary table of
 :mod:`rlk_integrations.models.rotary` for Megatron too). Every ``nn.Linear`` of the decoder and the
 head is replaced as well; embeddings and the model classes themselves are kept. A
-mixture-of-experts architecture (Qwen3-MoE) also names its sparse block, whose forward is
-replaced, and the router and experts classes that block runs (their own forwards are then
-never called).
+mixture-of-experts architecture (Qwen3-MoE, Qwen2-MoE) also names its sparse block, whose forward
+is replaced, and the router and experts classes that block runs (their own forwards are then
+never called); Qwen2-MoE's shared expert is an ``*MLP`` and its gate an ``nn.Linear``, patched as
+such and run by the block.
 
 Example::
 
@@ -90,9 +91,11 @@ LLAMA = _arch("llama", "Llama")
 QWEN2 = _arch("qwen2", "Qwen2")
 QWEN3 = _arch("qwen3", "Qwen3")
 QWEN3_MOE = _arch("qwen3_moe", "Qwen3Moe", moe=("SparseMoeBlock", "TopKRouter", "Experts"))
+# Qwen1.5-MoE checkpoints are model_type "qwen2_moe" too.
+QWEN2_MOE = _arch("qwen2_moe", "Qwen2Moe", moe=("SparseMoeBlock", "TopKRouter", "Experts"))
 
 #: The supported architectures by ``config.model_type``.
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE)}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 

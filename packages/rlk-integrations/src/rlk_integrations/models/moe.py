@@ -1,8 +1,10 @@
 """Mixture-of-experts models on rlk: the sparse block's patched forward and its checks.
 
-:func:`moe_forward` replaces ``forward`` on Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` instances
-(:func:`rlk_integrations.models.transformers.patch_model`); :func:`check_moe` refuses, before
-anything is patched, the options it cannot honour. :class:`RoutingLog` records which experts each
+:func:`moe_forward` replaces ``forward`` on Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` and
+Qwen2-MoE's ``Qwen2MoeSparseMoeBlock`` instances
+(:func:`rlk_integrations.models.transformers.patch_model`), the latter with its sigmoid-gated
+shared expert (:func:`shared_expert`); :func:`check_moe` refuses, before anything is patched,
+the options it cannot honour. :class:`RoutingLog` records which experts each
 token went to in a rollout and in a training pass, and :func:`routing_differ` gives the share of
 tokens whose experts differ between the two (``rlk consistency``'s expert column).
 """
@@ -20,16 +22,53 @@ from rlk_integrations.models.architectures import Architecture, architecture, de
 
 
 def moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE's sparse block on rlk: ``[..., H]`` -> ``[..., H]``. The router's weights
-    and the chosen experts are float32 / int64 ``[T, k]`` (:func:`rlk.moe_route`); the
-    experts' outputs are added in rank order (:func:`rlk.moe_experts`)."""
+    """Qwen3-MoE's and Qwen2-MoE's sparse block on rlk: ``[..., H]`` -> ``[..., H]``. The
+    router's weights and the chosen experts are float32 / int64 ``[T, k]``
+    (:func:`rlk.moe_route`); the experts' outputs are added in rank order
+    (:func:`rlk.moe_experts`); a block with a shared expert (Qwen2-MoE) then adds
+    :func:`shared_expert`'s output, as transformers does."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1]).contiguous()
     router, experts = self.gate, self.experts
     logits = rlk.linear(x, router.weight)
     weights, indices = rlk.moe_route(logits, router.top_k, normalize=router.norm_topk_prob)
     out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
+    if getattr(self, "shared_expert", None) is not None:
+        out = out + shared_expert(self, x)  # elementwise, one rounding per element
     return out.view(shape)
+
+
+def sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(z)`` of ``z [T, 1]`` (bf16/fp16/fp32) as float32 ``[T, 1]``, each row's bits
+    depending on that row alone: the softmax of ``[z, 0]`` at ``z``, which is
+    :func:`rlk.moe_route`'s routing weight of expert 0 over those two logits (exp(z) / (exp(z)
+    + 1)). ``torch.sigmoid`` is no substitute on a CPU: ATen runs the vectorised loop on
+    whole vectors and a scalar loop on the tail, whose float32 results differ in the last
+    bit for some inputs, so a token's value would depend on where the batch puts it.
+    Differentiable (moe_route's weights are).
+
+    Example::
+
+        sigmoid(torch.tensor([[0.0]]))  # tensor([[0.5]])
+    """
+    weights, indices = rlk.moe_route(torch.cat([z, torch.zeros_like(z)], 1), 2)
+    # Ranked by decreasing logit (z at rank 0 when z >= 0): pick expert 0's weight.
+    return torch.where(indices[:, :1] == 0, weights[:, :1], weights[:, 1:])
+
+
+def shared_expert(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared expert scaled by its gate, ``sigmoid(x @ w_gate) * mlp(x)``:
+    ``x [T, H]`` -> ``[T, H]`` in x's dtype. ``block.shared_expert`` is a patched SwiGLU MLP
+    (rlk ops), the gate's logit :func:`rlk.linear` by ``block.shared_expert_gate``'s ``[1, H]``
+    weight and its :func:`sigmoid` float32; the product is one float32 multiplication per
+    element (elementwise: no reduction, so no order to fix), rounded once to x's dtype.
+
+    Example::
+
+        y = shared_expert(model.model.layers[0].mlp, x)
+    """
+    scale = sigmoid(rlk.linear(x, block.shared_expert_gate.weight))
+    return (scale * block.shared_expert(x).float()).to(x.dtype)
 
 
 def check_moe(model: nn.Module, arch: Architecture, leaves: int | None) -> None:

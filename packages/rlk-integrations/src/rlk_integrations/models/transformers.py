@@ -1,7 +1,8 @@
-"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LM on rlk ops.
+"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE causal LM on rlk ops.
 
 :func:`patch_model` picks the patch of the model's architecture (:func:`patch_llama`,
-:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`), which replaces ``forward``
+:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`, :func:`patch_qwen2_moe`),
+which replaces ``forward``
 on the model's own instances of the module classes that :mod:`rlk_integrations.models.architectures`
 names for it (no new classes, no weight copies, the state dict is unchanged), so that:
 
@@ -13,7 +14,9 @@ names for it (no new classes, no weight copies, the state dict is unchanged), so
 - Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``: the router's logits by :func:`rlk.linear`, the experts
   chosen by :func:`rlk.moe_route` (ties to the lower expert index) and run by
   :func:`rlk.moe_experts`, so that a token's experts and their output are the same bits in any
-  batch (the rollout and the training recompute choose the same experts);
+  batch (the rollout and the training recompute choose the same experts); Qwen2-MoE's
+  ``Qwen2MoeSparseMoeBlock`` the same, plus its shared expert (an ``*MLP``) scaled by the
+  sigmoid of its gate's :func:`rlk.linear` (:func:`rlk_integrations.models.moe.shared_expert`);
 - ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.models.rotary.RotaryTable`, built
   in fixed chunks of positions (so a position's values never depend on how many positions were
   asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
@@ -59,6 +62,7 @@ import rlk.parallel
 from rlk_integrations.models.architectures import (
     LLAMA,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
     QWEN3_MOE,
     SUPPORTED_MODEL_TYPES,  # noqa: F401  (public: the model types patch_model takes)
@@ -691,23 +695,32 @@ def patch_qwen3_moe(model: nn.Module, leaves: int | None = None) -> nn.Module:
     return _patch(model, QWEN3_MOE, leaves)
 
 
+def patch_qwen2_moe(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers Qwen2-MoE (or Qwen1.5-MoE) model on rlk (see :func:`patch_model`):
+    as :func:`patch_qwen3_moe`, its ``Qwen2Moe*`` classes, the ``Qwen2MoeSparseMoeBlock`` also
+    running its shared expert (a ``Qwen2MoeMLP``) and the expert's sigmoid gate (an
+    ``nn.Linear``) on rlk. ``leaves`` and ``output_router_logits=True`` are refused."""
+    return _patch(model, QWEN2_MOE, leaves)
+
+
 #: The patch of each supported ``model_type``.
 PATCHES = {
     "llama": patch_llama,
     "qwen2": patch_qwen2,
     "qwen3": patch_qwen3,
     "qwen3_moe": patch_qwen3_moe,
+    "qwen2_moe": patch_qwen2_moe,
 }
 
 
 def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``/
-    ``Qwen3MoeForCausalLM`` (or its base model) run every decoder op on rlk:
-    :func:`patch_llama`, :func:`patch_qwen2`, :func:`patch_qwen3` or :func:`patch_qwen3_moe` by
-    ``model.config.model_type``; ``NotImplementedError`` naming any other architecture (Qwen2-MoE
-    and DeepSeek-style routers, with shared experts, grouped top-k or a score-correction bias,
-    among them). In place; returns ``model``. Idempotent (patching again with other
-    ``leaves`` raises).
+    ``Qwen3MoeForCausalLM``/``Qwen2MoeForCausalLM`` (or its base model) run every decoder op on
+    rlk: :func:`patch_llama`, :func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`
+    or :func:`patch_qwen2_moe` by ``model.config.model_type``; ``NotImplementedError`` naming
+    any other architecture (DeepSeek-style routers, with grouped top-k or a score-correction
+    bias, and multi-head latent attention among them). In place; returns ``model``. Idempotent
+    (patching again with other ``leaves`` raises).
 
     What runs after patching (the module classes are named by
     :mod:`rlk_integrations.models.architectures`):
@@ -715,8 +728,10 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     - ``nn.Linear`` (every projection and ``lm_head``): :func:`rlk.linear`;
     - ``*RMSNorm``: :func:`rlk.rms_norm`;
     - ``*MLP``: ``down(silu_and_mul(gate(x), up(x)))`` with :func:`rlk.silu_and_mul`;
-    - ``Qwen3MoeSparseMoeBlock``: :func:`rlk.linear` (router logits), :func:`rlk.moe_route`,
-      :func:`rlk.moe_experts`;
+    - ``Qwen3MoeSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``: :func:`rlk.linear` (router
+      logits), :func:`rlk.moe_route`, :func:`rlk.moe_experts`; Qwen2-MoE's shared expert is an
+      ``*MLP`` and its gate ``sigmoid(rlk.linear(x, w))`` by :func:`rlk.moe_route` over
+      ``[z, 0]`` (:func:`rlk_integrations.models.moe.shared_expert`);
     - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.models.rotary.RotaryTable`;
     - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
       function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;

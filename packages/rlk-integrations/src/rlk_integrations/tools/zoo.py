@@ -1,7 +1,8 @@
 """Built-in random-init model configs, and loading a local transformers checkpoint.
 
 ``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, a mixture of 16 experts with
-4 per token, all with head_dim 32, which stock vLLM's CPU attention takes; and ``tiny-mha`` /
+4 per token, ``tiny-qwen2-moe``, the same with Qwen2-MoE's sigmoid-gated shared expert, all with
+head_dim 32, which stock vLLM's CPU attention takes; and ``tiny-mha`` /
 ``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8 tensor-parallel ranks) are small
 enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
 ``qwen3-0.6b``, ``llama3-8b-4layers`` and ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token)
@@ -36,6 +37,19 @@ _TINY = dict(
     max_position_embeddings=4096,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
+)
+
+# The tiny mixtures of experts: every layer sparse, 16 experts of 32 intermediate units, 4 per
+# token.
+_TINY_MOE = dict(
+    _TINY,
+    hidden_size=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    tie_word_embeddings=True,
 )
 
 
@@ -78,22 +92,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
-    # Mixture of experts: every layer sparse, 16 experts of 32 intermediate units, 4 per token
+    # Mixture of experts (_TINY_MOE), the top 4's weights renormalised
     # (enough near-ties at the top-k boundary that stock bf16 routes some tokens differently
     # in training than in the rollout: 5 of 189 in rlk consistency's default run).
-    "tiny-qwen3-moe": (
-        "qwen3_moe",
-        dict(
-            _TINY,
-            hidden_size=64,
-            num_experts=16,
-            num_experts_per_tok=4,
-            moe_intermediate_size=32,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            tie_word_embeddings=True,
-        ),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(_TINY_MOE, norm_topk_prob=True)),
+    # Qwen2-MoE (Qwen1.5-MoE's architecture): 16 experts of 32 units, 4 per token with the
+    # softmax over all 16 (norm_topk_prob False, as Qwen1.5-MoE-A2.7B), and a shared expert of
+    # 64 units scaled by its sigmoid gate; q/k/v biases, every layer sparse.
+    "tiny-qwen2-moe": (
+        "qwen2_moe",
+        dict(_TINY_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False, qkv_bias=True),
     ),
     "qwen2-0.5b": (
         "qwen2",
