@@ -135,7 +135,9 @@ def test_extra_installs_the_right_packages(extra, wheelhouse, site_without_rlk, 
     assert all(v == "0.1.0" for v in got["dists"].values()), got["dists"]
     assert set(got["backends"]) == backends
     assert got["tables"] == TABLES[extra]
-    # rlk consistency comes with rlk-integrations, and only with it.
-    assert got["commands"] == (["consistency"] if "rlk-integrations" in dists else [])
+    # rlk aot comes with rlk-triton, rlk consistency with rlk-integrations, and only with them.
+    commands = [c for c, d in (("aot", "rlk-triton"), ("consistency", "rlk-integrations"))
+                if d in dists]  # fmt: skip
+    assert got["commands"] == commands
     assert Path(got["rlk_file"]).resolve().is_relative_to(venv.resolve()), got["rlk_file"]
     assert got["torch_npu"] is None  # rlk[ascend] never pulls torch-npu: it needs CANN

@@ -49,6 +49,12 @@ FAST_LAUNCH = True
 
 _MISSING = object()
 
+#: Under the interpreter, called as ``LAUNCH_RECORDER(kernel, args, kwargs)`` before each launch
+#: of a kernel built by :func:`jit` (``kwargs`` with the launch options); a true result skips
+#: the launch. How ``rlk aot`` (:mod:`rlk_triton.aot`) learns the arguments and options rlk
+#: launches each kernel with.
+LAUNCH_RECORDER = None
+
 
 def _arg_key(value, const: bool):
     """What Triton compiles ``value`` into: a constexpr's value; a tensor's dtype, 16-byte
@@ -177,11 +183,18 @@ def jit(fn=None, **kwargs):
 
     def wrap(f):
         kernel = triton.jit(f, **kwargs)
+        # The mark of a kernel built here (a test fails on any rlk kernel without it: a bare
+        # triton.jit would take Triton's fusion default, which changes in Triton 3.10).
+        kernel.rlk_jit = True
         if INTERPRET:
             run = kernel.run
 
             def run_without_contraction(*args, **kw):
                 kw.setdefault("enable_fp_fusion", False)
+                if LAUNCH_RECORDER is not None:
+                    launch = {k: v for k, v in kw.items() if k not in ("grid", "warmup")}
+                    if LAUNCH_RECORDER(kernel, args, launch):
+                        return None
                 return run(*args, **kw)
 
             kernel.run = run_without_contraction
@@ -192,4 +205,13 @@ def jit(fn=None, **kwargs):
     return wrap if fn is None else wrap(fn)
 
 
-__all__ = ["FAST_LAUNCH", "INTERPRET", "cdiv", "jit", "next_power_of_2", "tl", "triton"]
+__all__ = [
+    "FAST_LAUNCH",
+    "INTERPRET",
+    "LAUNCH_RECORDER",
+    "cdiv",
+    "jit",
+    "next_power_of_2",
+    "tl",
+    "triton",
+]
