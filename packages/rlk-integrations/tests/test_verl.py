@@ -113,6 +113,19 @@ def test_infer_batch_bitwise(group, checkpoints, name):
     assert any(not torch.equal(lp[i, : len(s.response)], s.logprobs) for i, s in enumerate(samples))
 
 
+def test_fsdp_input_casting_would_reach_rlk(group, checkpoints, monkeypatch):
+    """Why the engine builds FSDP2's policy without ``cast_forward_inputs``: with verl's own
+    policy the fp32 rotary tables reach the layers in bf16, and rlk refuses them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from rlk_integrations.adapters.verl import engine
+
+    monkeypatch.setattr(engine, "_uncast_policy", MixedPrecisionPolicy)
+    path = str(checkpoints / "tiny")
+    with pytest.raises(RuntimeError, match="rotary tables are not rlk's"):
+        vw.infer(vw.engine(path), _samples(checkpoints, "tiny")[:2], 2)
+
+
 def test_infer_batch_two_ranks(checkpoints, tmp_path):
     """The same at world size 2 (two spawned processes, gloo): each rank's half of the batch
     gives rlk's rollout bits, on every model."""
@@ -136,10 +149,10 @@ def test_infer_batch_two_ranks(checkpoints, tmp_path):
 def test_grpo_loop_rollout_probs_diff_zero(group, checkpoints):
     """A GRPO loop of verl's pieces (3 steps, weights pushed into the rollout after each):
     verl's ``rollout_probs_diff_max`` is exactly 0 at every step; verl's own log-probs on the
-    same engine give a non-zero one at every step."""
+    same engine give a non-zero one (one step: the loop is the CPU stage's longest test)."""
     path = str(checkpoints / "tiny")
     assert vw.grpo(path, 3) == [0.0, 0.0, 0.0]
-    assert all(d > 0 for d in vw.grpo(path, 3, stock=True))
+    assert vw.grpo(path, 1, stock=True)[0] > 0
 
 
 REFUSED = [
