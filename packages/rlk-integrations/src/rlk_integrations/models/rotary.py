@@ -59,16 +59,14 @@ class RotaryTable:
         read: the table must already hold the positions (:meth:`reserve`), and one it does not
         hold fails the indexing's device-side bounds check. The same while ``torch.compile``
         traces (a host read would break the graph): the positions reserved before count, and
-        a row longer than they are is refused when the graph is traced."""
+        one beyond them fails the compiled indexing's bounds check (Inductor's
+        ``assert_indirect_indexing``)."""
         if torch.compiler.is_compiling() or (
             position_ids.is_cuda and torch.cuda.is_current_stream_capturing()
         ):
-            have = 0 if self.cpu is None else self.cpu[0].shape[0]
-            if position_ids.shape[-1] > have:
+            if self.cpu is None:
                 raise RuntimeError(
-                    f"the rotary table holds {have} positions, fewer than the "
-                    f"{position_ids.shape[-1]} of a row: reserve() them before a capture or "
-                    "torch.compile"
+                    "the rotary table is empty: reserve() it before a capture or torch.compile"
                 )
             return self.lookup(position_ids)
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
