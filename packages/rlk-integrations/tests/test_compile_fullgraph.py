@@ -1,6 +1,7 @@
 """``torch.compile(model, fullgraph=True)(input_ids)`` of a patched model, as users write it: a
 plain ``[B, S]`` batch, with and without an ``attention_mask`` (left padding), one graph, the
-eager logits bit for bit, for every architecture (Qwen2, Llama, Qwen3, Qwen3-MoE).
+eager logits bit for bit, for every architecture (Qwen2, Llama, Qwen3, Qwen3-MoE), and for the
+MoE model every gradient too.
 
 What would stop the graph is a shape that depends on values: the real tokens of a padded batch
 (eagerly gathered by ``nonzero``), the sequences of a packed row, transformers dropping a mask
@@ -59,20 +60,35 @@ def _batch(vocab: int, masked: bool):
     return ids, {"attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
 
 
+def _step(model, fn, ids, kwargs, train: bool):
+    """The logits, and with ``train`` every parameter's gradient of a weighted sum of them."""
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(train):
+        logits = fn(ids, **kwargs).logits
+    if not train:
+        return logits, {}
+    (logits * torch.linspace(-1, 1, logits.numel()).view(logits.shape)).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_compiled_model_gives_the_eager_logits(name, masked):
+    """The logits; for the MoE model also every gradient (its ops' compiled backward)."""
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
     model = patch_model(zoo.load_model(name))
     ids, kwargs = _batch(model.config.vocab_size, masked)
     compiled, graphs = _compile(model, inductor=True)
-    with inductor_config.patch(emulate_precision_casts=True), torch.no_grad():
-        got = compiled(ids, **kwargs).logits  # compiled first: nothing of eager cached
-        want = model(ids, **kwargs).logits
+    train = name == "tiny-qwen3-moe"
+    with inductor_config.patch(emulate_precision_casts=True):
+        got, got_grads = _step(model, compiled, ids, kwargs, train)  # compiled first
+    want, want_grads = _step(model, model, ids, kwargs, train)
     assert torch.equal(want, got)
+    changed = [n for n in want_grads if not torch.equal(want_grads[n], got_grads[n])]
+    assert not changed, f"gradients that compiling changed: {changed}"
     assert len(graphs) == 1
     want_ops = {"rlk.linear", "rlk.attention", "rlk.rms_norm", "rlk.apply_rotary"}
     if name == "tiny-qwen3-moe":
