@@ -56,7 +56,9 @@ def _check(model, samples, **compile_kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny", "tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama", "tiny", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe"]
+)
 def test_compiled_training_pass_gives_the_eager_bits(name):
     torch._dynamo.reset()
     model = patch_model(zoo.load_model(name))
