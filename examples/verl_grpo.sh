@@ -18,7 +18,7 @@ MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
 DATA=${DATA:-$HOME/data/gsm8k}
 
 # The Hydra lines rlk needs (the plugin as external_lib, FSDP2, packed rows, rlk's fused
-# log-prob contract, vLLM on rlk's model class with raw log-probs); one per line.
+# log-prob contract, vLLM on rlk's model class reporting the tempered log-probs); one per line.
 mapfile -t RLK_OVERRIDES < <(python -c \
     "import rlk_integrations.adapters.verl as v; print('\n'.join(v.overrides('Qwen2ForCausalLM')))")
 

@@ -1,7 +1,7 @@
 """rlk inside verl 0.9.1 (the real release, on CPU: FSDP2 over gloo, verl's CPU platform from
 the plugin): verl's actor engine selected by ``VERL_ENGINE_VENDOR=rlk`` gives the log-probs and
-entropies of rlk's rollout bit for bit (world size 1 and 2, bf16 over fp32 master weights,
-four architectures, any micro-batching), verl's own log-prob path on the same engine does not,
+entropies of rlk's rollout bit for bit (bf16 over fp32 master weights, any micro-batching; five
+architectures at world size 1, four at 2), verl's own log-prob path on the same engine does not,
 a GRPO loop of verl's pieces keeps verl's ``rollout_probs_diff_max`` at 0, and options rlk
 cannot honour raise naming them.
 
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
     """Each model's tiny checkpoint and rlk rollout samples of it (prompts of 3 to 7 tokens,
     6 new tokens each, saved beside it for the spawned ranks)."""
     root = tmp_path_factory.mktemp("verl")
-    for name in vw.MODELS:
+    for name in vw.ALL_MODELS:
         path = vw.checkpoint(str(root / name), name)
         samples = vw.sample(vw.rollout_model(path), (5, 3, 7, 4), 6, seed=1)
         torch.save(samples, os.path.join(path, "samples.pt"))
@@ -97,7 +97,7 @@ def test_external_lib(checkpoints):
         )
 
 
-@pytest.mark.parametrize("name", vw.MODELS)
+@pytest.mark.parametrize("name", vw.ALL_MODELS)
 def test_infer_batch_bitwise(group, checkpoints, name):
     """``infer_batch`` on one rank: log-probs and entropies equal rlk's rollout bit for bit, in
     micro-batches of 1, 2 and all 4 samples, and in verl's dynamic batches (at most 20 tokens,
@@ -223,6 +223,8 @@ def test_overrides_apply_to_verls_config():
         "architectures": ["RLKQwen3ForCausalLM"]
     }
     rv.check_config(cfg)
+    # The tempered log-probabilities: any rollout temperature.
+    rv.check_config(_main_ppo_config(["actor_rollout_ref.rollout.temperature=0.7"]))
     with pytest.raises(NotImplementedError, match="rlk's rollout serves"):
         rv.overrides("MistralForCausalLM")
 
@@ -238,8 +240,16 @@ CONFIG_REFUSED = [
     ("actor_rollout_ref.model.tiled_mlp.enabled=True", "tiled_mlp.enabled=True"),
     ("actor_rollout_ref.actor.use_prefix_grouper=True", "use_prefix_grouper=True"),
     ("actor_rollout_ref.rollout.name=sglang", "rollout.name='sglang'"),
-    ("actor_rollout_ref.rollout.temperature=0.7", "rollout.temperature=0.7"),
-    ("actor_rollout_ref.rollout.logprobs_mode=processed_logprobs", "processed_logprobs"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor_model_parallel_size=2"),
+    (
+        "actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"
+        " actor_rollout_ref.rollout.temperature=0.7",
+        "temperature=0.7 with logprobs_mode='raw_logprobs'",
+    ),
+    (
+        "actor_rollout_ref.rollout.logprobs_mode=processed_logits",
+        "logprobs_mode='processed_logits'",
+    ),
 ]
 
 
@@ -247,7 +257,7 @@ CONFIG_REFUSED = [
 def test_check_config_refuses_by_name(line, named):
     """``check_config`` on a ``main_ppo`` config names each option rlk cannot honour."""
     with pytest.raises(NotImplementedError, match=re.escape(named)):
-        rv.check_config(_main_ppo_config([line]))
+        rv.check_config(_main_ppo_config(line.split()))
 
 
 def test_rlk_info_shows_the_verl_release():

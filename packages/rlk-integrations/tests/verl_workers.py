@@ -20,7 +20,9 @@ from rlk_integrations.engine import rollout, training  # noqa: E402
 from rlk_integrations.models import transformers as rt  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
+#: The models of the two-rank test; the one-rank test runs every architecture rlk patches.
 MODELS = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+ALL_MODELS = (*MODELS, "tiny-qwen2-moe")
 VOCAB = 512
 #: verl's mixed precision: bf16 compute over fp32 master weights.
 MIXED = dict(param_dtype="bf16", reduce_dtype="fp32", buffer_dtype="fp32")

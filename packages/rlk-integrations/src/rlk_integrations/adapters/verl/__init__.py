@@ -44,7 +44,12 @@ VENDOR = "rlk"
 #: The module verl loads: the ``verl.plugins`` entry point and ``external_lib``.
 PLUGIN = "rlk_integrations.adapters.verl.plugin"
 #: The checkpoint architectures the rollout serves (rlk's vLLM model classes).
-ROLLOUT_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROLLOUT_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 
 
 def overrides(architecture: str = "Qwen2ForCausalLM") -> list[str]:
@@ -56,7 +61,8 @@ def overrides(architecture: str = "Qwen2ForCausalLM") -> list[str]:
     path (``use_remove_padding``) and FSDP2, ask verl's fused-kernel contract with a backend name
     verl does not patch (``impl_backend=rlk``), load the model with sdpa (rlk replaces
     attention; flash-attn need not be installed), and run vLLM's rollout on rlk's model class
-    with the sampler's raw log-probabilities, which ``rollout.calculate_log_probs`` reports.
+    reporting the tempered log-probabilities verl's actor recomputes (``processed_logprobs``,
+    verl's default), which ``rollout.calculate_log_probs`` logs.
     ``NotImplementedError`` for an architecture rlk's rollout does not serve."""
     if architecture not in ROLLOUT_ARCHITECTURES:
         raise NotImplementedError(
@@ -76,7 +82,7 @@ def overrides(architecture: str = "Qwen2ForCausalLM") -> list[str]:
         f"{r}.name=vllm",
         f"{r}.tensor_model_parallel_size=1",
         f"{r}.calculate_log_probs=True",
-        f"{r}.logprobs_mode=raw_logprobs",
+        f"{r}.logprobs_mode=processed_logprobs",
         f"+{r}.engine_kwargs.vllm.hf_overrides={hf}",
     ]
 
@@ -94,7 +100,8 @@ def check_config(config: Any) -> None:
     OmegaConf ``DictConfig``) that rlk cannot honour, or that would run verl's own kernels
     instead of rlk's: Ulysses sequence parallelism, ``use_remove_padding=False``, LoRA, Liger,
     tiled MLP, the prefix grouper, verl's fused-kernel backends, FSDP1, another rollout than
-    vLLM, a rollout temperature other than 1 with raw log-probabilities; and ``RuntimeError``
+    vLLM, rollout tensor parallelism, a ``logprobs_mode`` other than ``processed_logprobs`` or
+    ``raw_logprobs``, ``raw_logprobs`` at a temperature other than 1; and ``RuntimeError``
     for another verl release (:func:`check_verl`)."""
     check_verl()
     from rlk_integrations.adapters.verl.engine import refused
@@ -123,13 +130,16 @@ def check_config(config: Any) -> None:
     tp = int(g(f"{r}.tensor_model_parallel_size", 1))
     if tp != 1:
         bad.append(f"{r}.tensor_model_parallel_size={tp} (rlk's vLLM models run unsharded)")
+    # processed_logprobs: the tempered distribution, what the actor recomputes at the rollout's
+    # temperature; raw_logprobs: temperature 1's, equal to the actor's at temperature 1 only.
     mode = g(f"{r}.logprobs_mode", "processed_logprobs")
-    if mode != "raw_logprobs":
-        bad.append(f"{r}.logprobs_mode={mode!r} (rlk's vLLM sampler reports raw_logprobs)")
-    if float(g(f"{r}.temperature", 1.0)) != 1.0:
+    temperature = float(g(f"{r}.temperature", 1.0))
+    if mode not in ("processed_logprobs", "raw_logprobs"):
+        bad.append(f"{r}.logprobs_mode={mode!r} (rlk's vLLM sampler reports log-probabilities)")
+    elif mode == "raw_logprobs" and temperature != 1.0:
         bad.append(
-            f"{r}.temperature={g(f'{r}.temperature')} (raw log-probabilities are those of "
-            "temperature 1, which the actor recomputes)"
+            f"{r}.temperature={temperature} with logprobs_mode='raw_logprobs' (temperature 1's "
+            "log-probabilities; the actor recomputes the tempered ones: processed_logprobs)"
         )
     if bad:
         raise NotImplementedError("rlk's verl integration does not support " + "; ".join(bad))
