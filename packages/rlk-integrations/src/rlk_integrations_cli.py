@@ -27,9 +27,9 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
     pk.add_argument(
         "--model",
         default="tiny",
-        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, qwen2-0.5b, "
-        "qwen3-0.6b, llama3-8b-4layers; random weights) or a local checkpoint directory "
-        "(default: tiny)",
+        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, tiny-qwen3-moe, "
+        "tiny-qwen2-moe, qwen2-0.5b, qwen3-0.6b, llama3-8b-4layers; random weights) or a local "
+        "checkpoint directory (default: tiny)",
     )
     pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
     pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
