@@ -268,3 +268,20 @@ def test_rlk_info_shows_the_verl_release():
     found = {i["name"]: i for i in info_dict()["integrations"]}
     assert found["verl"]["tested"] == found["verl"]["installed"] == rv.TESTED_VERL
     assert found["verl"]["ok"] is True
+
+
+def test_example_command_line_composes():
+    """``examples/verl_grpo.sh``'s ``main_ppo`` arguments, with ``overrides()`` where the script
+    puts them, compose onto verl's own config and pass ``check_config`` (the script itself is
+    not run: it wants GPUs)."""
+    import shlex
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[3] / "examples" / "verl_grpo.sh").read_text()
+    command = script[script.index("python -m verl.trainer.main_ppo") :]
+    args = shlex.split(command.replace("\\\n", " "), comments=False)[3:]
+    args = [a for a in args if not a.startswith("$")]  # "${RLK_OVERRIDES[@]}" and "$@"
+    assert len(args) > 30 and all("=" in a for a in args), args
+    cfg = _main_ppo_config([a.replace("$DATA", "/data").replace("$MODEL", "m") for a in args])
+    assert cfg.algorithm.adv_estimator == "grpo"
+    rv.check_config(cfg)
