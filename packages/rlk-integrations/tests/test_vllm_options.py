@@ -206,7 +206,7 @@ def test_load_weights_checks_the_whole_bucket_then_copies_and_tracks_staleness()
     bad = named[:2] + [
         ("model.layers.9.mlp.up_proj.weight", named[0][1]),
         (named[2][0], named[2][1][:1]),
-        (named[3][0], named[3][1].float()),
+        (named[3][0], named[3][1].to(torch.int32)),
     ]
     with pytest.raises(ValueError, match="no weight changed, the bucket has 3 bad entries") as e:
         model.load_weights(bad)
@@ -231,3 +231,19 @@ def test_load_weights_checks_the_whole_bucket_then_copies_and_tracks_staleness()
     model.load_weights(named[:1])
     assert model.declare_partial_update() == total - 1
     model._check_fresh()
+
+
+def test_load_weights_rounds_fp32_master_weights_as_the_trainer_casts_them():
+    """verl's and TRL's sync send fp32 master weights into a bf16 rollout model: the copy is the
+    trainer's own cast (round to nearest even), bit for bit."""
+    model = bare_model()
+    model.hf.to(torch.bfloat16)
+    master = [
+        (n, torch.randn(p.shape, dtype=torch.float32)) for n, p in model.hf.named_parameters()
+    ]
+    model.load_weights(master)
+    for n, p in model.hf.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, dict(master)[n].to(torch.bfloat16)), n
+    name, p = next(iter(model.hf.named_parameters()))
+    assert not torch.equal(p.float(), dict(master)[name])  # rounded, not stored in fp32

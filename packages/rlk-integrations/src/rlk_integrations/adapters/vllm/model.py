@@ -171,9 +171,13 @@ class RLKForCausalLM(nn.Module):
         expert's ``model.layers.0.mlp.experts.3.gate_proj.weight``, which lands in its slice of
         the fused ``experts.gate_up_proj``) or the model's own parameter names (the fused
         expert tensors whole, as a trainer's ``named_parameters()`` gives them). Each tensor must
-        have its destination's shape and dtype (no cast: the trainer's bits are the rollout's).
-        The whole bucket is checked first, then copied: a ``ValueError`` naming every bad entry
-        (unknown name, shape, dtype) changes no weight.
+        have its destination's shape and a floating dtype. One of another precision (a trainer's
+        fp32 master weights, an fp32 checkpoint served in bf16: what verl's bucketed sync and TRL
+        send) is rounded to the model's dtype by ``copy_``, round to nearest even, the cast a
+        mixed-precision trainer makes of its master weights for its own forward, so the rollout
+        computes with the trainer's bits. The whole bucket is checked first, then copied: a
+        ``ValueError`` naming every bad entry (unknown name, shape, a non-floating dtype)
+        changes no weight.
 
         An update is complete when every tensor of the checkpoint has been pushed since the last
         complete one. While one is incomplete (a later bucket failed, or is still to come),
@@ -195,8 +199,8 @@ class RLKForCausalLM(nn.Module):
             elif tensor.shape != target[1].shape:
                 shape = tuple(target[1].shape)
                 errors.append(f"{name}: shape {tuple(tensor.shape)}, the model's {shape}")
-            elif tensor.dtype != target[1].dtype:
-                errors.append(f"{name}: dtype {tensor.dtype}, the model's {target[1].dtype}")
+            elif not tensor.dtype.is_floating_point:
+                errors.append(f"{name}: dtype {tensor.dtype}, not a floating dtype")
             targets.append(target)
         if errors:
             raise ValueError(
