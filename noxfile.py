@@ -112,7 +112,10 @@ AOT_CACHE = "packages/rlk-triton/aot_cache.json"
 #: The ops of stage 2b: those whose results AOT_CACHE holds. The matrix of every op is up to
 #: about 4,000 compilations (0.6 CPU-s each in Triton, plus ptxas) and runs in ``nox -s aot``; an op
 #: joins this list once that session has written its results to AOT_CACHE.
-AOT_CI_OPS = "rms_norm,silu_and_mul,apply_rotary,logprobs"
+AOT_CI_OPS = ",".join([
+    "rms_norm", "silu_and_mul", "apply_rotary", "logprobs", "policy_loss", "kl_penalty",
+    "grpo_advantages", "gae_advantages", "value_loss", "moe_route",
+])  # fmt: skip
 
 
 def _aot(session: nox.Session, ops: str | None = None) -> None:
