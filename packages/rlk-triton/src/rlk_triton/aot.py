@@ -180,6 +180,8 @@ def _stand_in(value: Any) -> Any:
             _stand_in(value.base), tuple(value.shape), tuple(value.strides),
             tuple(value.block_shape), getattr(value, "padding", "zero"),
         )  # fmt: skip
+    if type(value) in (tuple, list):
+        return type(value)(_stand_in(v) for v in value)
     return value
 
 
@@ -538,6 +540,8 @@ def _real(value: Any) -> Any:
 
         return TensorDescriptor(_real(value.base), list(value.shape), list(value.strides),
                                 list(value.block_shape), padding=value.padding)  # fmt: skip
+    if type(value) in (tuple, list):
+        return type(value)(_real(v) for v in value)
     return value
 
 
@@ -566,7 +570,7 @@ def _compile_one(kernel, args: tuple, kwargs: dict, target_name: str, memo: dict
         vendor, arch, warp = TARGETS[target_name]
         target = GPUTarget(vendor, arch, warp)
         backend = make_backend(target)
-        kw = {k: DEVICE_CONSTEXPRS[k][vendor] if k in DEVICE_CONSTEXPRS else v
+        kw = {k: DEVICE_CONSTEXPRS[k][vendor] if k in DEVICE_CONSTEXPRS else _real(v)
               for k, v in kwargs.items()}  # fmt: skip
         kw.setdefault("debug", False)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
