@@ -169,15 +169,15 @@ def test_a_weight_update_in_buckets_resets_the_prefix_cache(llm, checkpoint):
 
 
 def test_a_bad_bucket_changes_no_weight(llm, checkpoint):
-    """A bucket with an unknown name, a wrong shape and a wrong dtype among good tensors: an
-    error naming all three, no parameter stale, and the model still the checkpoint's."""
+    """A bucket with an unknown name, a wrong shape and a non-floating dtype among good tensors:
+    an error naming all three, no parameter stale, and the model still the checkpoint's."""
     from vllm import SamplingParams
 
     good = named_weights(perturbed(checkpoint, seed=3))
     bad = good[:2] + [
         ("model.layers.9.mlp.up_proj.weight", good[0][1]),
         (good[2][0], good[2][1][:1]),
-        (good[3][0], good[3][1].float()),
+        (good[3][0], good[3][1].to(torch.int32)),
     ]
     with pytest.raises(Exception, match="no weight changed, the bucket has 3 bad entries") as e:
         llm.collective_rpc("rlk_update_weights", args=(rvw.pack(bad),))
