@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from rlk_commands import Command, _plugin_commands, parse  # noqa: F401  (Command: see above)
+from rlk_commands import Command, parse  # noqa: F401  (Command: see above)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def _plugin_commands() -> dict[str, Command | str]:
+def plugin_commands() -> dict[str, Command | str]:
     """The commands of the group ``rlk.commands``, by name: the :class:`Command`, or why its
     entry point cannot be used (the reason is reported when the command is run)."""
     from importlib.metadata import entry_points
@@ -74,7 +74,7 @@ def _plugin_commands() -> dict[str, Command | str]:
 def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
     """One subcommand per plugin command, and a stub per known command that is not installed
     (or is broken): the stub takes any arguments and makes :func:`main` say what is wrong."""
-    found = _plugin_commands()
+    found = plugin_commands()
     for name in sorted(set(found) | set(KNOWN_COMMANDS)):
         cmd = found.get(name)
         if isinstance(cmd, Command):

@@ -21,8 +21,8 @@ def test_help_and_version_do_not_import_torch():
     so does the --help of every installed plugin command (``rlk consistency`` with
     rlk-integrations)."""
     code = (
-        "import sys, rlk_cli\n"
-        "plugins = [[name, '--help'] for name in rlk_cli._plugin_commands()]\n"
+        "import sys, rlk_cli, rlk_commands\n"
+        "plugins = [[name, '--help'] for name in rlk_commands.plugin_commands()]\n"
         "own = [['--help'], ['--version'], ['info', '--help'], ['bench', '--help']]\n"
         "for argv in own + plugins:\n"
         "    try:\n"
@@ -90,7 +90,7 @@ def test_a_plugin_command_runs_and_its_backend_errors_are_one_line(capsys, monke
         return 0
 
     cmd = rlk_cli.Command(help="a test command", add_arguments=add_arguments, run=run)
-    monkeypatch.setattr(rlk_commands, "_plugin_commands", lambda: {"probe": cmd})
+    monkeypatch.setattr(rlk_commands, "plugin_commands", lambda: {"probe": cmd})
     assert "a test command" in rlk_commands.parser().format_help()
     assert rlk_cli.main(["probe", "--backend", "triton"]) == 0 and seen == {"backend": "triton"}
     assert rlk_cli.main(["probe", "--backend", "bogus"]) == 2

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import rlk_cli  # noqa: E402
+import rlk_commands  # noqa: E402
 from rlk import bench, cli  # noqa: E402
 
 
@@ -17,7 +18,7 @@ def test_the_command_and_the_family_are_registered():
     import rlk_integrations_cli
     from rlk_integrations.tools import e2e_bench
 
-    assert rlk_cli._plugin_commands()["consistency"] is rlk_integrations_cli.CONSISTENCY
+    assert rlk_commands.plugin_commands()["consistency"] is rlk_integrations_cli.CONSISTENCY
     assert bench.available() == list(bench.FAMILIES)
     assert bench.family_module("e2e") is e2e_bench
     assert bench.family_module("e2e-long") is e2e_bench.LONG
