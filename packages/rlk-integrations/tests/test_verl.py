@@ -204,6 +204,27 @@ def test_engine_refuses_architecture_and_release(tmp_path, checkpoints, monkeypa
         RLKEngineWithLMHead(*vw.configs(str(checkpoints / "tiny")))
 
 
+def test_engine_names_a_trl_without_the_value_head_model(checkpoints, monkeypatch):
+    """A TRL that lacks ``AutoModelForCausalLMWithValueHead`` (1.16, say) makes verl 0.9.1's
+    every model build fail inside its monkey patch: the engine names the cause first, and
+    ``rlk info`` marks verl not ok."""
+    import types
+
+    from rlk.cli import info_dict
+    from rlk_integrations.adapters.verl.engine import RLKEngineWithLMHead
+    from rlk_integrations.adapters.verl.release import trl_conflict
+
+    fake = types.ModuleType("trl")
+    fake.__version__ = "1.16.0"
+    monkeypatch.setitem(sys.modules, "trl", fake)
+    with pytest.raises(RuntimeError, match="installed trl 1.16.0 has none.*pip uninstall trl"):
+        RLKEngineWithLMHead(*vw.configs(str(checkpoints / "tiny")))
+    found = {i["name"]: i for i in info_dict()["integrations"]}
+    assert found["verl"]["ok"] is False and "pip uninstall trl" in found["verl"]["note"]
+    fake.AutoModelForCausalLMWithValueHead = object  # a TRL that has it passes the check
+    assert trl_conflict() is None
+
+
 def _main_ppo_config(extra: list[str]):
     """verl's own ``ppo_trainer`` Hydra config with ``overrides()`` and ``extra`` applied."""
     import verl.trainer.config as cfg_pkg

@@ -35,7 +35,7 @@ from verl.workers.engine.fsdp import transformer_impl
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 import rlk
-from rlk_integrations.adapters.verl.release import check_verl
+from rlk_integrations.adapters.verl.release import check_verl, trl_conflict
 from rlk_integrations.models.architectures import architecture, decoder
 
 #: The lm_head method that computes log-probs and entropies (an FSDP forward method when
@@ -144,6 +144,9 @@ class RLKEngineWithLMHead(FSDPEngineWithLMHead):
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         check_verl()
+        conflict = trl_conflict()
+        if conflict is not None:
+            raise RuntimeError(conflict)
         architecture(model_config.hf_config, "verl")
         bad = refused(
             strategy=engine_config.strategy,
