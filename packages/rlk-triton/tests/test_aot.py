@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from rlk_triton import _triton, aot, backend
+from rlk_triton import _triton, aot, aot_compile, aot_record, backend
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -29,13 +29,13 @@ import aot_planted as planted  # noqa: E402
 ROOT = HERE.parents[2]
 
 
-def _record(launch, platform: str, call: str, config: int) -> list[aot.Launch]:
-    out: list[aot.Launch] = []
+def _record(launch, platform: str, call: str, config: int) -> list[aot_record.Launch]:
+    out: list[aot_record.Launch] = []
 
     def sink(kernel, args, kwargs):
-        out.append(aot.launch_of(kernel, args, kwargs, platform, call, config))
+        out.append(aot_record.launch_of(kernel, args, kwargs, platform, call, config))
 
-    with aot.recording(sink):
+    with aot_record.recording(sink):
         launch()
     return out
 
@@ -53,21 +53,21 @@ def _configs(n: int, tables: list[str]) -> list[dict]:
 def test_analyse_reads_atomics_and_matrix_kinds():
     amd = {"amdgcn": "global_atomic_add_f32 v1, v2\n v_mfma_f32_32x32x8_bf16 a[0:15]",
            "llir": "%1 = atomicrmw fadd ptr addrspace(1) %p, float %v acq_rel"}  # fmt: skip
-    assert aot.analyse(amd) == {
+    assert aot_compile.analyse(amd) == {
         "float_atomics": ["global_atomic_add_f32", "llir: atomicrmw fadd float"],
         "matrix": ["v_mfma_f32_32x32x8_bf16"],
     }
     # gfx90a: a compare-and-swap loop counts where the IR holds a float atomic, not otherwise.
     cas = "global_atomic_cmpswap v0, v[2:3]"
-    assert aot.analyse({"amdgcn": cas, "llir": amd["llir"]})["float_atomics"] == [
+    assert aot_compile.analyse({"amdgcn": cas, "llir": amd["llir"]})["float_atomics"] == [
         "global_atomic_cmpswap", "llir: atomicrmw fadd float"]  # fmt: skip
-    assert aot.analyse({"amdgcn": cas, "llir": "atomicrmw add ptr %p, i32 1"}) == {
+    assert aot_compile.analyse({"amdgcn": cas, "llir": "atomicrmw add ptr %p, i32 1"}) == {
         "float_atomics": [], "matrix": []}  # fmt: skip
     ptx = ("red.global.gpu.acq_rel.add.f32 [%rd1], %f1;\n atom.global.gpu.acq_rel.add.u32 %r1;\n"
            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};\n"
            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {...};\n"
            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};")  # fmt: skip
-    got = aot.analyse({"ptx": ptx})
+    got = aot_compile.analyse({"ptx": ptx})
     assert got["float_atomics"] == ["red.global.gpu.acq_rel.add.f32"]
     # wgmma's N follows the tile and is folded; K and the types are kept.
     assert got["matrix"] == ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
@@ -150,17 +150,17 @@ def test_planted_kernel_that_does_not_compile_for_a_claimed_target():
 def test_every_rlk_kernel_is_built_by_rlk_jit():
     mods = list(backend._modules().values())
     assert len(mods) > 10
-    assert aot.bare_kernels(mods) == []
+    assert aot_record.bare_kernels(mods) == []
     # Every source file of every rlk distribution, imported here or not (engine adapters).
     pattern = str(ROOT / "packages" / "*" / "src" / "**" / "*.py")
     files = [f for f in glob.glob(pattern, recursive=True) if not f.endswith("/_triton.py")]
     assert len(files) > 50
-    assert aot.bare_jit_sources(files) == []
+    assert aot_record.bare_jit_sources(files) == []
 
 
 def test_a_bare_triton_jit_kernel_is_found():
-    assert aot.bare_kernels([planted]) == ["aot_planted:bare_kernel"]
-    lines = [int(s.rsplit(":", 1)[1]) for s in aot.bare_jit_sources([planted.__file__])]
+    assert aot_record.bare_kernels([planted]) == ["aot_planted:bare_kernel"]
+    lines = [int(s.rsplit(":", 1)[1]) for s in aot_record.bare_jit_sources([planted.__file__])]
     src = pathlib.Path(planted.__file__).read_text().splitlines()
     assert [src[n - 1].strip() for n in lines] == ["@triton.jit"]
 
@@ -172,14 +172,14 @@ def test_a_bare_triton_jit_kernel_is_found():
 
 _FUSION = """
 import pickle, sys
-from rlk_triton import aot
+from rlk_triton import aot_compile
 args = pickle.loads(sys.stdin.buffer.read())
 out = {}
 for name, kw in (("aot_planted:mul_add_kernel", {"enable_fp_fusion": False}),
                  ("aot_planted:bare_kernel", {})):
-    k = aot._kernel(name)
+    k = aot_compile._kernel(name)
     for t in ("sm_90", "gfx942"):
-        asm = aot._compile_one(k, args, dict(kw, BLOCK=64), t)[1].asm
+        asm = aot_compile._compile_one(k, args, dict(kw, BLOCK=64), t)[1].asm
         out[(name, t)] = asm.get("ptx") or asm.get("amdgcn")
 sys.stdout.buffer.write(pickle.dumps(out))
 """
@@ -192,7 +192,7 @@ def _fusion_code(default: str) -> dict:
     import pickle
 
     x = planted.inputs()["x"]
-    args = tuple(aot._stand_in(t) for t in (x, x, torch.empty_like(x))) + (64,)
+    args = tuple(aot_record._stand_in(t) for t in (x, x, torch.empty_like(x))) + (64,)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION=default)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     res = subprocess.run([sys.executable, "-c", _FUSION], input=pickle.dumps(args), env=env,
@@ -254,22 +254,22 @@ def test_fusion_default_does_not_change_bits_under_the_interpreter():
 @pytest.fixture(scope="module")
 def recorded():
     """Every op's launches (all cases, every config set of every table, both vendors)."""
-    return aot.record()
+    return aot_record.record()
 
 
 def test_every_launched_kernel_is_recorded(recorded):
     """Every kernel an rlk_triton module launches is recorded by some op (a kernel the check
     never sees would go unchecked), and each recorded kernel is one a module launches."""
     launches, configs = recorded
-    launched = set(aot.launched_kernels(aot._kernel_modules()))
+    launched = set(aot_record.launched_kernels(aot_record._kernel_modules()))
     found = {ln.kernel for ln in launches}
-    assert launched - found == set(aot.NOT_RECORDED)
+    assert launched - found == set(aot_record.NOT_RECORDED)
     assert found <= launched
     # Every config set of every table was run, on both vendors.
     tables = {t for c in configs for t in c["tables"]}
     assert {"triton", "cuda", "rocm"} <= tables
     assert {(ln.config, ln.platform) for ln in launches} == {
-        (i, p) for i in range(len(configs)) for p in aot.PLATFORMS
+        (i, p) for i in range(len(configs)) for p in aot_record.PLATFORMS
     }
     assert all(ln.kwargs["enable_fp_fusion"] is False for ln in launches)
 
@@ -278,7 +278,7 @@ def test_every_launched_kernel_is_recorded(recorded):
 def test_kernels_compile_and_keep_the_contract_smoke():
     """Each op's first case with its first config set, compiled for gfx942 and sm_90, with no
     cache (the whole matrix is stage 2b of ``nox -s tests``)."""
-    launches, configs = aot.record(quick=True)
+    launches, configs = aot_record.record(quick=True)
     first_config: dict[str, int] = {}
     first_case: dict[str, str] = {}
     some = []
