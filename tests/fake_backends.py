@@ -121,6 +121,17 @@ def reordered_combine(x, indices, weights, gate_up, down, **kwargs):
     return out.to(x.dtype)
 
 
+def arrival_order_router(logits, bias, top_k, n_group=1, topk_group=1, normalize=True,
+                         scale=1.0, **kwargs):  # fmt: skip
+    """moe_route_grouped with ties (of experts and of groups) to the later index, as a router
+    that keeps the last best it meets: the float64 oracle on the experts in reverse order.
+    Accurate and batch-invariant off ties; the kit's tie cases must catch it."""
+    w, idx = _ref_moe.moe_route_grouped(
+        logits.flip(1), bias.flip(0), top_k, n_group, topk_group, normalize, scale
+    )
+    return w, logits.shape[1] - 1 - idx
+
+
 def crashing(*args, **kwargs):
     raise RuntimeError("boom: kernel exploded")
 
@@ -153,6 +164,9 @@ def _loaders():
         "fake_moe_order": lambda: _impl(
             {"accuracy", "batch_invariance", "path_invariance"},
             {"moe_route": _ref_moe.moe_route, "moe_experts": reordered_combine},
+        ),
+        "fake_route_ties": lambda: _impl(
+            {"accuracy", "batch_invariance"}, {"moe_route_grouped": arrival_order_router}
         ),
         "fake_broken": lambda: BackendImpl(
             ops={

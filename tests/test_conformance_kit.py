@@ -122,6 +122,19 @@ def test_reordered_moe_combine_fails_path_invariance_only(fakes):
     assert row.status == "fail" and "combine" in row.detail
 
 
+def test_grouped_router_breaking_ties_by_arrival_order_fails_accuracy(fakes):
+    """DeepSeek-V3's router with ties of experts and of groups to the later index is accurate
+    and batch-invariant, and chooses other experts on the tie cases: the kit's accuracy check
+    (indices exactly the oracle's) catches it; the float64 oracle and rlk-triton pass."""
+    r = testing.run_conformance(backend="fake_route_ties", ops=["moe_route_grouped"], device="cpu")
+    row = r.row("moe_route_grouped", "accuracy")
+    assert row.status == "fail" and "differ" in row.detail, row.detail
+    assert _status(r, "moe_route_grouped", "batch_invariance") == "pass"
+    for backend in ("reference", "triton"):
+        r = testing.run_conformance(backend=backend, ops=["moe_route_grouped"], device="cpu")
+        assert r.ok, testing.format_table(r)
+
+
 def test_optional_op_a_backend_lacks_is_skipped(fakes):
     r = testing.run_conformance(backend="fake_batchdep", ops=["moe_route"], device="cpu")
     assert (r.row("moe_route", "implemented").status, r.ok) == ("skip", True)

@@ -123,6 +123,10 @@ CASES = {
     ),
     "value_loss": _value,
     "moe_route": lambda: ((_t(5, 8, dtype=BF, grad=True), 3), {"normalize": True}),
+    "moe_route_grouped": lambda: (
+        (_t(5, 8, grad=True), _t(8, seed=1), 3),
+        {"n_group": 4, "topk_group": 2, "normalize": True, "scale": 2.5},
+    ),
     "moe_experts": lambda: (
         (
             _t(5, 8, dtype=BF, grad=True),

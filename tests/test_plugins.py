@@ -261,7 +261,8 @@ def test_info_lists_each_backends_ops(plugins, capsys):
     cli.main(["info"])
     out = capsys.readouterr().out
     n = len(rlk.OPS)
-    assert f"ops: {n - 1} of the {n} required; optional: moe_experts, tree_linear" in out
+    optional = "optional: moe_route_grouped, moe_experts, tree_linear"
+    assert f"ops: {n - 1} of the {n} required; {optional}" in out
     assert "optional ops it lacks: moe_route\n" in out
     assert f"ops: {n} of the {n} required; optional: none" in out
 

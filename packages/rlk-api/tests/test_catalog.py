@@ -21,7 +21,7 @@ def test_ops_are_the_required_specs_in_order():
     assert rlk.OPS == OPS == tuple(s.name for s in CATALOG if not s.optional)
     assert OPS[:4] == ("linear", "rms_norm", "silu_and_mul", "apply_rotary")  # FAMILIES' order
     assert OPTIONAL_OPS == (
-        "moe_route", "moe_experts", "tree_linear", "column_tree_linear",
+        "moe_route", "moe_route_grouped", "moe_experts", "tree_linear", "column_tree_linear",
         "vocab_parallel_linear_logprobs",
     )  # fmt: skip
     assert len(SPECS) == len(CATALOG)  # names are unique

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 #: The ops this module holds (``rlk_reference`` exports them).
-__all__ = ["moe_route", "moe_experts"]
+__all__ = ["moe_route", "moe_route_grouped", "moe_experts"]
 
 
 def route_order(logits: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,42 @@ def moe_route(
     picked = e.gather(1, indices)
     total = picked.sum(-1, keepdim=True) if normalize else e.sum(-1, keepdim=True)
     return (picked / total).to(torch.float32), indices
+
+
+def moe_route_grouped(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    normalize: bool = True,
+    scale: float = 1.0,
+    *,
+    table=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's group-limited sigmoid router over ``logits [T, E]`` with the selection
+    ``bias [E]``: ``(weights, indices)``, float32 and int64 ``[T, top_k]`` (see
+    :func:`rlk.moe_route_grouped`). ``s = sigmoid(logits)``, ``c = s + bias``; the
+    ``topk_group`` groups (``E / n_group`` consecutive experts) of largest top-2 sum of ``c``,
+    then the ``top_k`` largest ``c`` among them, ties to the lower index; weights ``s`` there,
+    over their sum + 1e-20 with ``normalize``, times ``scale``."""
+    T, E = logits.shape
+    s = torch.sigmoid(logits.double())
+    c = s.detach() + bias.double()
+    size = E // n_group
+    top2 = c.view(T, n_group, size).gather(2, route_order(c.view(T, n_group, size))[..., :2])
+    groups = route_order(top2[..., 0] + top2[..., 1])[:, :topk_group]
+    allowed = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+    allowed.scatter_(1, groups, True)
+    allowed = allowed.repeat_interleave(size, dim=1)
+    order = route_order(c)
+    # The allowed experts first, each part still by decreasing c (a stable sort of a flag).
+    first = torch.sort((~allowed.gather(1, order)).to(torch.int8), dim=1, stable=True).indices
+    indices = order.gather(1, first)[:, :top_k].contiguous()
+    picked = s.gather(1, indices)
+    if normalize:
+        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)
+    return (picked * scale).to(torch.float32), indices
 
 
 def moe_experts(

@@ -1,8 +1,9 @@
 """Mixture-of-experts: the router's softmax / top-k, and the experts' SwiGLU MLPs combined.
 
-``moe_route(logits, top_k, normalize)`` picks each token's experts; ``moe_experts(x, indices,
-weights, gate_up, down)`` runs them. The numerics, fixed by this module's code and constants,
-never by the batch or a tuning config:
+``moe_route(logits, top_k, normalize)`` picks each token's experts (DeepSeek-V3's router,
+``moe_route_grouped``, is :mod:`rlk_triton.moe_grouped`'s, exported here); ``moe_experts(x,
+indices, weights, gate_up, down)`` runs them. The numerics, fixed by this module's code and
+constants, never by the batch or a tuning config:
 
 - Routing, one row per token: the top-k by decreasing logit, compared as order-preserving
   int32 keys of the fp32 logits (``-0.0`` counts as ``+0.0``, NaN above ``+inf``), ties to the
@@ -37,10 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from rlk_triton import _bounds, tuning
+from rlk_triton import _bounds, moe_grouped, tuning
 from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 from rlk_triton.gemm import BLOCK_K
 from rlk_triton.logprobs import tree_sum
+from rlk_triton.moe_grouped import moe_route_grouped  # noqa: F401  (an op of this family)
 from rlk_triton.tuning import Rule
 
 #: Lanes of the d(weights) dot over the intermediate axis (sets its order: a constant).
@@ -602,6 +604,7 @@ def _experts_split_backward(grads, outs, extras, needs, x, indices, weights, gat
 AUTOGRAD = {
     "moe_route": (_route_split_forward, _route_split_backward),
     "moe_experts": (_experts_split_forward, _experts_split_backward),
+    **moe_grouped.AUTOGRAD,
 }
 
 
@@ -674,6 +677,8 @@ def _choose_rows(**shape: int) -> int:
 TUNING = {
     "moe_route.fwd": Rule(configs=_ROW_CONFIGS, choose=_choose_rows),
     "moe_route.bwd": Rule(configs=_ROW_CONFIGS, choose=_choose_rows),
+    "moe_route_grouped.fwd": Rule(configs=_ROW_CONFIGS, choose=_choose_rows),
+    "moe_route_grouped.bwd": Rule(configs=_ROW_CONFIGS, choose=_choose_rows),
     "moe_experts.gate_up": Rule(configs=_GEMM_CONFIGS, choose=_choose_gemm),
     "moe_experts.gemm": Rule(configs=_GEMM_CONFIGS, choose=_choose_gemm),
     "moe_experts.dw": Rule(configs=_DW_CONFIGS, choose=_choose_dw),

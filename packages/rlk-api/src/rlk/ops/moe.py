@@ -1,15 +1,16 @@
-"""Mixture of experts: the router's top-k (:func:`moe_route`) and the experts (:func:`moe_experts`).
+"""Mixture of experts: the routers' top-k (:func:`moe_route`; DeepSeek-V3's group-limited sigmoid
+router, :func:`moe_route_grouped`) and the experts (:func:`moe_experts`).
 
-A mixture-of-experts layer is ``rlk.linear`` (the router's logits), then :func:`moe_route`, then
-:func:`moe_experts`. Both are optional ops (``rlk._catalog``): a backend without them raises
-:class:`rlk.BackendError` naming those that have them; rlk never runs another backend's kernel
-in their place. Each is also a ``torch.library`` operator (``torch.ops.rlk.moe_route``,
-``moe_experts``), opaque to ``torch.compile`` as the required ops are: its backward runs the
-backend's backward kernels on what the forward kept (rlk-triton's ``OpAutograd``), or, for a
-backend without that pair, the op again under autograd. Contract (docs/guide.md,
-"Mixture of experts"): a token's experts, weights and output depend only on its own row, its
-experts' weights and nothing of the batch; ties go to the lower expert index; the k expert
-outputs are added in rank order.
+A mixture-of-experts layer is ``rlk.linear`` (the router's logits), then :func:`moe_route` (or
+:func:`moe_route_grouped`), then :func:`moe_experts`. All are optional ops (``rlk._catalog``): a
+backend without them raises :class:`rlk.BackendError` naming those that have them; rlk never
+runs another backend's kernel in their place. Each is also a ``torch.library`` operator
+(``torch.ops.rlk.moe_route``, ``moe_experts``), opaque to ``torch.compile`` as the required ops
+are: its backward runs the backend's backward kernels on what the forward kept (rlk-triton's
+``OpAutograd``), or, for a backend without that pair, the op again under autograd. Contract
+(docs/guide.md, "Mixture of experts"): a token's experts, weights and output depend only on its
+own row, its experts' weights and nothing of the batch; ties go to the lower expert index; the k
+expert outputs are added in rank order.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rlk import selection
 from rlk._catalog import Operator, no_extras, op
 
 #: The ops declared here (``rlk`` exports them).
-__all__ = ["moe_route", "moe_experts"]
+__all__ = ["moe_route", "moe_route_grouped", "moe_experts"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -72,6 +73,76 @@ def moe_route(
     chk.flag("normalize", normalize)
     fn = selection.optional_op(logits.device, "moe_route", "rlk.moe_route")
     return fn(logits, top_k, normalize)
+
+
+@op(
+    "moe",
+    grad_args=("logits",),
+    unit_grads=("logits",),
+    out_dtype="float32,int64",
+    optional=True,
+    operator=Operator(
+        "Tensor logits, Tensor bias, int top_k, int n_group, int topk_group, bool normalize, "
+        "float scale",
+        outputs=_routed,
+        extras=no_extras,
+        saved_outputs=lambda a: (0, 1),
+    ),
+)
+def moe_route_grouped(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    normalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``): each token's ``top_k``
+    experts by sigmoid score plus a selection bias, from its ``topk_group`` best groups.
+
+    Shapes: ``logits [T, E]`` (bf16/fp16/fp32; DeepSeek-V3 computes them in fp32), ``bias
+    [E]`` (float, the ``e_score_correction_bias``) -> ``(weights, indices)``, float32 and int64
+    ``[T, top_k]``. In float32: ``s = sigmoid(logits)``, the selection score ``c = s + bias``.
+    The experts are ``n_group`` groups of ``E / n_group`` consecutive ones; a group's score is
+    the sum of its two largest ``c`` (the larger first); the ``topk_group`` groups of largest
+    score are kept, then the ``top_k`` experts of largest ``c`` among them, ranked by
+    decreasing ``c``. Scores are compared exactly (``-0.0`` equals ``+0.0``, NaN above every
+    number); ties, of experts and of groups, go to the lower index (``torch.topk``, which
+    transformers calls with ``sorted=False``, leaves the order of ties unspecified). ``weights``
+    are ``s`` at the chosen experts (the bias selects, it never weighs), with ``normalize``
+    divided by their sum (added in rank order) plus ``1e-20``, times ``scale`` (the
+    ``routed_scaling_factor``).
+
+    Contract: a row's results depend on that row (and ``bias``) only, bitwise.
+    Differentiable in ``logits`` through ``weights`` (``bias`` gets no gradient).
+
+    Example::
+
+        w, idx = rlk.moe_route_grouped(logits, gate.e_score_correction_bias, 8, n_group=8,
+                                       topk_group=4, normalize=True, scale=2.5)
+    """
+    chk.tensor("logits", logits, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
+    E = logits.shape[1]
+    chk.tensor("bias", bias, dtypes=chk.FLOAT_DTYPES, ndim=1)
+    chk.shape("bias", bias, (E,), "one per expert: logits.shape[1]")
+    chk.same_device(logits=logits, bias=bias)
+    chk.positive_int("top_k", top_k)
+    chk.positive_int("n_group", n_group)
+    chk.positive_int("topk_group", topk_group)
+    chk.flag("normalize", normalize)
+    scale = chk.positive_float("scale", scale)
+    if E % n_group or E // n_group < 2:
+        raise ValueError(f"n_group = {n_group} must divide the {E} experts in groups of >= 2")
+    if topk_group > n_group:
+        raise ValueError(f"topk_group = {topk_group} is more than n_group = {n_group}")
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(
+            f"top_k = {top_k} is more than the {topk_group * (E // n_group)} experts of "
+            f"topk_group = {topk_group} groups"
+        )
+    fn = selection.optional_op(logits.device, "moe_route_grouped", "rlk.moe_route_grouped")
+    return fn(logits, bias, top_k, n_group, topk_group, normalize, scale)
 
 
 def _expert_rows(a: dict) -> list[torch.Tensor]:
