@@ -1,10 +1,10 @@
 """Train with Megatron-core's ``GPTModel`` on rlk ops, with the rollout's bits.
 
-Two pieces:
+Three pieces:
 
 - **Weights.** :func:`hf_to_megatron` / :func:`megatron_to_hf` convert between a transformers
-  Llama / Qwen2 / Qwen3 ``*ForCausalLM`` state dict and the state dict of Megatron-core's
-  ``GPTModel`` with the local (non-TransformerEngine) layer spec at tensor-parallel size 1.
+  Llama / Qwen2 / Qwen3 / Qwen3-MoE ``*ForCausalLM`` state dict and the state dict of
+  Megatron-core's ``GPTModel`` (the local, non-TransformerEngine, layer spec; TP size 1).
   Only views, ``cat`` and ``split``: the round trip is bitwise. Megatron's fused QKV is grouped
   per KV head: for each of the ``num_query_groups`` groups, that group's q heads, then its k
   head, then its v head (weight rows and, for Qwen2, the bias). ``linear_fc1`` is
@@ -20,6 +20,12 @@ Two pieces:
   sequence per batch row (``sbhd``). :func:`build_gpt_model` makes such a ``GPTModel`` (or a
   stock one, ``use_rlk=False``) from a transformers config, and :func:`packed_logprobs` is the
   Megatron twin of :func:`rlk_integrations.engine.training.packed_logprobs`.
+- **Mixture of experts.** A Qwen3-MoE model's sparse layers are Megatron's ``MoELayer`` with
+  its ``TopKRouter`` and ``SequentialMLP`` experts (their parameter names), run on
+  :func:`rlk.moe_route` and :func:`rlk.moe_experts`: rlk's own sparse block's bits
+  (:mod:`rlk_integrations.models.megatron.moe`). Expert and tensor parallelism 1; the Megatron
+  MoE options rlk cannot honour are refused by name (:func:`check_moe_options`,
+  :data:`MOE_FIXED`).
 
 :func:`init_single_process` (or :func:`init_model_parallel` on an initialised TP group) sets
 up Megatron's model-parallel state and RNG tracker for these models and returns the teardown;
@@ -60,8 +66,12 @@ from rlk_integrations.adapters.megatron.logprobs import (
     packed_logprobs,
     packed_seq_params,
 )
-from rlk_integrations.models.architectures import SUPPORTED_MODEL_TYPES
-from rlk_integrations.models.megatron.config import megatron_config
+from rlk_integrations.models.megatron.config import (
+    MOE_FIXED,
+    SUPPORTED_MODEL_TYPES,
+    check_moe_options,
+    megatron_config,
+)
 from rlk_integrations.models.megatron.model import (
     block_spec,
     build_gpt_model,
@@ -77,11 +87,13 @@ from rlk_integrations.models.megatron.weights import (
 )
 
 __all__ = [
+    "MOE_FIXED",
     "SUPPORTED_MODEL_TYPES",
     "RlkCoreAttention",
     "RlkRMSNorm",
     "block_spec",
     "build_gpt_model",
+    "check_moe_options",
     "hf_to_megatron",
     "hidden_states",
     "init_distributed",

@@ -1,5 +1,6 @@
 """rlk's ``GPTModel``: the layer and block specs on the modules of
-:mod:`rlk_integrations.models.megatron.modules`, rotary from the transformers model's own table
+:mod:`rlk_integrations.models.megatron.modules` (and, for a Qwen3-MoE model's sparse layers,
+:mod:`rlk_integrations.models.megatron.moe`), rotary from the transformers model's own table
 (:mod:`rlk_integrations.models.rotary`), and :func:`build_gpt_model` from a transformers config.
 
 Example::
@@ -22,6 +23,7 @@ from rlk_integrations.models.megatron.modules import (
     _make_self_attention,
     _mlp_spec,
 )
+from rlk_integrations.models.megatron.moe import moe_spec
 from rlk_integrations.models.rotary import RotaryTable
 
 
@@ -31,14 +33,22 @@ def rotary_table(hf_config: Any) -> Any:
     return RotaryTable.for_config(hf_config)
 
 
-def layer_spec(rotary: Any, *, qk_layernorm: bool = False, leaves: int | None = None):
+def layer_spec(
+    rotary: Any, *, qk_layernorm: bool = False, leaves: int | None = None, moe: bool = False
+):
     """A ``TransformerLayer`` spec on rlk ops (see the module docstring).
 
     ``rotary``: :func:`rotary_table`'s object. ``leaves``: None for TP=1 on :func:`rlk.linear`;
     a power of two for :mod:`rlk.parallel`'s tree-ordered linears, whose bits do not depend on
     the TP size (the rollout must then run o_proj/down_proj as ``tree_linear`` with the same
-    ``leaves``).
+    ``leaves``). ``moe``: a sparse layer (:func:`rlk_integrations.models.megatron.moe.moe_spec`;
+    no ``leaves``: the rollout has no tree-ordered MoE layout).
     """
+    if moe and leaves is not None:
+        raise NotImplementedError(
+            "leaves (tree-ordered row-parallel linears) has no MoE layout: the rollout's MoE "
+            "model refuses it too"
+        )
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -71,28 +81,50 @@ def layer_spec(rotary: Any, *, qk_layernorm: bool = False, leaves: int | None = 
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RlkRMSNorm,
-            mlp=_mlp_spec(_make_mlp(), MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+            mlp=(
+                moe_spec(col, row)
+                if moe
+                else _mlp_spec(_make_mlp(), MLPSubmodules(linear_fc1=col, linear_fc2=row))
+            ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
 def block_spec(config: Any, rotary: Any, *, leaves: int | None = None):
-    """A ``TransformerBlock`` spec: :func:`layer_spec` for every layer and an rlk final norm
-    (``GPTModel`` would otherwise build the final norm from Megatron's global norm class)."""
+    """A ``TransformerBlock`` spec: :func:`layer_spec` for every layer (sparse where
+    ``config.moe_layer_freq`` says so) and an rlk final norm (``GPTModel`` would otherwise build
+    the final norm from Megatron's global norm class)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
         TransformerBlockSubmodules,
     )
 
-    spec = layer_spec(rotary, qk_layernorm=config.qk_layernorm, leaves=leaves)
+    pattern = _moe_pattern(config)
+    specs = {
+        moe: layer_spec(rotary, qk_layernorm=config.qk_layernorm, leaves=leaves, moe=moe)
+        for moe in set(pattern)
+    }
     return ModuleSpec(
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(
-            layer_specs=[spec] * config.num_layers, layer_norm=RlkRMSNorm
+            layer_specs=[specs[moe] for moe in pattern], layer_norm=RlkRMSNorm
         ),
     )
+
+
+def _moe_pattern(config: Any) -> list[bool]:
+    """Which layers of a Megatron config are sparse (its ``moe_layer_freq``, a list from
+    :func:`megatron_config`, or Megatron's int form: every n-th layer from the first)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    if len(freq) != config.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {config.num_layers} layers")
+    return [bool(f) for f in freq]
 
 
 def build_gpt_model(
@@ -129,7 +161,14 @@ def build_gpt_model(
         kind = rope.get("rope_type", "default")
         if kind not in ("default", "llama3"):
             raise NotImplementedError(f"stock Megatron RoPE for rope_type {kind!r}")
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        if config.num_moe_experts:  # sparse and dense layers by moe_layer_freq
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+            spec = get_gpt_decoder_block_spec(config, False, normalization="RMSNorm")
+        else:
+            spec = get_gpt_layer_local_spec(
+                normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+            )
         model = GPTModel(
             transformer_layer_spec=spec,
             position_embedding_type="rope",

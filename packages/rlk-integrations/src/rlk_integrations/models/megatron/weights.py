@@ -5,7 +5,11 @@
 
 Megatron's fused QKV is grouped per KV head: for each of the ``num_query_groups`` groups, that
 group's q heads, then its k head, then its v head (weight rows and, for Qwen2, the bias).
-``linear_fc1`` is ``cat(gate, up)``; a rank's fc1 shard is ``cat(gate_r, up_r)``.
+``linear_fc1`` is ``cat(gate, up)``; a rank's fc1 shard is ``cat(gate_r, up_r)``. A sparse
+(Qwen3-MoE) layer's router is ``mlp.gate.weight`` <-> ``mlp.router.weight``, and expert ``j``'s
+rows of transformers' ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows then up rows, Megatron's
+fc1 layout too) and ``down_proj [E, H, I]`` are ``mlp.experts.local_experts.{j}.linear_fc1``
+/ ``linear_fc2`` (Megatron's ``SequentialMLP``): ``unbind`` one way, ``stack`` the other.
 
 Example::
 
@@ -22,7 +26,14 @@ import torch
 from torch import nn
 
 import rlk.parallel
-from rlk_integrations.models.megatron.config import _check_supported, _dims, _qkv_bias, _tied
+from rlk_integrations.models.megatron.config import (
+    _check_supported,
+    _dims,
+    _qk_norm,
+    _qkv_bias,
+    _tied,
+    moe_layers,
+)
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) -> torch.Tensor:
@@ -48,9 +59,8 @@ def _layer_map(i: int, cfg: Any) -> list[tuple[str, str]]:
         (h + "input_layernorm.weight", m + "input_layernorm.weight"),
         (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
         (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-        (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
     ]
-    if cfg.model_type == "qwen3":
+    if _qk_norm(cfg):
         pairs += [
             (h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
             (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
@@ -75,6 +85,7 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str
         return sd.pop(key)
 
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
+    sparse = moe_layers(config)
     for i in range(config.num_hidden_layers):
         for hk, mk in _layer_map(i, config):
             out[mk] = take(hk)
@@ -85,9 +96,17 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str
             qb, kb, vb = take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")
             out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(qb, kb, vb, config)
         p = f"model.layers.{i}.mlp."
+        if sparse[i]:
+            out[m + "mlp.router.weight"] = take(p + "gate.weight")
+            experts = zip(take(p + "experts.gate_up_proj"), take(p + "experts.down_proj"))
+            for j, (gate_up, down) in enumerate(experts):
+                out[m + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = gate_up
+                out[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = down
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [take(p + "gate_proj.weight"), take(p + "up_proj.weight")]
         )
+        out[m + "mlp.linear_fc2.weight"] = take(p + "down_proj.weight")
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if _tied(config):
         head = sd.pop("lm_head.weight", None)
@@ -118,6 +137,7 @@ def megatron_to_hf(
         return sd.pop(key)
 
     out["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")
+    sparse = moe_layers(config)
     for i in range(config.num_hidden_layers):
         for hk, mk in _layer_map(i, config):
             out[hk] = take(mk)
@@ -127,9 +147,19 @@ def megatron_to_hf(
         if _qkv_bias(config):
             q, k, v = _split_qkv(take(m + "self_attention.linear_qkv.bias"), config)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        p = f"model.layers.{i}.mlp."
+        if sparse[i]:
+            out[p + "gate.weight"] = take(m + "mlp.router.weight")
+            e = m + "mlp.experts.local_experts."
+            n = config.num_experts
+            fc1 = [take(e + f"{j}.linear_fc1.weight") for j in range(n)]
+            fc2 = [take(e + f"{j}.linear_fc2.weight") for j in range(n)]
+            out[p + "experts.gate_up_proj"] = torch.stack(fc1)
+            out[p + "experts.down_proj"] = torch.stack(fc2)
+            continue
         gate, up = take(m + "mlp.linear_fc1.weight").chunk(2, dim=0)
-        out[f"model.layers.{i}.mlp.gate_proj.weight"] = gate
-        out[f"model.layers.{i}.mlp.up_proj.weight"] = up
+        out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = gate, up
+        out[p + "down_proj.weight"] = take(m + "mlp.linear_fc2.weight")
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     if _tied(config):
         sd.pop("output_layer.weight", None)
@@ -152,6 +182,11 @@ def shard_for_tp(
     columns) weights are cut in contiguous equal parts; norms are replicated.
     """
     _, kv, _ = _dims(config)
+    if any(moe_layers(config)):
+        raise NotImplementedError(
+            "shard_for_tp: MoE layers are not split by tensor parallelism (rlk's Megatron MoE "
+            "runs at tensor and expert parallelism 1)"
+        )
     if kv % world_size:
         raise ValueError(f"{kv} KV heads do not split over {world_size} ranks")
 

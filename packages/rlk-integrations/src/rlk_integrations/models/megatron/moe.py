@@ -1,0 +1,128 @@
+"""Megatron-core's MoE layer on rlk: the router on :func:`rlk.linear` + :func:`rlk.moe_route`,
+the experts and the token grouping / rank-ordered combine on :func:`rlk.moe_experts`: the bits
+of rlk's own sparse block (:func:`rlk_integrations.models.moe.moe_forward`).
+
+The classes subclass Megatron's (``MoELayer``, ``TopKRouter``, ``SequentialMLP``), so the
+parameters and their names are Megatron's local-spec ones:
+``mlp.router.weight [E, H]`` and, per expert ``j``, ``mlp.experts.local_experts.{j}.linear_fc1
+.weight [2I, H]`` (gate rows then up rows) and ``...linear_fc2.weight [H, I]``. The forward is
+rlk's: Megatron routes with a sparse ``[T, E]`` probability map, permutes the tokens, runs each
+expert and adds their outputs back in the dispatcher's order, rounding each sum; rlk keeps
+``[T, k]`` weights and experts, and :func:`rlk.moe_experts` groups the tokens by expert and adds
+a token's k outputs in rank order in float32, rounded once. Only expert parallelism 1: the
+experts of every layer live on each rank, so the dispatch is the grouping inside
+:func:`rlk.moe_experts` and Megatron's token dispatcher (built by ``MoELayer``) is never
+called; expert parallelism > 1 is refused by name.
+
+Each forward stacks the local experts' ``[2I, H]`` / ``[H, I]`` weights into the ``[E, 2I, H]``
+/ ``[E, H, I]`` tensors :func:`rlk.moe_experts` takes (a copy of the layer's expert weights,
+kept for the backward); the stack's backward hands each expert its own gradient slice.
+
+Example::
+
+    spec = moe_spec(leaves=None)      # the ``mlp`` entry of a sparse layer's spec
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import rlk
+
+
+def _make_router():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class RlkTopKRouter(TopKRouter):
+        """Megatron's ``TopKRouter`` (its ``weight [E, H]`` in the model's dtype) on rlk:
+        ``x [T, H]`` -> float32 weights and int64 experts ``[T, k]``, ranked by decreasing
+        logit (:func:`rlk.moe_route`; ``normalize`` is ``not moe_router_pre_softmax``). The
+        routing of every token depends on its own row alone."""
+
+        def forward(self, input: torch.Tensor, padding_mask: Any = None):
+            # padding_mask only feeds Megatron's load-balancing statistics, which are off
+            # (moe_router_load_balancing_type "none", checked in megatron_config).
+            logits = rlk.linear(input.contiguous(), self.weight)
+            return rlk.moe_route(
+                logits,
+                self.config.moe_router_topk,
+                normalize=not self.config.moe_router_pre_softmax,
+            )
+
+    return RlkTopKRouter
+
+
+def _make_experts():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class RlkExperts(SequentialMLP):
+        """Megatron's ``SequentialMLP`` (one ``MLP`` of ``linear_fc1 [2I, H]`` and
+        ``linear_fc2 [H, I]`` per local expert) run as one :func:`rlk.moe_experts`:
+        ``forward(x [T, H], indices [T, k], weights [T, k])`` -> ``[T, H]`` in x's dtype."""
+
+        def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
+            experts = list(self.local_experts)
+            for e in experts:
+                if e.linear_fc1.bias is not None or e.linear_fc2.bias is not None:
+                    raise NotImplementedError("rlk's experts take no linear biases")
+            gate_up = torch.stack([e.linear_fc1.weight for e in experts])
+            down = torch.stack([e.linear_fc2.weight for e in experts])
+            return rlk.moe_experts(x, indices, weights, gate_up, down)
+
+    return RlkExperts
+
+
+def _make_moe_layer():
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class RlkMoELayer(MoELayer):
+        """Megatron's ``MoELayer`` on rlk: ``[S, B, H]`` -> (``[S, B, H]``, None), the bits of
+        :func:`rlk_integrations.models.moe.moe_forward` for every token whatever the batch.
+        Expert parallelism 1 and tensor parallelism 1 only (``NotImplementedError`` otherwise,
+        at construction)."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
+            ep = self.ep_group.size()
+            if ep != 1:
+                raise NotImplementedError(
+                    f"expert_model_parallel_size={ep}: rlk's Megatron MoE layer runs every "
+                    "expert on each rank (expert parallelism 1)"
+                )
+            if self.tp_group.size() != 1:
+                raise NotImplementedError(
+                    f"tensor_model_parallel_size={self.tp_group.size()} with MoE layers: the "
+                    "rollout has no tree-ordered (leaves) MoE layout to match"
+                )
+
+        def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                    padding_mask: Any = None):  # fmt: skip
+            if intermediate_tensors is not None:
+                raise NotImplementedError("rlk MoELayer: no partial (CUDA-graph) forward")
+            shape = hidden_states.shape
+            x = hidden_states.reshape(-1, shape[-1]).contiguous()
+            weights, indices = self.router(x, padding_mask)
+            out = self.experts(x, indices, weights)
+            return out.view(shape), None
+
+    return RlkMoELayer
+
+
+def moe_spec(col: Any, row: Any) -> Any:
+    """The ``mlp`` entry of a sparse ``TransformerLayer`` spec: :func:`_make_moe_layer`'s
+    layer with :func:`_make_router`'s router and :func:`_make_experts`' experts, whose
+    ``MLP`` s are built from the linear specs ``col`` / ``row`` (their forwards never run:
+    :func:`rlk.moe_experts` reads their weights)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    experts = ModuleSpec(
+        module=_make_experts(), submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)
+    )
+    return ModuleSpec(
+        module=_make_moe_layer(),
+        submodules=MoESubmodules(experts=experts, router=_make_router()),
+    )
