@@ -25,6 +25,7 @@ from test_integration_megatron import check_round_trip  # noqa: E402
 
 from rlk_integrations.adapters import megatron as rm  # noqa: E402
 from rlk_integrations.engine import training  # noqa: E402
+from rlk_integrations.models import moe  # noqa: E402
 from rlk_integrations.models import transformers as rt  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
@@ -105,17 +106,27 @@ def test_rlk_megatron_moe_logprobs_bitwise_equal_transformers(changes):
     hf, mg = _pair(**changes)
     layers = [type(layer.mlp).__name__ for layer in mg.decoder.layers]
     assert layers == (["RlkMLP", "RlkMoELayer"] if changes else ["RlkMoELayer"] * 2)
-    moe = mg.decoder.layers[1].mlp
-    assert type(moe.router).__name__ == "RlkTopKRouter"
-    assert type(moe.experts).__name__ == "RlkExperts"
+    sparse = mg.decoder.layers[1].mlp
+    assert type(sparse.router).__name__ == "RlkTopKRouter"
+    assert type(sparse.experts).__name__ == "RlkExperts"
     samples = _samples([(3, 5), (6, 2), (2, 4)], hf.config.vocab_size, seed=2)
-    with torch.no_grad():
+    with torch.no_grad(), moe.RoutingLog(hf) as hf_log, rm.RoutingLog(mg) as mg_log:
         ref = training.packed_logprobs(hf, samples)
         got = rm.packed_logprobs(mg, samples)
         got_other = rm.packed_logprobs(mg, [samples[2], samples[0]])
     for a, b in zip(got, ref):
         assert torch.equal(a, b), (a - b).abs().max()
     assert torch.equal(got_other[0], ref[2]) and torch.equal(got_other[1], ref[0])
+    # Megatron's routing log: every token's experts in every sparse layer, as the
+    # transformers log has them (both micro-batches); one changed expert is seen.
+    hf_routes = moe.packed_routing(hf_log, [[0, 1, 2]])
+    mg_routes = moe.packed_routing(mg_log, [[0, 1, 2], [2, 0]])
+    assert len(mg_routes) == sum(len(x.tokens) for x in samples)
+    assert len(next(iter(mg_routes.values()))) == layers.count("RlkMoELayer")
+    assert moe.routing_differ(hf_routes, mg_routes) == (0.0, len(hf_routes))
+    pos, valid, experts = mg_log.calls[0]
+    experts[0, 10, -1, 0] = (experts[0, 10, -1, 0] + 1) % hf.config.num_experts  # sample 1
+    assert moe.routing_differ(hf_routes, moe.packed_routing(mg_log, [[0, 1, 2], [2, 0]]))[0] > 0
 
 
 def test_rlk_megatron_moe_backward_matches_transformers():

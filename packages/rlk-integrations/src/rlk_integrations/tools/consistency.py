@@ -155,10 +155,14 @@ def run_side(
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
     say(f"[{side}] {engine.name} rollout: {len(prompts)} prompts x {new_tokens} new tokens")
-    # An MoE model's expert choices are logged where both passes run the model's forward here
-    # (a padded rollout, this process's eager recompute).
-    here = engine.name == "padded" and train_model is None and recompute is None
+    # An MoE model's expert choices are logged where both passes run in this process (a
+    # padded rollout; the eager recompute, or Megatron's, whose own log reads its routers).
+    here = engine.name == "padded" and recompute is None
     routes = moe.routing_logs(model, here and not train_graphs)
+    if train_model is not None and isinstance(routes[0], moe.RoutingLog):
+        from rlk_integrations.adapters import megatron  # optional: imported where it runs
+
+        routes = (routes[0], megatron.RoutingLog(train_model))
     with routes[0]:
         ro = engine.generate(
             model, prompts, new_tokens, seeds, temperature=temperature, progress=progress

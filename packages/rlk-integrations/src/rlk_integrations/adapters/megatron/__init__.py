@@ -25,7 +25,7 @@ Three pieces:
   :func:`rlk.moe_route` and :func:`rlk.moe_experts`: rlk's own sparse block's bits
   (:mod:`rlk_integrations.models.megatron.moe`). Expert and tensor parallelism 1; the Megatron
   MoE options rlk cannot honour are refused by name (:func:`check_moe_options`,
-  :data:`MOE_FIXED`).
+  :data:`MOE_FIXED`); :class:`RoutingLog` records each token's experts.
 
 :func:`init_single_process` (or :func:`init_model_parallel` on an initialised TP group) sets
 up Megatron's model-parallel state and RNG tracker for these models and returns the teardown;
@@ -79,6 +79,7 @@ from rlk_integrations.models.megatron.model import (
     rotary_table,
 )
 from rlk_integrations.models.megatron.modules import RlkCoreAttention, RlkRMSNorm
+from rlk_integrations.models.megatron.moe import RoutingLog
 from rlk_integrations.models.megatron.weights import (
     hf_to_megatron,
     load_hf_weights,
@@ -91,6 +92,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "RlkCoreAttention",
     "RlkRMSNorm",
+    "RoutingLog",
     "block_spec",
     "build_gpt_model",
     "check_moe_options",

@@ -12,7 +12,8 @@ expert and adds their outputs back in the dispatcher's order, rounding each sum;
 a token's k outputs in rank order in float32, rounded once. Only expert parallelism 1: the
 experts of every layer live on each rank, so the dispatch is the grouping inside
 :func:`rlk.moe_experts` and Megatron's token dispatcher (built by ``MoELayer``) is never
-called; expert parallelism > 1 is refused by name.
+called; expert parallelism > 1 is refused by name. :class:`RoutingLog` records each token's
+experts (``rlk consistency``'s expert column).
 
 Each forward stacks the local experts' ``[2I, H]`` / ``[H, I]`` weights into the ``[E, 2I, H]``
 / ``[E, H, I]`` tensors :func:`rlk.moe_experts` takes (a copy of the layer's expert weights,
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 import rlk
+from rlk_integrations.models.megatron.modules import _positions
 
 
 def _make_router():
@@ -126,3 +128,63 @@ def moe_spec(col: Any, row: Any) -> Any:
         module=_make_moe_layer(),
         submodules=MoESubmodules(experts=experts, router=_make_router()),
     )
+
+
+class RoutingLog:
+    """The experts every token was routed to, per MoE layer, over an rlk ``GPTModel``'s
+    forwards while the log is active (``with RoutingLog(mg) as log: ...``): the Megatron twin
+    of :class:`rlk_integrations.models.moe.RoutingLog`, whose ``calls`` format it shares, so
+    :func:`~rlk_integrations.models.moe.packed_routing` and
+    :func:`~rlk_integrations.models.moe.expert_differ` read it.
+
+    ``calls`` holds one ``(positions [B, S], valid [B, S], experts [B, S, layers, k])`` entry
+    (CPU tensors) per forward of ``model.decoder``: positions restart at 0 per packed sequence
+    (``packed_seq_params``; one ``[1, T]`` row) or count 0.. per batch row (``sbhd``), every
+    token is valid, and each MoE layer's experts are its router's ``[T, k]`` indices.
+    """
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.routers = [
+            layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")
+        ]
+        if not self.routers:
+            raise ValueError("the model has no mixture-of-experts layers")
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[Any] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> RoutingLog:
+        hook = self.model.decoder.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._handles.append(hook)
+        for router in self.routers:
+            self._handles.append(router.register_forward_hook(self._on_router))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            pos, layers = self._pending
+            b, s = pos.shape
+            # Router rows are the [S, B] order of Megatron's hidden states.
+            experts = torch.stack([e.reshape(s, b, -1).transpose(0, 1) for e in layers], dim=2)
+            self.calls.append((pos, torch.ones(b, s, dtype=torch.bool), experts))
+            self._pending = []
+
+    def _on_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self._flush()
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        s, b = hidden.shape[:2]
+        params = kwargs.get("packed_seq_params")
+        pos = _positions(params, s, b, torch.device("cpu"))
+        pos = pos.reshape(1, s) if params is not None else pos.reshape(s, b).transpose(0, 1)
+        self._pending = [pos, []]
+
+    def _on_router(self, module: Any, args: tuple, output: Any) -> None:
+        if self._pending:
+            self._pending[1].append(output[1].detach().cpu())
