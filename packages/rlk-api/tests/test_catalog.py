@@ -22,7 +22,7 @@ def test_ops_are_the_required_specs_in_order():
     assert OPS[:4] == ("linear", "rms_norm", "silu_and_mul", "apply_rotary")  # FAMILIES' order
     assert OPTIONAL_OPS == (
         "moe_route", "moe_route_grouped", "moe_experts", "tree_linear", "column_tree_linear",
-        "vocab_parallel_linear_logprobs",
+        "vocab_parallel_linear_logprobs", "expert_parallel_moe_experts",
     )  # fmt: skip
     assert len(SPECS) == len(CATALOG)  # names are unique
 

@@ -43,6 +43,7 @@ from rlk import selection
 from rlk._catalog import op
 from rlk.ops.dense import check_linear
 from rlk.ops.logprobs import check_linear_logprobs
+from rlk.ops.moe import check_experts
 
 
 def __getattr__(name: str) -> Any:
@@ -273,6 +274,12 @@ class Exchange:
       ``partial`` ([M, N], fp32, or float64 from the reference backend; this rank's fresh
       tensor, which may be summed into), plus ``bias``, rounded once to ``dtype``; the same
       result on every rank (``RLK_TP_EXCHANGE`` picks how: :data:`EXCHANGES`).
+    - ``counts(send)``: ``send[j]`` is how many rows this rank sends rank j; returns how many
+      each rank sends this one (a list of ``world`` ints, read on the host).
+    - ``all_to_all(t, send, recv)``: the rows of ``t [M, ...]`` dealt out in order, ``send[0]``
+      rows to rank 0, the next ``send[1]`` to rank 1, ...; returns the rows received,
+      ``recv[j]`` from rank j, in rank order (exact copies: the bits never depend on which
+      message arrives first). Expert parallelism moves tokens and expert outputs with it.
     """
 
     rank: int
@@ -284,6 +291,25 @@ class Exchange:
 
     def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         return _tree_reduce(partial, self.world, self.group, bias, dtype)
+
+    def counts(self, send: list[int]) -> list[int]:
+        if self.world == 1:
+            return list(send)
+        import torch.distributed as dist
+
+        out = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(out, torch.tensor(send, dtype=torch.int64), group=self.group)
+        return out.tolist()
+
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        t = t.contiguous()
+        if self.world == 1:
+            return t
+        import torch.distributed as dist
+
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t, recv, send, group=self.group)
+        return out
 
 
 def _exchange_of(group) -> Exchange | None:
@@ -511,6 +537,66 @@ def vocab_parallel_linear_logprobs(
     return fn(hidden.contiguous(), weight, targets.contiguous(), *args[3:], exchange=exchange)
 
 
+# --------------------------------------------------------------------------------------------
+# Expert parallelism
+# --------------------------------------------------------------------------------------------
+
+
+@op(
+    "moe_parallel",
+    kwonly=("exchange",),
+    grad_args=("x", "weights", "gate_up", "down"),
+    unit_grads=("x", "weights"),
+    optional=True,
+)
+def expert_parallel_moe_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    group: Any = None,
+) -> torch.Tensor:
+    """:func:`rlk.moe_experts` with the experts sharded over the ranks of ``group``, each
+    token's output and gradients bitwise those of one rank holding every expert.
+
+    Rank r of the group (size t) passes its own tokens ``x [T_r, H]`` with their ``indices
+    [T_r, k]`` (expert ids in the whole ``[0, E)``) and ``weights [T_r, k]``, and its experts:
+    ``gate_up [E/t, 2I, H]`` and ``down [E/t, H, I]`` are experts ``r*E/t .. (r+1)*E/t`` of the
+    full ``[E, 2I, H]`` / ``[E, H, I]`` (:func:`shard` along dim 0). Returns ``[T_r, H]`` in
+    x's dtype. Without an initialised process group (t = 1) it runs the same code path, and
+    returns ``rlk.moe_experts``' bits.
+
+    How: each (token, rank) pair's row goes to the rank holding its expert (an all-to-all);
+    that rank computes the pair's unweighted fp32 expert output exactly as ``moe_experts``
+    holds it before its combine (the same grouped kernels: a slot's bits depend on its row and
+    its expert's weights only); a second all-to-all returns the fp32 rows, and the token's own
+    rank adds ``weights[t, r] * y[t, r]`` in ascending rank r with ``moe_experts``' combine,
+    never in arrival order. Cost: per pair, one row of x's dtype out and one fp32 row back.
+
+    Contract: every token's output, d(x) and d(weights) equal ``moe_experts`` on one device,
+    bitwise, whatever t and whichever ranks the other tokens are on. The gradients of
+    ``gate_up`` and ``down`` sum over the tokens that chose each expert, in token order: they
+    equal the shard of one device's gradients when that device's batch is the ranks' batches
+    concatenated in rank order. Every rank of the group must make the call (with T_r = 0 if it
+    has no tokens), and, for a backward, run it. Backward: two more all-to-alls (the output's
+    gradient rows out, fp32 d(x) rows and d(weights) back).
+
+    Example::
+
+        out = rlk.parallel.expert_parallel_moe_experts(
+            x, indices, weights, shard(gate_up, 0, rank=r, world_size=t),
+            shard(down, 0, rank=r, world_size=t), group=ep)
+    """
+    rank, world = _group_info(group)
+    sharded = isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
+    check_experts(x, indices, weights, gate_up, down, gate_up.shape[0] * world if sharded else None)
+    fn = _op(x.device, "expert_parallel_moe_experts", "expert_parallel_moe_experts")
+    return fn(x.contiguous(), indices.contiguous(), weights.contiguous(), gate_up, down,
+              exchange=Exchange(rank, world, group))  # fmt: skip
+
+
 def shard(t: torch.Tensor, dim: int, *, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous 1/``world_size`` of ``t`` along ``dim`` (a contiguous copy).
 
@@ -532,6 +618,7 @@ __all__ = [
     "check_leaves",
     "column_parallel_linear",
     "column_tree_linear",
+    "expert_parallel_moe_experts",
     "gather_columns",
     "group_info",
     "row_parallel_linear",

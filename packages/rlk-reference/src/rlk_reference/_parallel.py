@@ -11,12 +11,18 @@ through the float64 graph, with the two exchanges made differentiable below.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rlk_reference._dense import linear
 from rlk_reference._logprobs import result_dtype
 
 #: The ops this module holds (``rlk_reference`` exports them).
-__all__ = ["tree_linear", "column_tree_linear", "vocab_parallel_linear_logprobs"]
+__all__ = [
+    "tree_linear",
+    "column_tree_linear",
+    "vocab_parallel_linear_logprobs",
+    "expert_parallel_moe_experts",
+]
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -109,3 +115,48 @@ def vocab_parallel_linear_logprobs(hidden, weight, targets, bias, temperature, r
     # entropy = lse - E_p[z], and E_p[z] = sum over ranks of exp(lse_r - lse) * E_{p_r}[z].
     entropy = lse - ((stats[:, 0] - lse).exp() * stats[:, 2]).sum(0)
     return lp.to(out), entropy.to(out)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: ``exchange.all_to_all(t, send, recv)``. Backward: the rows' gradients sent
+    back the way they came."""
+
+    @staticmethod
+    def forward(ctx, t, send, recv, exchange):
+        ctx.counts, ctx.exchange = (send, recv), exchange
+        return exchange.all_to_all(t, send, recv)
+
+    @staticmethod
+    def backward(ctx, g):
+        send, recv = ctx.counts
+        return ctx.exchange.all_to_all(g.contiguous(), recv, send), None, None, None
+
+
+def expert_parallel_moe_experts(x, indices, weights, gate_up, down, *, exchange, table=None):
+    """:func:`~rlk_reference.moe_experts` of this rank's tokens ``x [T, H]`` (``indices [T, k]``
+    in ``[0, world * E_r)``, ``weights [T, k]``) with this rank's experts ``gate_up [E_r, 2I,
+    H]`` / ``down [E_r, H, I]`` (experts ``rank*E_r ..``): each pair's float64 expert output is
+    computed on its expert's rank and sent back; a token's terms are added as
+    :func:`~rlk_reference.moe_experts` adds them (by ascending expert), rounded once."""
+    T, k = indices.shape
+    per, inter = gate_up.shape[0], down.shape[2]
+    flat = indices.reshape(-1).to(torch.int64)
+    dest = torch.div(flat, per, rounding_mode="floor")
+    order = torch.sort(dest, stable=True).indices
+    send = torch.bincount(dest, minlength=exchange.world).tolist()
+    recv = exchange.counts(send)
+    xp = _AllToAll.apply(x.double().index_select(0, order // k), send, recv, exchange)
+    expert = exchange.all_to_all(flat[order], send, recv) - exchange.rank * per
+    y = xp.new_zeros(xp.shape)
+    for e in torch.unique(expert).tolist():
+        rows = torch.nonzero(expert == e)[:, 0]
+        gu = xp[rows] @ gate_up[e].double().T
+        y = y.index_copy(0, rows, (F.silu(gu[:, :inter]) * gu[:, inter:]) @ down[e].double().T)
+    y = _AllToAll.apply(y, recv, send, exchange)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=order.device))
+    terms = (weights.double().reshape(-1, 1) * y.index_select(0, inv)).view(T, k, -1)
+    by_expert = torch.sort(indices, dim=1, stable=True).indices
+    out = x.new_zeros(x.shape, dtype=torch.float64)
+    for j in range(k):
+        out = out + terms[torch.arange(T, device=x.device), by_expert[:, j]]
+    return out.to(x.dtype)

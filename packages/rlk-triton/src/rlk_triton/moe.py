@@ -498,8 +498,11 @@ def _combine(table, d: _Dispatch, y, indices, weights, out):
     _bounds.report(ok, f"moe_experts: indices out of range (there are {d.experts} experts)")
 
 
-def _experts_forward(x, indices, weights, gate_up, down, table, keep: bool):
-    T, H = x.shape
+def _expert_outputs(x, indices, gate_up, down, table, keep: bool):
+    """``(d, gu, h, y)``: the dispatch of ``indices``, and per slot the rounded gate/up
+    (``keep``; else a placeholder), the SwiGLU row and the unweighted fp32 expert output ``y
+    [slots, H]`` that the combine adds (``rlk_triton.moe_parallel`` adds it on another rank)."""
+    H = x.shape[1]
     E, I = down.shape[0], down.shape[2]
     d = _Dispatch(indices, E)
     gu = x.new_empty((d.slots, 2 * I)) if keep else x.new_empty((1, 1))
@@ -510,7 +513,12 @@ def _experts_forward(x, indices, weights, gate_up, down, table, keep: bool):
     y = torch.empty((d.slots, H), dtype=torch.float32, device=x.device)
     _grouped(table, "moe_experts.gemm", d, h, down, y, gather=None,
              b_kn=(down.stride(2), down.stride(1)))  # fmt: skip
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    return d, gu, h, y
+
+
+def _experts_forward(x, indices, weights, gate_up, down, table, keep: bool):
+    d, gu, h, y = _expert_outputs(x, indices, gate_up, down, table, keep)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _combine(table, d, y, indices, weights, out)
     return out, d, gu, h
 
@@ -534,10 +542,12 @@ class _ExpertsFunction(torch.autograd.Function):
         return dx, None, dw, dgate_up, ddown, None
 
 
-def _experts_backward(dout, x, indices, weights, gate_up, down, gu, h, d, table, needs):
+def _experts_backward(dout, x, indices, weights, gate_up, down, gu, h, d, table, needs,
+                      combine=True):  # fmt: skip
     """``(dx, d(weights), d(gate_up), d(down))`` of :func:`moe_experts`, each None unless
     ``needs`` (four bools, in that order) asks; ``gu``/``h`` and the dispatch ``d`` are the
-    forward's."""
+    forward's. ``combine=False``: dx is the fp32 per-slot rows ``[slots, H]`` before the
+    combine adds them (``rlk_triton.moe_parallel``)."""
     dout = torch.zeros_like(x) if dout is None else dout.contiguous()
     T, k = indices.shape
     I = down.shape[2]
@@ -560,8 +570,9 @@ def _experts_backward(dout, x, indices, weights, gate_up, down, gu, h, d, table,
         dxs = torch.empty((d.slots, x.shape[1]), dtype=torch.float32, device=x.device)
         _grouped(table, "moe_experts.gemm", d, dgu, gate_up, dxs, gather=None,
                  b_kn=(gate_up.stride(1), gate_up.stride(2)))  # fmt: skip
-        dx = torch.empty_like(x)
-        _combine(table, d, dxs, indices, None, dx)
+        dx = torch.empty_like(x) if combine else dxs
+        if combine:
+            _combine(table, d, dxs, indices, None, dx)
     dgate_up = ddown = None
     if needs[2]:
         dgate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=x.device)

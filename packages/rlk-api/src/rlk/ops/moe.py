@@ -192,6 +192,15 @@ def moe_experts(
 
         out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
     """
+    check_experts(x, indices, weights, gate_up, down)
+    fn = selection.optional_op(x.device, "moe_experts", "rlk.moe_experts")
+    return fn(x, indices.contiguous(), weights.contiguous(), gate_up, down)
+
+
+def check_experts(x, indices, weights, gate_up, down, experts: int | None = None) -> None:
+    """:func:`moe_experts`' argument checks, the indices in ``[0, experts)`` (default: the
+    ``E`` experts of ``gate_up``; ``rlk.parallel.expert_parallel_moe_experts`` passes a shard
+    of them and the count of all)."""
     chk.tensor("x", x, dtypes=chk.FLOAT_DTYPES, ndim=2, nonempty_last=True)
     chk.tensor("indices", indices, dtypes=_INDEX_DTYPES, ndim=2, contiguous=False)
     chk.tensor("weights", weights, dtypes=chk.FLOAT_DTYPES, ndim=2, contiguous=False)
@@ -208,6 +217,5 @@ def moe_experts(
         raise ValueError(f"gate_up must be [E, 2I, H] with E, I >= 1, got {tuple(gate_up.shape)}")
     chk.shape("gate_up", gate_up, (E, I2, H), "[experts, 2 * intermediate, x.shape[1]]")
     chk.shape("down", down, (E, H, I2 // 2), "[experts, x.shape[1], intermediate]")
-    chk.index_range("indices", indices, 0, E, f"there are {E} experts")
-    fn = selection.optional_op(x.device, "moe_experts", "rlk.moe_experts")
-    return fn(x, indices.contiguous(), weights.contiguous(), gate_up, down)
+    experts = E if experts is None else experts
+    chk.index_range("indices", indices, 0, experts, f"there are {experts} experts")

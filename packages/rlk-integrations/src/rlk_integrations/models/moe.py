@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import rlk
+import rlk.parallel
 from rlk_integrations.models.architectures import Architecture, architecture, decoder
 
 
@@ -25,14 +26,22 @@ def moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3-MoE's and Qwen2-MoE's sparse block on rlk: ``[..., H]`` -> ``[..., H]``. The
     router's weights and the chosen experts are float32 / int64 ``[T, k]``
     (:func:`rlk.moe_route`); the experts' outputs are added in rank order
-    (:func:`rlk.moe_experts`); a block with a shared expert (Qwen2-MoE) then adds
-    :func:`shared_expert`'s output, as transformers does."""
+    (:func:`rlk.moe_experts`, or with its experts sharded by
+    :func:`rlk_integrations.models.ep.shard_ep` :func:`rlk.parallel.expert_parallel_moe_experts`,
+    the same bits); a block with a shared expert (Qwen2-MoE) then adds :func:`shared_expert`'s
+    output, as transformers does."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1]).contiguous()
     router, experts = self.gate, self.experts
     logits = rlk.linear(x, router.weight)
     weights, indices = rlk.moe_route(logits, router.top_k, normalize=router.norm_topk_prob)
-    out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
+    ep = getattr(self, "_rlk_ep", None)  # (rank, world, group), set by models.ep.shard_ep
+    if ep is None:
+        out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
+    else:
+        out = rlk.parallel.expert_parallel_moe_experts(
+            x, indices, weights, experts.gate_up_proj, experts.down_proj, group=ep[2]
+        )
     if getattr(self, "shared_expert", None) is not None:
         out = out + shared_expert(self, x)  # elementwise, one rounding per element
     return out.view(shape)
