@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import rlk
+from rlk_integrations.models import moe
 from rlk_integrations.models.megatron.modules import _positions
 
 
@@ -130,7 +131,7 @@ def moe_spec(col: Any, row: Any) -> Any:
     )
 
 
-class RoutingLog:
+class RoutingLog(moe.RoutingLog):
     """The experts every token was routed to, per MoE layer, over an rlk ``GPTModel``'s
     forwards while the log is active (``with RoutingLog(mg) as log: ...``): the Megatron twin
     of :class:`rlk_integrations.models.moe.RoutingLog`, whose ``calls`` format it shares, so
@@ -161,21 +162,6 @@ class RoutingLog:
             self._handles.append(router.register_forward_hook(self._on_router))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._flush()
-
-    def _flush(self) -> None:
-        if self._pending:
-            pos, layers = self._pending
-            b, s = pos.shape
-            # Router rows are the [S, B] order of Megatron's hidden states.
-            experts = torch.stack([e.reshape(s, b, -1).transpose(0, 1) for e in layers], dim=2)
-            self.calls.append((pos, torch.ones(b, s, dtype=torch.bool), experts))
-            self._pending = []
-
     def _on_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         self._flush()
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -183,8 +169,11 @@ class RoutingLog:
         params = kwargs.get("packed_seq_params")
         pos = _positions(params, s, b, torch.device("cpu"))
         pos = pos.reshape(1, s) if params is not None else pos.reshape(s, b).transpose(0, 1)
-        self._pending = [pos, []]
+        self._pending = [pos.contiguous(), torch.ones(b, s, dtype=torch.bool), []]
 
     def _on_router(self, module: Any, args: tuple, output: Any) -> None:
         if self._pending:
-            self._pending[1].append(output[1].detach().cpu())
+            b, s = self._pending[0].shape
+            # Router rows are in the [S, B] order of Megatron's hidden states; the log's [B, S].
+            experts = output[1].detach().cpu().reshape(s, b, -1).transpose(0, 1)
+            self._pending[2].append(experts.reshape(b * s, -1))
