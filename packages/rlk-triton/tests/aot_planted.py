@@ -38,6 +38,16 @@ def nvidia_only_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, y, mask=i < n)
 
 
+@jit
+def ptxas_error_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    """Inline PTX that ptxas rejects (Triton then prints the PTX to stdout and raises)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    y = tl.inline_asm_elementwise("no_such_op.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                  is_pure=True, pack=1)  # fmt: skip
+    tl.store(x_ptr + i, y, mask=i < n)
+
+
 @triton.jit
 def bare_kernel(x_ptr, y_ptr, z_ptr, n, BLOCK: tl.constexpr):
     """Built with triton.jit itself: launched with Triton's fusion default."""

@@ -142,6 +142,24 @@ def test_planted_kernel_that_does_not_compile_for_a_claimed_target():
     assert aot.violations(report) == []
 
 
+def test_a_ptxas_failure_is_a_compile_result():
+    """ptxas rejects the code: the row says so (Triton prints the PTX to the worker's stdout,
+    which must not spoil the worker's results)."""
+    x = torch.zeros(64, dtype=torch.int32)
+
+    def launch():
+        with pytest.raises(Exception, match="inline_asm"):
+            planted.ptxas_error_kernel[(1,)](x, 64, BLOCK=64)
+
+    report, _ = aot.compile_report(_record(launch, "nvidia", "ptxas", 0),
+                                   _configs(1, ["triton"]), ("sm_90",))  # fmt: skip
+    (row,) = report["rows"]
+    assert not row["ok"] and row["error"].startswith("PTXASError: ") and "no_such_op" in row[
+        "error"], row["error"]  # fmt: skip
+    bad = aot.violations(report)
+    assert len(bad) == 1 and bad[0].startswith("does not compile") and "sm_90" in bad[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Every kernel through rlk's jit
 # --------------------------------------------------------------------------------------------

@@ -150,8 +150,10 @@ def _compile_one(kernel, args: tuple, kwargs: dict, target_name: str, memo: dict
         src = ASTSource(kernel, signature, constexprs, attrs)
         return key, triton.compile(src, target=target, options=options.__dict__)
     except Exception as e:  # the compiler's error is the result
-        lines = str(e).strip().splitlines()
-        return key, f"{type(e).__name__}: {lines[-1] if lines else ''}"[:400]
+        # Its lines that say what failed (ptxas's end with a repro command, not the cause).
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        said = [ln for ln in lines if re.search(r"error|fatal|failed", ln, re.I)] or lines[-1:]
+        return key, f"{type(e).__name__}: {' | '.join(said[:3])}"[:400]
 
 
 def _worker() -> None:
@@ -165,6 +167,11 @@ def _worker() -> None:
     import triton
 
     jobs, cache = pickle.load(sys.stdin.buffer)
+    # The results go to stdout; everything else written there (Triton prints a failed ptxas
+    # run's PTX to stdout, ptxas writes to its inherited descriptor) goes to stderr instead.
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     results, new = {}, {}
     cpu = time.process_time()
     for i, launch, targets in jobs:
@@ -192,7 +199,8 @@ def _worker() -> None:
                     arts = sorted(k for k in ("hsaco", "cubin") if ck.asm.get(k))
                     new[h] = {"ok": True, "error": "", "artifacts": arts, **analyse(ck.asm)}
             results[(i, t)] = (h, cache.get(h) or new[h])
-    sys.stdout.buffer.write(pickle.dumps((results, new, time.process_time() - cpu)))
+    with out:
+        out.write(pickle.dumps((results, new, time.process_time() - cpu)))
 
 
 def _binding(kernel, args: tuple, kwargs: dict, target_name: str):
@@ -224,13 +232,16 @@ def compile_launches(
         key = repr((ln.kernel, ln.platform, ln.args, sorted(ln.kwargs.items()), targets[i]))
         alias[i] = unique.setdefault(key, i)
     todo = sorted(set(alias.values()))
-    # Whole kernels per worker (the worker compiles each specialisation once), longest first.
-    by_kernel: dict[str, list[int]] = {}
+    # Each kernel's launches for one target go to one worker (a result's key holds both, so no
+    # worker compiles another's), the largest groups first: a table's many GEMM configs spread
+    # over the workers by target.
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
     for i in todo:
-        by_kernel.setdefault(launches[i].kernel, []).append(i)
-    shares: list[list[int]] = [[] for _ in range(max(1, jobs))]
-    for idx in sorted(by_kernel.values(), key=len, reverse=True):
-        min(shares, key=len).extend(idx)
+        for t in targets[i]:
+            groups.setdefault((launches[i].kernel, t), []).append((i, t))
+    shares: list[list[tuple[int, str]]] = [[] for _ in range(max(1, jobs))]
+    for items in sorted(groups.values(), key=len, reverse=True):
+        min(shares, key=len).extend(items)
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     results: dict[tuple[int, str], dict] = {}
@@ -244,7 +255,7 @@ def compile_launches(
         for w, share in enumerate(s for s in shares if s):
             job = os.path.join(tmp, f"job{w}")
             with open(job, "wb") as f:
-                work = [(i, launches[i], targets[i]) for i in share]
+                work = [(i, launches[i], [t]) for i, t in share]
                 pickle.dump((work, cache), f)
             with open(job, "rb") as stdin, open(job + ".out", "wb") as out, \
                     open(job + ".err", "wb") as err:  # fmt: skip
