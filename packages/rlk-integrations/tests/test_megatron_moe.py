@@ -177,8 +177,6 @@ def test_refusals():
     hf = _hf()
     with pytest.raises(NotImplementedError, match="leaves"):
         rm.build_gpt_model(hf.config, leaves=8)
-    with pytest.raises(NotImplementedError, match="expert_model_parallel_size=2"):
-        rm.megatron_config(hf.config, expert_model_parallel_size=2)
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         rm.shard_for_tp(rm.hf_to_megatron(hf.state_dict(), hf.config), hf.config,
                         rank=0, world_size=2)  # fmt: skip

@@ -23,9 +23,12 @@ Three pieces:
 - **Mixture of experts.** A Qwen3-MoE model's sparse layers are Megatron's ``MoELayer`` with
   its ``TopKRouter`` and ``SequentialMLP`` experts (their parameter names), run on
   :func:`rlk.moe_route` and :func:`rlk.moe_experts`: rlk's own sparse block's bits
-  (:mod:`rlk_integrations.models.megatron.moe`). Expert and tensor parallelism 1; the Megatron
-  MoE options rlk cannot honour are refused by name (:func:`check_moe_options`,
-  :data:`MOE_FIXED`); :class:`RoutingLog` records each token's experts.
+  (:mod:`rlk_integrations.models.megatron.moe`). At expert parallelism > 1 (Megatron's EP
+  group, :func:`init_distributed` ``expert_parallel=``, :func:`shard_for_ep`) the experts run
+  as :func:`rlk.parallel.expert_parallel_moe_experts`, one device's bits; tensor parallelism
+  stays 1. The Megatron MoE options rlk cannot honour are refused by name
+  (:func:`check_moe_options`, :data:`MOE_FIXED`); :class:`RoutingLog` records each token's
+  experts.
 
 :func:`init_single_process` (or :func:`init_model_parallel` on an initialised TP group) sets
 up Megatron's model-parallel state and RNG tracker for these models and returns the teardown;
@@ -84,6 +87,7 @@ from rlk_integrations.models.megatron.weights import (
     hf_to_megatron,
     load_hf_weights,
     megatron_to_hf,
+    shard_for_ep,
     shard_for_tp,
 )
 
@@ -109,5 +113,6 @@ __all__ = [
     "packed_logprobs",
     "packed_seq_params",
     "rotary_table",
+    "shard_for_ep",
     "shard_for_tp",
 ]

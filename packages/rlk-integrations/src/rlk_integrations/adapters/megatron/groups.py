@@ -31,9 +31,10 @@ def _import_quietly(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def init_model_parallel(tensor_parallel: int = 1) -> Callable[[], None]:
-    """Set up Megatron's model-parallel state (tensor parallelism ``tensor_parallel``, no
-    pipeline) and its RNG tracker; returns the teardown function.
+def init_model_parallel(tensor_parallel: int = 1, expert_parallel: int = 1) -> Callable[[], None]:
+    """Set up Megatron's model-parallel state (tensor parallelism ``tensor_parallel``, expert
+    parallelism ``expert_parallel`` over the data-parallel ranks, no pipeline) and its RNG
+    tracker; returns the teardown function.
 
     Without an initialised ``torch.distributed`` (one process) it first makes a 1-rank gloo
     group (file rendezvous), which the teardown destroys; with one (the caller's TP workers) it
@@ -44,15 +45,17 @@ def init_model_parallel(tensor_parallel: int = 1) -> Callable[[], None]:
     mrandom = _import_quietly("megatron.core.tensor_parallel.random")
     path = None
     if not dist.is_initialized():
-        if tensor_parallel != 1:
+        if tensor_parallel != 1 or expert_parallel != 1:
             raise ValueError(
-                f"tensor_parallel = {tensor_parallel} needs torch.distributed initialised by "
-                "the caller (one process per rank)"
+                f"tensor_parallel = {tensor_parallel}, expert_parallel = {expert_parallel} "
+                "needs torch.distributed initialised by the caller (one process per rank)"
             )
         fd, path = tempfile.mkstemp(prefix="rlk-megatron-")
         os.close(fd)
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, expert_model_parallel_size=expert_parallel
+    )
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     def teardown() -> None:
@@ -69,12 +72,21 @@ def init_model_parallel(tensor_parallel: int = 1) -> Callable[[], None]:
 
 
 def init_distributed(
-    rank: int, world: int, init_file: str, device: str | torch.device = "cpu"
+    rank: int,
+    world: int,
+    init_file: str,
+    device: str | torch.device = "cpu",
+    *,
+    expert_parallel: int = 1,
 ) -> tuple[torch.device, Callable[[], None]]:
     """One rank of a spawned TP group: ``torch.distributed`` (file rendezvous at ``init_file``;
     NCCL on ``cuda:<rank>`` for a CUDA ``device``, gloo on the CPU otherwise) and then
-    :func:`init_model_parallel` at TP = ``world``. Returns the rank's device and the teardown
-    (Megatron's state, then the process group)."""
+    :func:`init_model_parallel` at TP = ``world``; or, with ``expert_parallel`` > 1, at TP = 1
+    and EP = ``expert_parallel`` (the ``world`` ranks data-parallel, each running its own
+    sequences; an MoE model's experts sharded over each EP group). Returns the rank's device
+    and the teardown (Megatron's state, then the process group)."""
+    if expert_parallel < 1 or world % expert_parallel:
+        raise ValueError(f"expert_parallel = {expert_parallel} does not divide {world} ranks")
     if torch.device(device).type == "cuda":
         if torch.cuda.device_count() < world:
             raise RuntimeError(f"TP = {world} needs {world} GPUs, {torch.cuda.device_count()} seen")
@@ -84,7 +96,10 @@ def init_distributed(
         dev, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        teardown_mp = init_model_parallel(world)
+        if expert_parallel == 1:
+            teardown_mp = init_model_parallel(world)
+        else:
+            teardown_mp = init_model_parallel(1, expert_parallel)
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -150,7 +150,9 @@ MOE_FIXED: dict[str, Any] = {
 def check_moe_options(config: Any) -> None:
     """Refuse the Megatron ``TransformerConfig`` MoE options rlk's MoE layer cannot honour
     (:data:`MOE_FIXED`, a non-zero auxiliary-loss coefficient, a ``flex`` dispatcher, expert
-    tensor parallelism), each by name. ``NotImplementedError``."""
+    tensor parallelism, recomputing the MoE layer), each by name. ``NotImplementedError``.
+    Expert parallelism (``expert_model_parallel_size``) is honoured: see
+    :mod:`rlk_integrations.models.megatron.moe`."""
     for name, want in MOE_FIXED.items():
         got = getattr(config, name, want)  # mcore API: a field a release does not have
         if got != want and not (want is None and got == 0):
@@ -167,11 +169,6 @@ def check_moe_options(config: Any) -> None:
         raise NotImplementedError(
             f"Megatron's moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not "
             "supported by rlk's MoE layer (allgather or alltoall)"
-        )
-    if config.expert_model_parallel_size != 1:
-        raise NotImplementedError(
-            f"Megatron's expert_model_parallel_size={config.expert_model_parallel_size}: rlk's "
-            "MoE layer runs every expert on each rank (needs 1)"
         )
     if config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ()):
         raise NotImplementedError(

@@ -9,11 +9,16 @@ parameters and their names are Megatron's local-spec ones:
 rlk's: Megatron routes with a sparse ``[T, E]`` probability map, permutes the tokens, runs each
 expert and adds their outputs back in the dispatcher's order, rounding each sum; rlk keeps
 ``[T, k]`` weights and experts, and :func:`rlk.moe_experts` groups the tokens by expert and adds
-a token's k outputs in rank order in float32, rounded once. Only expert parallelism 1: the
-experts of every layer live on each rank, so the dispatch is the grouping inside
-:func:`rlk.moe_experts` and Megatron's token dispatcher (built by ``MoELayer``) is never
-called; expert parallelism > 1 is refused by name. :class:`RoutingLog` records each token's
-experts (``rlk consistency``'s expert column).
+a token's k outputs in rank order in float32, rounded once. Megatron's token dispatcher (built
+by ``MoELayer``) is never called: at expert parallelism 1 the dispatch is the grouping inside
+:func:`rlk.moe_experts`; at expert parallelism t > 1 (Megatron's expert-parallel group, rank r
+holding experts ``r*E/t .. (r+1)*E/t`` as Megatron numbers them) the experts run as
+:func:`rlk.parallel.expert_parallel_moe_experts`, whose all-to-alls send each (token, rank) row
+to its expert's rank and bring the unweighted fp32 outputs back to be added in rank order: every
+token's output and gradients are one device's bits, and each expert's weight gradient is one
+device's for the EP ranks' batches concatenated in rank order. Every rank of the group must run
+each forward (and backward) together. Tensor parallelism stays 1 with MoE layers (refused by
+name). :class:`RoutingLog` records each token's experts (``rlk consistency``'s expert column).
 
 Each forward stacks the local experts' ``[2I, H]`` / ``[H, I]`` weights into the ``[E, 2I, H]``
 / ``[E, H, I]`` tensors :func:`rlk.moe_experts` takes (a copy of the layer's expert weights,
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 import rlk
+import rlk.parallel
 from rlk_integrations.models import moe
 from rlk_integrations.models.megatron.modules import _positions
 
@@ -72,7 +78,11 @@ def _make_experts():
                     raise NotImplementedError("rlk's experts take no linear biases")
             gate_up = torch.stack([e.linear_fc1.weight for e in experts])
             down = torch.stack([e.linear_fc2.weight for e in experts])
-            return rlk.moe_experts(x, indices, weights, gate_up, down)
+            if self.ep_group.size() == 1:
+                return rlk.moe_experts(x, indices, weights, gate_up, down)
+            return rlk.parallel.expert_parallel_moe_experts(
+                x, indices, weights, gate_up, down, group=self.ep_group
+            )
 
     return RlkExperts
 
@@ -83,17 +93,11 @@ def _make_moe_layer():
     class RlkMoELayer(MoELayer):
         """Megatron's ``MoELayer`` on rlk: ``[S, B, H]`` -> (``[S, B, H]``, None), the bits of
         :func:`rlk_integrations.models.moe.moe_forward` for every token whatever the batch.
-        Expert parallelism 1 and tensor parallelism 1 only (``NotImplementedError`` otherwise,
+        Any expert parallelism; tensor parallelism 1 only (``NotImplementedError`` otherwise,
         at construction)."""
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)
-            ep = self.ep_group.size()
-            if ep != 1:
-                raise NotImplementedError(
-                    f"expert_model_parallel_size={ep}: rlk's Megatron MoE layer runs every "
-                    "expert on each rank (expert parallelism 1)"
-                )
             if self.tp_group.size() != 1:
                 raise NotImplementedError(
                     f"tensor_model_parallel_size={self.tp_group.size()} with MoE layers: the "

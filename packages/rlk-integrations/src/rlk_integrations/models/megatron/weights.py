@@ -1,7 +1,8 @@
 """Weights between a transformers ``*ForCausalLM`` state dict and Megatron-core's ``GPTModel``
 (local spec): :func:`hf_to_megatron` / :func:`megatron_to_hf` at TP = 1 (views, ``cat`` and
-``split`` only: the round trip is bitwise), :func:`shard_for_tp` for a rank's shard, and
-:func:`load_hf_weights` into a model.
+``split`` only: the round trip is bitwise), :func:`shard_for_tp` for a rank's shard,
+:func:`shard_for_ep` for an expert-parallel rank's experts, and :func:`load_hf_weights` into a
+model.
 
 Megatron's fused QKV is grouped per KV head: for each of the ``num_query_groups`` groups, that
 group's q heads, then its k head, then its v head (weight rows and, for Qwen2, the bias).
@@ -20,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -212,6 +214,30 @@ def shard_for_tp(
     return out
 
 
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+
+
+def shard_for_ep(
+    state_dict: dict[str, torch.Tensor], config: Any, *, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """Expert-parallel rank ``rank``'s part of a TP=1 Megatron state dict (from
+    :func:`hf_to_megatron`): of every sparse layer's ``E`` experts it keeps ``rank*E/world_size
+    .. (rank+1)*E/world_size``, renumbered from 0 (``local_experts.{j}``, as Megatron numbers
+    a rank's experts); everything else is whole on every rank."""
+    n = config.num_experts
+    if world_size < 1 or n % world_size:
+        raise ValueError(f"{n} experts do not split over {world_size} expert-parallel ranks")
+    local = n // world_size
+    out = {}
+    for key, t in state_dict.items():
+        m = _EXPERT.fullmatch(key)
+        if m is None:
+            out[key] = t
+        elif int(m[2]) // local == rank:
+            out[f"{m[1]}{int(m[2]) - rank * local}{m[3]}"] = t
+    return out
+
+
 def load_hf_weights(
     model: nn.Module,
     hf_state_dict: dict[str, torch.Tensor],
@@ -219,12 +245,18 @@ def load_hf_weights(
     *,
     rank: int = 0,
     world_size: int = 1,
+    ep_rank: int = 0,
+    ep_world_size: int = 1,
 ):
     """Copy a transformers state dict into a ``GPTModel`` (bitwise; dtypes must match): the
-    whole model at TP=1, or TP rank ``rank``'s :func:`shard_for_tp` shard of ``world_size``."""
+    whole model at TP=1, or TP rank ``rank``'s :func:`shard_for_tp` shard of ``world_size``;
+    an MoE model's experts as expert-parallel rank ``ep_rank`` of ``ep_world_size``
+    (:func:`shard_for_ep`)."""
     sd = hf_to_megatron(hf_state_dict, hf_config)
     if world_size != 1:
         sd = shard_for_tp(sd, hf_config, rank=rank, world_size=world_size)
+    if ep_world_size != 1:
+        sd = shard_for_ep(sd, hf_config, rank=ep_rank, world_size=ep_world_size)
     own = model.state_dict()
     for key, t in sd.items():
         if key not in own:
