@@ -26,7 +26,10 @@ kept for the backward); the stack's backward hands each expert its own gradient 
 
 Example::
 
-    spec = moe_spec(leaves=None)      # the ``mlp`` entry of a sparse layer's spec
+    mg = build_gpt_model(qwen3_moe.config)      # (models.megatron.model)
+    type(mg.decoder.layers[0].mlp).__name__     # "RlkMoELayer"
+    with RoutingLog(mg) as log:
+        lps = packed_logprobs(mg, samples)      # == the rollout's, bit for bit
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ def moe_spec(col: Any, row: Any) -> Any:
     experts = ModuleSpec(
         module=_make_experts(), submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)
     )
+    # mcore API: MoESubmodules.router (0.16) builds the router; a ModuleSpec of an MoELayer
+    # subclass gets Megatron's default process groups (TransformerLayer passes pg_collection
+    # to the exact MoELayer class only), which are the same groups.
     return ModuleSpec(
         module=_make_moe_layer(),
         submodules=MoESubmodules(experts=experts, router=_make_router()),
