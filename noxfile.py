@@ -181,6 +181,7 @@ VLLM_TESTS = [
     "packages/rlk-integrations/tests/test_vllm_options.py",
     "packages/rlk-integrations/tests/test_vllm_rl.py",
     "packages/rlk-integrations/tests/test_vllm_server.py",
+    "packages/rlk-integrations/tests/test_trl_vllm.py",
 ]
 
 #: verl, tested in stage 4's environment (rlk_integrations.adapters.verl.TESTED_VERL). Its own

@@ -176,7 +176,10 @@ def test_rlk_grpo_accumulation_chat_and_masked_truncation(tmp_path):
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        (dict(use_vllm=True), "use_vllm"),
+        (dict(use_vllm=True, vllm_mode="server"), "vllm_mode='server'"),
+        (dict(use_vllm=True, vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode"),
+        (dict(use_vllm=True, vllm_model_impl="transformers"), "vllm_model_impl"),
+        (dict(use_vllm=True, vllm_structured_outputs_regex="[0-9]+"), "structured_outputs"),
         (dict(min_p=0.1), "min_p"),
         (dict(repetition_penalty=1.1), "repetition_penalty"),
         (dict(generation_kwargs={"do_sample": True}), "generation_kwargs"),

@@ -16,6 +16,22 @@
   rollout's temperature and logits dtype (``graph_logprobs=True``: through
   :class:`rlk_integrations.engine.training.GraphedLogprobs`, CUDA graphs on a GPU, the same bits).
 
+With ``GRPOConfig(use_vllm=True, vllm_mode="colocate")`` vLLM generates instead, on rlk's model
+classes (:mod:`rlk_integrations.adapters.vllm`): the trainer hooks the ``vllm.LLM`` that TRL
+builds (TRL 1.16 has no argument for more engine arguments) and adds
+:func:`rlk_integrations.adapters.vllm.engine_args` and the trainer's weight dtype to TRL's own
+(``external_launcher``, ``logprobs_mode="processed_logprobs"``, ...). TRL's weight sync is
+unchanged: before each generation after an optimizer step it calls the engine model's
+``load_weights`` once per parameter (rlk's model takes any subset per call and refuses to
+generate until every tensor has come) and resets the prefix cache. vLLM's
+``processed_logprobs`` on rlk's model are ``log_softmax(logits / temperature)`` over the whole
+vocabulary, TRL's ``sampling_per_token_logps``; rlk recomputes them bit for bit, so TRL's own
+``sampling/sampling_logp_difference/max`` is 0 at every step. As in stock TRL the engine loads
+the checkpoint at the model's ``name_or_path`` (with its tokenizer); an engine argument rlk's
+vLLM models refuse raises ``NotImplementedError`` naming it, and an engine that does not run
+rlk's model (the plugin did not load) ``RuntimeError``. On 2 CPU cores it starts in about 10 s
+(eager: ``engine_args`` sets ``enforce_eager`` without CUDA).
+
 So wherever the weights are those that sampled (the old log-probabilities, and the current ones
 in the first iteration over a batch), TRL's log-probabilities are the sampling ones bit for bit,
 and the importance ratio ``exp(logp - old_logp)`` of that iteration is exactly 1: the
@@ -40,10 +56,16 @@ TRL options (``GRPOConfig`` fields and trainer arguments):
   (a completion ends at the first), ``pad_to_multiple_of``, ``gradient_checkpointing``,
   ``disable_dropout``, ``bf16`` / ``fp16`` when the weights are in that dtype, conversational and
   plain-text prompts, evaluation.
-- without effect, as in stock TRL without vLLM: ``vllm_importance_sampling_correction``,
-  ``vllm_importance_sampling_mode`` and its clip bounds (the ratio is 1; it is logged).
-- rejected with a ``ValueError`` naming the option: ``use_vllm`` (and so every ``vllm_*`` server
-  or colocation option), ``use_transformers_continuous_batching`` (``use_transformers_paged``),
+- ``use_vllm=True`` with ``vllm_mode="colocate"``, ``vllm_gpu_memory_utilization``,
+  ``vllm_max_model_length``; ``vllm_importance_sampling_correction`` and
+  ``vllm_importance_sampling_mode`` and its clip bounds are TRL's (the ratio they correct is 1;
+  TRL logs it). Without vLLM they have no effect, as in stock TRL without vLLM.
+- rejected with a ``ValueError`` naming the option: ``vllm_mode="server"`` (TRL's server builds
+  vLLM's own model classes), ``vllm_enable_sleep_mode`` (sleep level 2 drops buffers that TRL's
+  sync does not push back), ``vllm_model_impl`` other than ``auto``/``vllm``,
+  ``vllm_structured_outputs_regex`` (the grammar masks the logits the values come from),
+  ``vllm_tensor_parallel_size > 1``, ``rollout_kwargs`` with ``use_vllm``;
+  ``use_transformers_continuous_batching`` (``use_transformers_paged``),
   ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs``, ``cache_implementation``,
   ``cast_lm_head_to_fp32``, ``use_liger_kernel``, ``torch_compile``, ``temperature <= 0``,
   ``max_completion_length=None``, ``bf16``/``fp16`` mixed precision over weights of another
@@ -69,6 +91,7 @@ Install: ``pip install "rlk[trl]"`` (TRL 1.16).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -186,7 +209,7 @@ def unsupported_options(args: GRPOConfig, trainer_args: dict[str, Any]) -> list[
     ``GRPOTrainer.__init__``'s arguments by name."""
     bad = []
     if args.use_vllm:
-        bad.append("use_vllm=True: rlk generates the completions (leave use_vllm False)")
+        bad += _unsupported_vllm_options(args)
     if args.use_transformers_continuous_batching:
         bad.append(
             "use_transformers_continuous_batching (or use_transformers_paged): rlk's paged "
@@ -222,6 +245,37 @@ def unsupported_options(args: GRPOConfig, trainer_args: dict[str, Any]) -> list[
             bad.append(f"{name}: not supported by rlk's GRPO trainer")
     if trainer_args.get("quantization_config") is not None:
         bad.append("quantization_config: rlk's ops run unquantized weights")
+    return bad
+
+
+def _unsupported_vllm_options(args: GRPOConfig) -> list[str]:
+    """The ``use_vllm`` options rlk's model in vLLM cannot honour (:func:`unsupported_options`)."""
+    bad = []
+    if args.vllm_mode != "colocate":
+        bad.append(
+            f"vllm_mode={args.vllm_mode!r}: rlk builds the colocated engine "
+            "(vllm_mode='colocate'); TRL's server (trl vllm-serve) starts vLLM's own model classes"
+        )
+    if args.vllm_enable_sleep_mode:
+        bad.append(
+            "vllm_enable_sleep_mode=True: sleep level 2 discards the engine's buffers (rlk's "
+            "rotary table), which TRL's weight sync does not push back"
+        )
+    if args.vllm_model_impl not in ("auto", "vllm"):
+        bad.append(
+            f"vllm_model_impl={args.vllm_model_impl!r}: rlk's model is a vLLM model class "
+            "('auto' or 'vllm')"
+        )
+    if args.vllm_structured_outputs_regex is not None:
+        bad.append(
+            "vllm_structured_outputs_regex: the grammar masks the logits in place, so vLLM's "
+            "log-probabilities would no longer be the ones the trainer recomputes"
+        )
+    if args.vllm_tensor_parallel_size != 1:
+        bad.append(
+            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}: the rlk trainer runs "
+            "in one process"
+        )
     return bad
 
 
@@ -282,6 +336,27 @@ def _first_eos(tokens: list[int], eos: Sequence[int]) -> int:
     return next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
 
 
+@contextlib.contextmanager
+def _llm_built_by(build: Callable[[Callable[..., Any], dict[str, Any]], Any]):
+    """While in the block, the ``vllm.LLM`` that TRL's colocated generation
+    (``trl.generation.vllm_generation``) builds is ``build(vllm.LLM, its_kwargs)``: TRL 1.16 has
+    no argument for more engine arguments."""
+    from trl.generation import vllm_generation
+
+    stock = vllm_generation.LLM
+    vllm_generation.LLM = lambda **kwargs: build(stock, kwargs)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = stock
+
+
+def _vllm_model(llm: Any) -> Any:
+    """The model of a colocated ``vllm.LLM`` (one process, ``external_launcher``), where TRL's
+    weight sync calls ``load_weights`` one parameter at a time."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
 class _LogprobCheck:
     """The comparison of TRL's log-probabilities with the sampling ones, where the weights are
     those that sampled; mixed into :class:`RLKGRPOTrainer` and :class:`StockGRPOTrainer`.
@@ -297,7 +372,9 @@ class _LogprobCheck:
         self._rlk_sampled_at: dict[str, int] = {}
         self._rlk_current: torch.Tensor | None = None
 
-    def _compare(self, what: str, logps: torch.Tensor, inputs: dict[str, Any]) -> None:
+    def _compare(
+        self, what: str, logps: torch.Tensor, inputs: dict[str, Any], log: bool = True
+    ) -> None:
         sampling = inputs.get("sampling_per_token_logps")
         if sampling is None:
             raise RuntimeError(
@@ -318,7 +395,8 @@ class _LogprobCheck:
             "sampling/importance_sampling_ratio/max": ratio.max() if d.numel() else zero + 1,
         }
         for key, value in stats.items():
-            self._metrics[mode][key].append(float(value))
+            if log:
+                self._metrics[mode][key].append(float(value))
         worst = float(stats["sampling/sampling_logp_difference/max"])
         if self._raise_on_mismatch and worst != 0.0:
             raise RuntimeError(
@@ -333,7 +411,9 @@ class _LogprobCheck:
         out = super()._generate_and_score_completions(inputs)
         self._rlk_sampled_at[mode] = self.state.global_step
         if out.get("old_per_token_logps") is not None:
-            self._compare("TRL's old_per_token_logps", out["old_per_token_logps"], out)
+            # With vLLM's importance-sampling correction TRL logs this comparison itself.
+            logged = self.use_vllm and self.vllm_importance_sampling_correction
+            self._compare("TRL's old_per_token_logps", out["old_per_token_logps"], out, not logged)
         return out
 
     def _compute_loss(self, model, inputs):
@@ -382,6 +462,10 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
       does not fit. The bits are those of the eager recompute. A call that needs gradients
       for more than one micro-batch at once (``batch_size`` below the rows) runs eagerly: a
       graphed call's backward must come before the next call.
+
+    With ``use_vllm=True`` (colocate) TRL's engine samples on rlk's model in vLLM and TRL syncs
+    the weights into it (see the module); ``rollout_kwargs`` and ``keep_rollout_engine`` then
+    do not apply (``rollout_kwargs`` is refused).
 
     The model (an instance, or a name TRL loads) must be a Llama, Qwen2 or Qwen3 causal LM; it
     is patched in place. An option the trainer cannot honour is a ``ValueError`` naming it,
@@ -438,10 +522,19 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         )
         bad = unsupported_options(args, bound.arguments)
         bad += _unsupported_model(model, bound.arguments.get("processing_class"))
+        if args.use_vllm and rollout_kwargs:
+            bad.append("rollout_kwargs with use_vllm=True: vLLM generates, not rlk's paged rollout")
         if bad:
             raise ValueError("RLKGRPOTrainer cannot run with: " + "; ".join(bad))
 
-        super().__init__(model, reward_funcs, args, *more, **kwargs)
+        if args.use_vllm:
+            import rlk_integrations.adapters.vllm as rv
+
+            rv.check_vllm()  # before TRL loads anything: the release rlk's vLLM models need
+            with _llm_built_by(self._build_vllm):
+                super().__init__(model, reward_funcs, args, *more, **kwargs)
+        else:
+            super().__init__(model, reward_funcs, args, *more, **kwargs)
         self._raise_on_mismatch = check_logprobs
         # TRL draws its own progress bar: no second one for each generation unless asked.
         self._rlk_rollout_kwargs = {"progress": False, **rollout_kwargs}
@@ -482,6 +575,8 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
         at its first EOS id, included) and their float32 sampling log-probabilities."""
         if images is not None or multimodal_fields or has_tool_images:
             raise ValueError("RLKGRPOTrainer cannot run with: multimodal input (images)")
+        if self.use_vllm:  # TRL's weight sync and generate, on rlk's model in vLLM
+            return super()._generate_single_turn(prompt_ids, None, {}, num_generations)
         seeds = rollout_seeds(
             self.args.seed, self._rlk_round, self.accelerator.process_index, len(prompt_ids)
         )
@@ -523,6 +618,25 @@ class RLKGRPOTrainer(_LogprobCheck, GRPOTrainer):
             completion_ids.append(s.response[:n])
             logprobs.append(s.logprobs[:n].tolist())  # float32 -> float -> float32: exact
         return completion_ids, logprobs
+
+    def _build_vllm(self, make_llm: Callable[..., Any], trl_kwargs: dict[str, Any]) -> Any:
+        """The ``vllm.LLM`` TRL builds for ``use_vllm`` (``make_llm(**kwargs)``), on rlk's model
+        classes: TRL's keyword arguments (``trl_kwargs``) plus
+        :func:`rlk_integrations.adapters.vllm.engine_args` (``hf_overrides``, eager on CPU, the
+        worker extension) and ``dtype``, the trainer's weights' (the engine computes in the dtype
+        the recompute does). An argument rlk's vLLM models refuse raises
+        ``NotImplementedError`` naming it; an engine whose model is not rlk's, ``RuntimeError``."""
+        import rlk_integrations.adapters.vllm as rv
+
+        dtype = self.model.get_output_embeddings().weight.dtype
+        llm = make_llm(**rv.engine_args(**trl_kwargs, dtype=str(dtype).removeprefix("torch.")))
+        model = _vllm_model(llm)
+        if not hasattr(model, "stale_parameters"):
+            raise RuntimeError(
+                f"the vLLM engine TRL built runs {type(model).__name__}, not one of rlk's vLLM "
+                "models: rlk's vLLM plugin (rlk_integrations.adapters.vllm.register) did not run"
+            )
+        return llm
 
     def _rollout_engine(self, model, prompts, sampling, kw) -> PagedEngine:
         """The kept engine, built (again) when there is none, when ``model`` is another object,
