@@ -38,6 +38,17 @@ def _reward(completions, **kwargs):
     return [0.1 * sum(ch.isdigit() for ch in c) for c in completions]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment():
+    """TRL's colocated engine sets RANK, WORLD_SIZE, MASTER_ADDR/PORT and vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 (external_launcher) in this process: undone for the tests
+    that run after these."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The head_dim-64 tiny Qwen2 (stock vLLM's CPU attention takes it) with the character
