@@ -274,8 +274,9 @@ class Exchange:
       ``partial`` ([M, N], fp32, or float64 from the reference backend; this rank's fresh
       tensor, which may be summed into), plus ``bias``, rounded once to ``dtype``; the same
       result on every rank (``RLK_TP_EXCHANGE`` picks how: :data:`EXCHANGES`).
-    - ``counts(send)``: ``send[j]`` is how many rows this rank sends rank j; returns how many
-      each rank sends this one (a list of ``world`` ints, read on the host).
+    - ``counts(send, device)``: ``send[j]`` is how many rows this rank sends rank j; returns
+      how many each rank sends this one (a list of ``world`` ints, read on the host; exchanged
+      as a tensor on ``device``, the device of the data that follows).
     - ``all_to_all(t, send, recv)``: the rows of ``t [M, ...]`` dealt out in order, ``send[0]``
       rows to rank 0, the next ``send[1]`` to rank 1, ...; returns the rows received,
       ``recv[j]`` from rank j, in rank order (exact copies: the bits never depend on which
@@ -292,13 +293,15 @@ class Exchange:
     def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         return _tree_reduce(partial, self.world, self.group, bias, dtype)
 
-    def counts(self, send: list[int]) -> list[int]:
+    def counts(self, send: list[int], device: Any = None) -> list[int]:
         if self.world == 1:
             return list(send)
         import torch.distributed as dist
 
-        out = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(out, torch.tensor(send, dtype=torch.int64), group=self.group)
+        # On ``device``: NCCL moves only tensors of the rank's GPU (gloo, CPU ones).
+        mine = torch.tensor(send, dtype=torch.int64, device=device)
+        out = torch.empty_like(mine)
+        dist.all_to_all_single(out, mine, group=self.group)
         return out.tolist()
 
     def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:

@@ -144,7 +144,7 @@ def expert_parallel_moe_experts(x, indices, weights, gate_up, down, *, exchange,
     dest = torch.div(flat, per, rounding_mode="floor")
     order = torch.sort(dest, stable=True).indices
     send = torch.bincount(dest, minlength=exchange.world).tolist()
-    recv = exchange.counts(send)
+    recv = exchange.counts(send, x.device)
     xp = _AllToAll.apply(x.double().index_select(0, order // k), send, recv, exchange)
     expert = exchange.all_to_all(flat[order], send, recv) - exchange.rank * per
     y = xp.new_zeros(xp.shape)

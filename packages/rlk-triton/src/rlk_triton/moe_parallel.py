@@ -49,7 +49,7 @@ class _Plan:
         bad = (flat < 0) | (dest >= world)
         counts = torch.bincount(torch.where(bad, world, dest), minlength=world + 1).tolist()
         self.send = counts[:world] if counts[world] == 0 else [-1] * world
-        self.recv = exchange.counts(self.send)
+        self.recv = exchange.counts(self.send, indices.device)
         if -1 in self.send or -1 in self.recv:
             rank = exchange.rank if -1 in self.send else self.recv.index(-1)
             raise ValueError(
