@@ -96,20 +96,17 @@ def op_worker(rank, world, inputs, fake=False, group=None):
     return out.detach(), x.grad, w.grad, gu.grad, dn.grad
 
 
-def model_worker(rank, world, config, state, prompts, new_tokens, group=None):
-    """This rank's equal share of ``prompts`` (in order; seeds their indices) through
-    tiny-qwen3-moe sharded by ``shard_ep``: the padded rollout's samples, then the recompute
-    of those samples, ``(samples, log-probs, {expert parameter: gradient})``."""
-    from transformers import AutoModelForCausalLM
-
+def model_worker(rank, world, name, state, prompts, new_tokens, group=None):
+    """This rank's equal share of ``prompts`` (in order; seeds their indices) through the zoo's
+    model ``name`` with the weights ``state``, sharded by ``shard_ep``: the padded rollout's
+    samples, then the recompute of those samples, ``(samples, log-probs, {expert parameter:
+    gradient})``."""
     from rlk_integrations.engine import rollout, training
     from rlk_integrations.models import ep
     from rlk_integrations.models import transformers as rt
+    from rlk_integrations.tools import zoo
 
-    # (patch_model sets the attention; the pickled config carries rlk's already)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = zoo.load_model(name, dtype=torch.float32)
     model.load_state_dict(state)
     ep.shard_ep(rt.patch_model(model.eval()), group=group)
     per = len(prompts) // world

@@ -115,22 +115,22 @@ OP_CASES = {
     "op8": (8, torch.float32, 8, False),
     "fake4": (4, torch.float32, 4, True),
 }
-MODEL_SIZES = (2, 4)
-PROMPTS, NEW_TOKENS = 8, 3
+MODEL, MODEL_SIZES = "tiny-qwen3-moe", (2, 4)
+PROMPTS, NEW_TOKENS = 4, 2
 
 
 @pytest.fixture(scope="module")
 def runs():
     """One spawn of 8 gloo processes runs every case (a process's start costs more than a
     case); returns ``(op inputs, model, prompts, {case: [each rank's result]})``."""
-    model = rt.patch_model(zoo.load_model("tiny-qwen3-moe", dtype=torch.float32).eval())
+    model = rt.patch_model(zoo.load_model(MODEL, dtype=torch.float32).eval())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = _prompts(model.config.vocab_size, PROMPTS)
     inputs = {name: _inputs(dtype, seed) for name, (_, dtype, seed, _) in OP_CASES.items()}
     cases = {name: (size, op_worker, (inputs[name], fake))
              for name, (size, _, _, fake) in OP_CASES.items()}  # fmt: skip
     for size in MODEL_SIZES:
-        cases[f"model{size}"] = (size, model_worker, (model.config, state, prompts, NEW_TOKENS))
+        cases[f"model{size}"] = (size, model_worker, (MODEL, state, prompts, NEW_TOKENS))
     ranks = spawn(cases_worker, 8, cases)
     by_case = {name: [ranks[r][name] for r in range(size)]
                for name, (size, _, _) in cases.items()}  # fmt: skip
