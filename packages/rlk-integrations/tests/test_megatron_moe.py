@@ -1,7 +1,7 @@
-"""Megatron-core's MoE layer on rlk (Qwen3-MoE): exact weight conversion both ways, the layout
-checked against stock Megatron's own MoE (fp32), and the rlk ``GPTModel``'s packed log-probs
-and gradients bit for bit those of rlk's transformers model on CPU; the Megatron MoE options
-rlk cannot honour are refused by name.
+"""Megatron-core's MoE layer on rlk (Qwen3-MoE, Qwen2-MoE): exact weight conversion both ways,
+the layout checked against stock Megatron's own MoE (fp32), and the rlk ``GPTModel``'s packed
+log-probs and gradients bit for bit those of rlk's transformers model on CPU; the Megatron MoE
+options rlk cannot honour are refused by name.
 
 Stock Megatron 0.16's router reads ``te_general_gemm``, which it defines only with Transformer
 Engine installed, and moves its weight to ``torch.cuda.current_device()``: the stock-model test
@@ -30,6 +30,8 @@ from rlk_integrations.models import transformers as rt  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
 NAME = "tiny-qwen3-moe"
+#: Qwen3-MoE, and Qwen2-MoE with its sigmoid-gated shared expert and q/k/v biases.
+NAMES = [NAME, "tiny-qwen2-moe"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,43 +42,51 @@ def megatron_state():
     teardown()
 
 
-def _hf(dtype=torch.float32, **changes):
-    """tiny-qwen3-moe, or its config with ``changes`` (seeded random weights)."""
+def _hf(dtype=torch.float32, name=NAME, **changes):
+    """A tiny MoE model, or its config with ``changes`` (seeded random weights)."""
     if not changes:
-        return zoo.load_model(NAME, dtype=dtype, attn_implementation="eager")
+        return zoo.load_model(name, dtype=dtype, attn_implementation="eager")
     from transformers import AutoModelForCausalLM
 
-    cfg = zoo.make_config(NAME)
+    cfg = zoo.make_config(name)
     for key, value in changes.items():
         setattr(cfg, key, value)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("dense_first", [False, True])
-def test_weight_round_trip_is_bitwise(dense_first):
+@pytest.mark.parametrize(
+    "name, dense_first", [(NAME, False), (NAME, True), ("tiny-qwen2-moe", False)]
+)
+def test_weight_round_trip_is_bitwise(name, dense_first):
     """transformers -> Megatron -> transformers, and Megatron's own (stock local-spec MoE
     model's) keys and shapes -> transformers -> Megatron, bitwise; with the first layer dense
-    (``mlp_only_layers=[0]``) too."""
-    hf = _hf(mlp_only_layers=[0]) if dense_first else _hf()
+    (``mlp_only_layers=[0]``) too, and Qwen2-MoE's gated shared expert."""
+    hf = _hf(name=name, mlp_only_layers=[0]) if dense_first else _hf(name=name)
     sd = hf.state_dict()
     mg_sd = check_round_trip(hf)
     assert ("decoder.layers.0.mlp.linear_fc1.weight" in mg_sd) == dense_first
+    shared = "decoder.layers.1.mlp.shared_experts.gate_weight"
+    assert (shared in mg_sd) == (name == "tiny-qwen2-moe")
+    if shared in mg_sd:
+        assert torch.equal(mg_sd[shared], sd["model.layers.1.mlp.shared_expert_gate.weight"])
     j, h = "decoder.layers.1.mlp.experts.local_experts.3.", "model.layers.1.mlp.experts."
     assert torch.equal(mg_sd[j + "linear_fc1.weight"], sd[h + "gate_up_proj"][3])
     assert torch.equal(mg_sd[j + "linear_fc2.weight"], sd[h + "down_proj"][3])
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_stock_megatron_moe_matches_transformers(norm_topk_prob, monkeypatch):
+@pytest.mark.parametrize(
+    "name, norm_topk_prob", [(NAME, True), (NAME, False), ("tiny-qwen2-moe", False)]
+)
+def test_stock_megatron_moe_matches_transformers(name, norm_topk_prob, monkeypatch):
     """The converted weights in Megatron's own MoE layer (TopKRouter, token dispatcher,
-    SequentialMLP) give transformers' logits in fp32: the layout and the router mapping
-    (``moe_router_pre_softmax = not norm_topk_prob``) are Megatron's."""
+    SequentialMLP, SharedExpertMLP) give transformers' logits in fp32: the layout and the
+    router mapping (``moe_router_pre_softmax = not norm_topk_prob``) are Megatron's."""
     from megatron.core.transformer.moe import moe_utils
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     monkeypatch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-    hf = _hf(norm_topk_prob=norm_topk_prob)
+    hf = _hf(name=name, norm_topk_prob=norm_topk_prob)
     mg = rm.load_hf_weights(
         rm.build_gpt_model(hf.config, use_rlk=False), hf.state_dict(), hf.config
     ).eval()
@@ -91,24 +101,31 @@ def test_stock_megatron_moe_matches_transformers(norm_topk_prob, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def _pair(dtype=torch.bfloat16, **changes):
-    hf = rt.patch_model(_hf(dtype, **changes))
+def _pair(dtype=torch.bfloat16, name=NAME, **changes):
+    hf = rt.patch_model(_hf(dtype, name, **changes))
     mg = rm.build_gpt_model(hf.config, dtype=dtype)
     rm.load_hf_weights(mg, hf.state_dict(), hf.config)
     return hf, mg.eval()
 
 
-@pytest.mark.parametrize("changes", [{}, {"mlp_only_layers": [0], "norm_topk_prob": False}])
-def test_rlk_megatron_moe_logprobs_bitwise_equal_transformers(changes):
-    """bf16 on CPU: the rlk GPTModel's MoE layers (RlkTopKRouter, RlkExperts) give the
-    transformers integration's packed log-probs bit for bit, in two micro-batch compositions;
-    also with the first layer dense and the top-k weights not renormalised."""
-    hf, mg = _pair(**changes)
+@pytest.mark.parametrize(
+    "name, changes",
+    [(NAME, {}), (NAME, {"mlp_only_layers": [0], "norm_topk_prob": False}),
+     ("tiny-qwen2-moe", {})],
+)  # fmt: skip
+def test_rlk_megatron_moe_logprobs_bitwise_equal_transformers(name, changes):
+    """bf16 on CPU: the rlk GPTModel's MoE layers (RlkTopKRouter, RlkExperts, Qwen2-MoE's
+    RlkSharedExperts) give the transformers integration's packed log-probs bit for bit, in two
+    micro-batch compositions; also with the first layer dense and the top-k weights not
+    renormalised."""
+    hf, mg = _pair(name=name, **changes)
     layers = [type(layer.mlp).__name__ for layer in mg.decoder.layers]
     assert layers == (["RlkMLP", "RlkMoELayer"] if changes else ["RlkMoELayer"] * 2)
     sparse = mg.decoder.layers[1].mlp
     assert type(sparse.router).__name__ == "RlkTopKRouter"
     assert type(sparse.experts).__name__ == "RlkExperts"
+    shared = type(sparse.shared_experts).__name__ if sparse.shared_experts is not None else None
+    assert shared == ("RlkSharedExperts" if name == "tiny-qwen2-moe" else None)
     samples = _samples([(3, 5), (6, 2), (2, 4)], hf.config.vocab_size, seed=2)
     with torch.no_grad(), moe.RoutingLog(hf) as hf_log, rm.RoutingLog(mg) as mg_log:
         ref = training.packed_logprobs(hf, samples)
@@ -184,7 +201,6 @@ def test_refusals():
     with pytest.raises(NotImplementedError, match="output_router_logits"):
         rm.megatron_config(hf.config)
     qwen2_moe = zoo.make_config("tiny-qwen2-moe")
-    with pytest.raises(NotImplementedError, match="shared_expert"):
-        rm.megatron_config(qwen2_moe)
-    assert "qwen3_moe" in rm.SUPPORTED_MODEL_TYPES
-    assert "qwen2_moe" not in rm.SUPPORTED_MODEL_TYPES
+    with pytest.raises(NotImplementedError, match="moe_shared_expert_intermediate_size=32"):
+        rm.megatron_config(qwen2_moe, moe_shared_expert_intermediate_size=32)
+    assert {"qwen3_moe", "qwen2_moe"} <= set(rm.SUPPORTED_MODEL_TYPES)

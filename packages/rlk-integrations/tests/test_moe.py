@@ -64,11 +64,7 @@ def test_refusals(name):
         rt.patch_model(DeepseekV3ForCausalLM(cfg))
     from rlk_integrations.models.megatron.config import _check_supported
 
-    if name == "tiny-qwen2-moe":  # Megatron's MoE layers (test_megatron_moe): Qwen3-MoE only
-        with pytest.raises(NotImplementedError, match="shared_expert"):
-            _check_supported(zoo.make_config(name))
-    else:
-        _check_supported(zoo.make_config(name))
+    _check_supported(zoo.make_config(name))  # Megatron's MoE layers: test_megatron_moe
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -3,7 +3,7 @@
 Three pieces:
 
 - **Weights.** :func:`hf_to_megatron` / :func:`megatron_to_hf` convert between a transformers
-  Llama / Qwen2 / Qwen3 / Qwen3-MoE ``*ForCausalLM`` state dict and the state dict of
+  Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE ``*ForCausalLM`` state dict and the state dict of
   Megatron-core's ``GPTModel`` (the local, non-TransformerEngine, layer spec; TP size 1).
   Only views, ``cat`` and ``split``: the round trip is bitwise. Megatron's fused QKV is grouped
   per KV head: for each of the ``num_query_groups`` groups, that group's q heads, then its k
@@ -20,9 +20,10 @@ Three pieces:
   sequence per batch row (``sbhd``). :func:`build_gpt_model` makes such a ``GPTModel`` (or a
   stock one, ``use_rlk=False``) from a transformers config, and :func:`packed_logprobs` is the
   Megatron twin of :func:`rlk_integrations.engine.training.packed_logprobs`.
-- **Mixture of experts.** A Qwen3-MoE model's sparse layers are Megatron's ``MoELayer`` with
-  its ``TopKRouter`` and ``SequentialMLP`` experts (their parameter names), run on
-  :func:`rlk.moe_route` and :func:`rlk.moe_experts`: rlk's own sparse block's bits
+- **Mixture of experts.** A Qwen3-MoE or Qwen2-MoE model's sparse layers are Megatron's
+  ``MoELayer`` with its ``TopKRouter``, ``SequentialMLP`` experts and (Qwen2-MoE) gated
+  ``SharedExpertMLP`` (their parameter names), run on :func:`rlk.moe_route` and
+  :func:`rlk.moe_experts`: rlk's own sparse block's bits
   (:mod:`rlk_integrations.models.megatron.moe`). At expert parallelism > 1 (Megatron's EP
   group, :func:`init_distributed` ``expert_parallel=``, :func:`shard_for_ep`) the experts run
   as :func:`rlk.parallel.expert_parallel_moe_experts`, one device's bits; tensor parallelism

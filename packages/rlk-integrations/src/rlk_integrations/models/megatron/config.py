@@ -1,13 +1,15 @@
-"""Megatron's ``TransformerConfig`` of a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE config,
-and the config facts the other modules read (head sizes, biases, RoPE parameters, tied
-embeddings, which layers are mixtures of experts).
+"""Megatron's ``TransformerConfig`` of a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE /
+Qwen2-MoE config, and the config facts the other modules read (head sizes, biases, RoPE
+parameters, tied embeddings, which layers are mixtures of experts).
 
-A Qwen3-MoE config maps to Megatron's MoE fields: ``num_experts`` -> ``num_moe_experts``,
-``num_experts_per_tok`` -> ``moe_router_topk``, ``moe_intermediate_size`` ->
-``moe_ffn_hidden_size``, ``norm_topk_prob`` -> ``moe_router_pre_softmax = not norm_topk_prob``
-(Megatron's softmax over the top k logits is transformers' renormalised top-k probabilities) and
-``mlp_only_layers`` / ``decoder_sparse_step`` -> a ``moe_layer_freq`` list. The Megatron MoE
-options rlk's MoE layer cannot honour are refused by name (:func:`check_moe_options`).
+A Qwen3-MoE or Qwen2-MoE config maps to Megatron's MoE fields: ``num_experts`` ->
+``num_moe_experts``, ``num_experts_per_tok`` -> ``moe_router_topk``, ``moe_intermediate_size``
+-> ``moe_ffn_hidden_size``, ``norm_topk_prob`` -> ``moe_router_pre_softmax = not norm_topk_prob``
+(Megatron's softmax over the top k logits is transformers' renormalised top-k probabilities),
+``mlp_only_layers`` / ``decoder_sparse_step`` -> a ``moe_layer_freq`` list, and Qwen2-MoE's
+``shared_expert_intermediate_size`` -> ``moe_shared_expert_intermediate_size`` with
+``moe_shared_expert_gate`` (its sigmoid gate). The Megatron MoE options rlk's MoE layer cannot
+honour are refused by name (:func:`check_moe_options`).
 
 Example::
 
@@ -23,9 +25,8 @@ import torch
 from rlk_integrations.models.architectures import architecture
 
 #: The transformers ``model_type`` s that :func:`megatron_config` (and so ``build_gpt_model``)
-#: takes. Qwen2-MoE is not among them: its sigmoid-gated shared expert has no mapping onto
-#: Megatron's shared experts here.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+#: takes.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 
 
 def _dims(cfg: Any) -> tuple[int, int, int]:
@@ -37,12 +38,6 @@ def _dims(cfg: Any) -> tuple[int, int, int]:
 
 def _check_supported(cfg: Any) -> None:
     model_type = getattr(cfg, "model_type", None)
-    if model_type == "qwen2_moe":
-        raise NotImplementedError(
-            "rlk's Megatron integration does not map qwen2_moe's sigmoid-gated shared expert "
-            "(shared_expert / shared_expert_gate); run the model through "
-            "rlk_integrations.models.transformers.patch_model"
-        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
             f"rlk's Megatron integration supports {SUPPORTED_MODEL_TYPES}, "
@@ -71,6 +66,8 @@ def _qk_norm(cfg: Any) -> bool:
 
 
 def _qkv_bias(cfg: Any) -> bool:
+    if cfg.model_type == "qwen2_moe":
+        return bool(cfg.qkv_bias)
     return cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
 
 
@@ -101,8 +98,16 @@ def moe_layers(cfg: Any) -> list[bool]:
     return [i not in dense and (i + 1) % step == 0 for i in range(n)]
 
 
+def _shared_expert(cfg: Any) -> dict[str, Any]:
+    """Megatron's shared-expert fields of a transformers MoE config: Qwen2-MoE's sigmoid-gated
+    shared expert, or none."""
+    size = getattr(cfg, "shared_expert_intermediate_size", None) or None
+    return dict(moe_shared_expert_intermediate_size=size, moe_shared_expert_gate=size is not None)
+
+
 def _moe_fields(cfg: Any) -> dict[str, Any]:
     return dict(
+        **_shared_expert(cfg),
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.num_experts_per_tok,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
@@ -123,8 +128,7 @@ MOE_FIXED: dict[str, Any] = {
     "moe_expert_capacity_factor": None,  # token dropping
     "moe_pad_expert_input_to_capacity": False,
     "moe_token_dropping": False,
-    "moe_shared_expert_intermediate_size": None,
-    "moe_shared_expert_gate": False,
+    "moe_shared_expert_overlap": False,
     "moe_grouped_gemm": False,
     "moe_use_legacy_grouped_gemm": False,
     "moe_router_dtype": None,  # the router's logits in the model's dtype, as transformers
@@ -224,4 +228,10 @@ def megatron_config(hf_config: Any, *, dtype: torch.dtype = torch.float32, **ove
     config = TransformerConfig(**kw)
     if config.num_moe_experts:
         check_moe_options(config)
+        for name, want in _shared_expert(hf_config).items():
+            if getattr(config, name) != want:
+                raise NotImplementedError(
+                    f"Megatron's {name}={getattr(config, name)!r}: the checkpoint's shared "
+                    f"expert needs {want!r}"
+                )
     return config

@@ -1,7 +1,8 @@
 """rlk's ``GPTModel``: the layer and block specs on the modules of
-:mod:`rlk_integrations.models.megatron.modules` (and, for a Qwen3-MoE model's sparse layers,
-:mod:`rlk_integrations.models.megatron.moe`), rotary from the transformers model's own table
-(:mod:`rlk_integrations.models.rotary`), and :func:`build_gpt_model` from a transformers config.
+:mod:`rlk_integrations.models.megatron.modules` (and, for a Qwen3-MoE or Qwen2-MoE model's
+sparse layers, :mod:`rlk_integrations.models.megatron.moe`), rotary from the transformers
+model's own table (:mod:`rlk_integrations.models.rotary`), and :func:`build_gpt_model` from a
+transformers config.
 
 Example::
 

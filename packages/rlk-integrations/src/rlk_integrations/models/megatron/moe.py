@@ -2,10 +2,11 @@
 the experts and the token grouping / rank-ordered combine on :func:`rlk.moe_experts`: the bits
 of rlk's own sparse block (:func:`rlk_integrations.models.moe.moe_forward`).
 
-The classes subclass Megatron's (``MoELayer``, ``TopKRouter``, ``SequentialMLP``), so the
-parameters and their names are Megatron's local-spec ones:
-``mlp.router.weight [E, H]`` and, per expert ``j``, ``mlp.experts.local_experts.{j}.linear_fc1
-.weight [2I, H]`` (gate rows then up rows) and ``...linear_fc2.weight [H, I]``. The forward is
+The classes subclass Megatron's (``MoELayer``, ``TopKRouter``, ``SequentialMLP``,
+``SharedExpertMLP``), so the parameters and their names are Megatron's local-spec ones:
+``mlp.router.weight [E, H]``, per expert ``j`` ``mlp.experts.local_experts.{j}.linear_fc1
+.weight [2I, H]`` (gate rows then up rows) and ``...linear_fc2.weight [H, I]``, and Qwen2-MoE's
+gated shared expert ``mlp.shared_experts.linear_fc1 / linear_fc2 / gate_weight``. The forward is
 rlk's: Megatron routes with a sparse ``[T, E]`` probability map, permutes the tokens, runs each
 expert and adds their outputs back in the dispatcher's order, rounding each sum; rlk keeps
 ``[T, k]`` weights and experts, and :func:`rlk.moe_experts` groups the tokens by expert and adds
@@ -90,6 +91,30 @@ def _make_experts():
     return RlkExperts
 
 
+def _make_shared_experts():
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    class RlkSharedExperts(SharedExpertMLP):
+        """Megatron's ``SharedExpertMLP`` (``linear_fc1 [2Is, H]``, ``linear_fc2 [H, Is]``,
+        ``gate_weight [1, H]``) with Qwen2-MoE's sigmoid gate as rlk runs it
+        (:func:`rlk_integrations.models.moe.shared_expert`): ``x [T, H]`` -> ``[T, H]``, the
+        SwiGLU MLP on rlk's linears and :func:`rlk.silu_and_mul`, scaled by the float32
+        :func:`rlk_integrations.models.moe.sigmoid` of ``rlk.linear(x, gate_weight)``, rounded
+        once to x's dtype."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, bias = self.linear_fc1(x)
+            if bias is not None:
+                raise NotImplementedError("rlk's shared experts take no fc1 bias")
+            out, _ = self.linear_fc2(rlk.silu_and_mul(h))
+            if not self.use_shared_expert_gate:
+                return out
+            scale = moe.sigmoid(rlk.linear(x, self.gate_weight))
+            return (scale * out.float()).to(x.dtype)  # elementwise: one rounding per element
+
+    return RlkSharedExperts
+
+
 def _make_moe_layer():
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -115,6 +140,8 @@ def _make_moe_layer():
             x = hidden_states.reshape(-1, shape[-1]).contiguous()
             weights, indices = self.router(x, padding_mask)
             out = self.experts(x, indices, weights)
+            if self.shared_experts is not None:  # Qwen2-MoE, as rlk's block adds it
+                out = out + self.shared_experts(x)  # elementwise, one rounding per element
             return out.view(shape), None
 
     return RlkMoELayer
@@ -122,9 +149,10 @@ def _make_moe_layer():
 
 def moe_spec(col: Any, row: Any) -> Any:
     """The ``mlp`` entry of a sparse ``TransformerLayer`` spec: :func:`_make_moe_layer`'s
-    layer with :func:`_make_router`'s router and :func:`_make_experts`' experts, whose
-    ``MLP`` s are built from the linear specs ``col`` / ``row`` (their forwards never run:
-    :func:`rlk.moe_experts` reads their weights)."""
+    layer with :func:`_make_router`'s router, :func:`_make_experts`' experts, whose ``MLP`` s
+    are built from the linear specs ``col`` / ``row`` (their forwards never run:
+    :func:`rlk.moe_experts` reads their weights), and, when the config has them,
+    :func:`_make_shared_experts`' shared experts on ``col`` / ``row``."""
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -135,9 +163,13 @@ def moe_spec(col: Any, row: Any) -> Any:
     # mcore API: MoESubmodules.router (0.16) builds the router; a ModuleSpec of an MoELayer
     # subclass gets Megatron's default process groups (TransformerLayer passes pg_collection
     # to the exact MoELayer class only), which are the same groups.
+    shared = ModuleSpec(
+        module=_make_shared_experts(),
+        submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row),
+    )
     return ModuleSpec(
         module=_make_moe_layer(),
-        submodules=MoESubmodules(experts=experts, router=_make_router()),
+        submodules=MoESubmodules(experts=experts, shared_experts=shared, router=_make_router()),
     )
 
 

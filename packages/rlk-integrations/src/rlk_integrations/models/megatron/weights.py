@@ -11,6 +11,9 @@ group's q heads, then its k head, then its v head (weight rows and, for Qwen2, t
 rows of transformers' ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows then up rows, Megatron's
 fc1 layout too) and ``down_proj [E, H, I]`` are ``mlp.experts.local_experts.{j}.linear_fc1``
 / ``linear_fc2`` (Megatron's ``SequentialMLP``): ``unbind`` one way, ``stack`` the other.
+Qwen2-MoE's shared expert is ``mlp.shared_experts.linear_fc1`` (``cat(gate, up)``) /
+``linear_fc2`` and its gate ``mlp.shared_expert_gate.weight`` <-> ``mlp.shared_experts
+.gate_weight``.
 
 Example::
 
@@ -52,6 +55,11 @@ def _split_qkv(w: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, torch.Tensor, t
     g = heads // kv
     q, k, v = w.reshape(kv, (g + 2) * d, *rest).split([g * d, d, d], dim=1)
     return q.reshape(heads * d, *rest), k.reshape(kv * d, *rest), v.reshape(kv * d, *rest)
+
+
+def _shared(cfg: Any) -> bool:
+    """Whether the sparse layers have a (Qwen2-MoE) sigmoid-gated shared expert."""
+    return bool(getattr(cfg, "shared_expert_intermediate_size", None))
 
 
 def _layer_map(i: int, cfg: Any) -> list[tuple[str, str]]:
@@ -104,6 +112,13 @@ def hf_to_megatron(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str
             for j, (gate_up, down) in enumerate(experts):
                 out[m + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = gate_up
                 out[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = down
+            if _shared(config):
+                se = p + "shared_expert."
+                out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                    [take(se + "gate_proj.weight"), take(se + "up_proj.weight")]
+                )
+                out[m + "mlp.shared_experts.linear_fc2.weight"] = take(se + "down_proj.weight")
+                out[m + "mlp.shared_experts.gate_weight"] = take(p + "shared_expert_gate.weight")
             continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [take(p + "gate_proj.weight"), take(p + "up_proj.weight")]
@@ -158,6 +173,13 @@ def megatron_to_hf(
             fc2 = [take(e + f"{j}.linear_fc2.weight") for j in range(n)]
             out[p + "experts.gate_up_proj"] = torch.stack(fc1)
             out[p + "experts.down_proj"] = torch.stack(fc2)
+            if _shared(config):
+                se = m + "mlp.shared_experts."
+                gate, up = take(se + "linear_fc1.weight").chunk(2, dim=0)
+                out[p + "shared_expert.gate_proj.weight"] = gate
+                out[p + "shared_expert.up_proj.weight"] = up
+                out[p + "shared_expert.down_proj.weight"] = take(se + "linear_fc2.weight")
+                out[p + "shared_expert_gate.weight"] = take(se + "gate_weight")
             continue
         gate, up = take(m + "mlp.linear_fc1.weight").chunk(2, dim=0)
         out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = gate, up
