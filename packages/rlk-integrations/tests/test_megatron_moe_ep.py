@@ -64,14 +64,17 @@ def test_megatron_moe_ep2_equals_one_device():
     hf = rt.patch_model(zoo.load_model(NAME, dtype=torch.bfloat16))
     cfg = hf.config
     per_rank = [_samples(LENGTHS[r], cfg.vocab_size, seed=10 + r) for r in range(world)]
-    with torch.no_grad():
-        for r, (lps, _, _) in enumerate(results):
-            ref = training.packed_logprobs(hf, per_rank[r])
-            for a, b in zip(lps, ref, strict=True):
-                assert torch.equal(a, b), (r, (a - b).abs().max())
+    # One device, the ranks' batches concatenated in rank order: each sequence's log-probs
+    # (batch-invariant, so those of any batch) and the expert gradients EP must reproduce.
+    ref = training.packed_logprobs(hf, per_rank[0] + per_rank[1])
+    torch.cat(ref).sum().backward()
+    ref = [lp.detach() for lp in ref]
+    for r, (lps, _, _) in enumerate(results):
+        mine = ref[: len(LENGTHS[0])] if r == 0 else ref[len(LENGTHS[0]) :]
+        for a, b in zip(lps, mine, strict=True):
+            assert torch.equal(a, b), (r, (a - b).abs().max())
     # Rank 0's tokens reach rank 1's experts (and back): the all-to-all really ran.
     assert any(e >= cfg.num_experts // world for e in results[0][2])
-    torch.cat(training.packed_logprobs(hf, per_rank[0] + per_rank[1])).sum().backward()
     full = rm.hf_to_megatron({k: p.grad for k, p in hf.named_parameters()}, cfg)
     for r, (_, grads, _) in enumerate(results):
         want = rm.shard_for_ep(full, cfg, rank=r, world_size=world)
