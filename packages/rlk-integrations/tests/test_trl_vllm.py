@@ -171,3 +171,22 @@ def test_stock_vllm_in_trl_differs(checkpoint, tmp_path):
     logs, trainer = _train(Stock, checkpoint, args, check_logprobs=False)
     assert trainer.engine == "Qwen2ForCausalLM"
     assert len(logs) == STEPS and all(h[MISMATCH] > 0 for h in logs)
+
+
+def test_the_engine_hook_fails_closed():
+    """The hook on TRL's ``vllm.LLM`` passes TRL's arguments on and puts the class back; a TRL
+    that builds no engine through it (so would sample on vLLM's own model) is an error."""
+    from trl.generation import vllm_generation
+
+    stock = vllm_generation.LLM
+    seen = []
+    with rtrl._llm_built_by(lambda make, kwargs: seen.append((make, kwargs)) or "engine"):
+        assert vllm_generation.LLM(model="ckpt", seed=0) == "engine"
+    assert seen == [(stock, {"model": "ckpt", "seed": 0})]
+    assert vllm_generation.LLM is stock
+    with (
+        pytest.raises(RuntimeError, match="built no vllm.LLM"),
+        rtrl._llm_built_by(lambda make, kwargs: None),
+    ):
+        pass
+    assert vllm_generation.LLM is stock

@@ -21,15 +21,16 @@ classes (:mod:`rlk_integrations.adapters.vllm`): the trainer hooks the ``vllm.LL
 builds (TRL 1.16 has no argument for more engine arguments) and adds
 :func:`rlk_integrations.adapters.vllm.engine_args` and the trainer's weight dtype to TRL's own
 (``external_launcher``, ``logprobs_mode="processed_logprobs"``, ...). TRL's weight sync is
-unchanged: before each generation after an optimizer step it calls the engine model's
-``load_weights`` once per parameter (rlk's model takes any subset per call and refuses to
-generate until every tensor has come) and resets the prefix cache. vLLM's
+unchanged: before the first generation and the first after each optimizer step it calls the
+engine model's ``load_weights`` once per parameter (rlk's model takes any subset per call and
+refuses to generate until every tensor has come) and resets the prefix cache. vLLM's
 ``processed_logprobs`` on rlk's model are ``log_softmax(logits / temperature)`` over the whole
 vocabulary, TRL's ``sampling_per_token_logps``; rlk recomputes them bit for bit, so TRL's own
 ``sampling/sampling_logp_difference/max`` is 0 at every step. As in stock TRL the engine loads
 the checkpoint at the model's ``name_or_path`` (with its tokenizer); an engine argument rlk's
 vLLM models refuse raises ``NotImplementedError`` naming it, and an engine that does not run
-rlk's model (the plugin did not load) ``RuntimeError``. On 2 CPU cores it starts in about 10 s
+rlk's model (the plugin did not load), or no engine built where TRL 1.16 builds it,
+``RuntimeError``. On 2 CPU cores it starts in about 10 s
 (eager: ``engine_args`` sets ``enforce_eager`` without CUDA).
 
 So wherever the weights are those that sampled (the old log-probabilities, and the current ones
@@ -344,11 +345,22 @@ def _llm_built_by(build: Callable[[Callable[..., Any], dict[str, Any]], Any]):
     from trl.generation import vllm_generation
 
     stock = vllm_generation.LLM
-    vllm_generation.LLM = lambda **kwargs: build(stock, kwargs)
+    built = []
+
+    def llm(**kwargs: Any) -> Any:
+        built.append(True)
+        return build(stock, kwargs)
+
+    vllm_generation.LLM = llm
     try:
         yield
     finally:
         vllm_generation.LLM = stock
+    if not built:  # else TRL would sample on vLLM's own model classes
+        raise RuntimeError(
+            "TRL built no vllm.LLM through trl.generation.vllm_generation.LLM, so rlk could not "
+            f"put it on rlk's model classes (TRL {trl.__version__}; tested: TRL 1.16)"
+        )
 
 
 def _vllm_model(llm: Any) -> Any:
