@@ -73,24 +73,27 @@ def bounds(tokens: int, world: int) -> list[int]:
     return [tokens * r * (r + 1) // (world * (world + 1)) for r in range(world)] + [tokens]
 
 
-def op_worker(rank, world, inputs, fake=False, group=None):
+def op_worker(rank, world, inputs, mode="exact", group=None):
     """Forward and backward of this rank's tokens with its experts: ``(out, dx, dweights,
-    dgate_up, ddown)``; ``fake``: with :func:`arrival_order_combine`."""
+    dgate_up, ddown)``. ``mode``: ``"exact"`` (rlk-triton), ``"arrival"`` (rlk-triton with
+    :func:`arrival_order_combine`) or ``"reference"`` (the float64 backend)."""
+    import rlk
     from rlk_triton import moe
 
     real = moe._combine
-    if fake:
+    if mode == "arrival":
         moe._combine = arrival_order_combine(real)
     try:
-        x, indices, weights, gate_up, down, grad = inputs
-        b = bounds(x.shape[0], world)
-        mine = slice(b[rank], b[rank + 1])
-        x = x[mine].clone().requires_grad_()
-        w = weights[mine].clone().requires_grad_()
-        gu = P.shard(gate_up, 0, rank=rank, world_size=world).requires_grad_()
-        dn = P.shard(down, 0, rank=rank, world_size=world).requires_grad_()
-        out = P.expert_parallel_moe_experts(x, indices[mine], w, gu, dn, group=group)
-        (out.float() * grad[mine]).sum().backward()
+        with rlk.use_backend("reference" if mode == "reference" else "triton"):
+            x, indices, weights, gate_up, down, grad = inputs
+            b = bounds(x.shape[0], world)
+            mine = slice(b[rank], b[rank + 1])
+            x = x[mine].clone().requires_grad_()
+            w = weights[mine].clone().requires_grad_()
+            gu = P.shard(gate_up, 0, rank=rank, world_size=world).requires_grad_()
+            dn = P.shard(down, 0, rank=rank, world_size=world).requires_grad_()
+            out = P.expert_parallel_moe_experts(x, indices[mine], w, gu, dn, group=group)
+            (out.float() * grad[mine]).sum().backward()
     finally:
         moe._combine = real
     return out.detach(), x.grad, w.grad, gu.grad, dn.grad

@@ -108,12 +108,13 @@ def _prompts(vocab, n):
     return [torch.randint(1, vocab, (3 + i % 3,), generator=g).tolist() for i in range(n)]
 
 
-#: The op's cases: name -> (EP size, dtype, seed, fake combine).
+#: The op's cases: name -> (EP size, dtype, seed, ``op_worker``'s mode).
 OP_CASES = {
-    "op2": (2, torch.float32, 2, False),
-    "op4": (4, torch.bfloat16, 4, False),
-    "op8": (8, torch.float32, 8, False),
-    "fake4": (4, torch.float32, 4, True),
+    "op2": (2, torch.float32, 2, "exact"),
+    "op4": (4, torch.bfloat16, 4, "exact"),
+    "op8": (8, torch.float32, 8, "exact"),
+    "fake4": (4, torch.float32, 4, "arrival"),
+    "ref2": (2, torch.float32, 3, "reference"),
 }
 MODEL, MODEL_SIZES = "tiny-qwen3-moe", (2, 4)
 PROMPTS, NEW_TOKENS = 4, 2
@@ -127,8 +128,8 @@ def runs():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = _prompts(model.config.vocab_size, PROMPTS)
     inputs = {name: _inputs(dtype, seed) for name, (_, dtype, seed, _) in OP_CASES.items()}
-    cases = {name: (size, op_worker, (inputs[name], fake))
-             for name, (size, _, _, fake) in OP_CASES.items()}  # fmt: skip
+    cases = {name: (size, op_worker, (inputs[name], mode))
+             for name, (size, _, _, mode) in OP_CASES.items()}  # fmt: skip
     for size in MODEL_SIZES:
         cases[f"model{size}"] = (size, model_worker, (MODEL, state, prompts, NEW_TOKENS))
     ranks = spawn(cases_worker, 8, cases)
@@ -154,6 +155,20 @@ def test_a_combine_in_arrival_order_is_caught(runs):
     inputs, _, _, by_case = runs
     bad = _differing_tokens(by_case["fake4"], _one_device(inputs["fake4"]), 4)
     assert bad["out"] > 0 and bad["dx"] > 0, bad
+
+
+@pytest.mark.slow
+def test_reference_ep_is_its_one_device(runs):
+    # The float64 oracle's exchanges (differentiable all-to-alls) at EP 2: its own one-device
+    # output bits (each pair's float64 value, a token's terms added by ascending expert), and
+    # gradients to float64 rounding (autograd sums a row's gradient in another order).
+    inputs, _, _, by_case = runs
+    with rlk.use_backend("reference"):
+        want = _one_device(inputs["ref2"])
+    got = [torch.cat([r[i] for r in by_case["ref2"]]) for i in range(5)]
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
