@@ -102,7 +102,7 @@ def test_unsupported_model_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    supported = r"\('llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe'\)"
+    supported = r"\('llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen2_moe', 'deepseek_v3'\)"
     with pytest.raises(NotImplementedError, match=rf"supports {supported}, not model_type='gpt2'"):
         rt.patch_model(model)
 

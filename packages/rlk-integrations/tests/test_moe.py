@@ -50,18 +50,17 @@ def test_refusals(name):
     with pytest.raises(NotImplementedError, match="output_router_logits"):
         rt.patch_model(model)
     assert not rt.is_patched(model)
-    # DeepSeek-V3's multi-head latent attention, grouped top-k and score-correction bias:
+    # DeepSeek-V2's softmax group-limited router (DeepSeek-V3 is patched, test_deepseek.py):
     # another model type, refused by name.
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    cfg = DeepseekV3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    cfg = DeepseekV2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                            num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=16, intermediate_size=32, vocab_size=64,
                            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
-                           qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
-                           first_k_dense_replace=0)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="deepseek_v3"):
-        rt.patch_model(DeepseekV3ForCausalLM(cfg))
+                           qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=0)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="deepseek_v2"):
+        rt.patch_model(DeepseekV2ForCausalLM(cfg))
     from rlk_integrations.models.megatron.config import _check_supported
 
     _check_supported(zoo.make_config(name))  # Megatron's MoE layers: test_megatron_moe

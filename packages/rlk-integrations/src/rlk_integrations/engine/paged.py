@@ -295,7 +295,13 @@ class PagedEngine:
         dtype = next(model.parameters()).dtype
         # The last sampled token never enters the cache: a request caches at most max_len - 1.
         width = max(1, _cdiv(max_len - 1, page_size))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Multi-head latent attention (DeepSeek-V3) caches every head's expanded key and its
+        # value zero-padded to the same qk_head_dim (rlk_integrations.models.mla).
+        head_dim = (
+            getattr(cfg, "qk_head_dim", None)
+            or getattr(cfg, "head_dim", None)
+            or cfg.hidden_size // cfg.num_attention_heads
+        )
         if kv_memory_fraction is not None:
             if num_pages is not None:
                 raise ValueError("pass num_pages or kv_memory_fraction, not both")

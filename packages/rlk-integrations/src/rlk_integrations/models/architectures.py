@@ -5,10 +5,11 @@ defines the model and, by name, each module class whose computation rlk replaces
 (:func:`rlk_integrations.models.transformers.patch_model` for transformers, the rotary table of
 :mod:`rlk_integrations.models.rotary` for Megatron too). Every ``nn.Linear`` of the decoder and the
 head is replaced as well; embeddings and the model classes themselves are kept. A
-mixture-of-experts architecture (Qwen3-MoE, Qwen2-MoE) also names its sparse block, whose forward
-is replaced, and the router and experts classes that block runs (their own forwards are then
-never called); Qwen2-MoE's shared expert is an ``*MLP`` and its gate an ``nn.Linear``, patched as
-such and run by the block.
+mixture-of-experts architecture (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3) also names its sparse block,
+whose forward is replaced, and the router and experts classes that block runs (their own forwards
+are then never called); Qwen2-MoE's shared expert is an ``*MLP`` and its gate an ``nn.Linear``,
+patched as such and run by the block, as are DeepSeek-V3's shared experts (an ``*MLP``).
+DeepSeek-V3's ``*Attention`` is multi-head latent attention (:attr:`Architecture.mla`).
 
 Example::
 
@@ -41,6 +42,9 @@ class Architecture:
     mlp: str
     #: Mixture of experts: (sparse block, router, experts) class names; () for a dense model.
     moe: tuple[str, ...] = ()
+    #: Multi-head latent attention (DeepSeek-V3): the patched ``*Attention`` takes its q, k and
+    #: v from :func:`rlk_integrations.models.mla.mla_qkv`.
+    mla: bool = False
 
     def classes(self) -> dict[str, type]:
         """Each role's transformers class. Raises ``RuntimeError`` naming a class the installed
@@ -74,7 +78,9 @@ class Architecture:
         return self.classes()[role]
 
 
-def _arch(model_type: str, prefix: str, moe: tuple[str, ...] = ()) -> Architecture:
+def _arch(
+    model_type: str, prefix: str, moe: tuple[str, ...] = (), mla: bool = False
+) -> Architecture:
     return Architecture(
         model_type=model_type,
         modeling=f"transformers.models.{model_type}.modeling_{model_type}",
@@ -84,6 +90,7 @@ def _arch(model_type: str, prefix: str, moe: tuple[str, ...] = ()) -> Architectu
         attention=f"{prefix}Attention",
         mlp=f"{prefix}MLP",  # every MLP of a dense model; an MoE model's dense layers
         moe=tuple(f"{prefix}{name}" for name in moe),
+        mla=mla,
     )
 
 
@@ -93,9 +100,12 @@ QWEN3 = _arch("qwen3", "Qwen3")
 QWEN3_MOE = _arch("qwen3_moe", "Qwen3Moe", moe=("SparseMoeBlock", "TopKRouter", "Experts"))
 # Qwen1.5-MoE checkpoints are model_type "qwen2_moe" too.
 QWEN2_MOE = _arch("qwen2_moe", "Qwen2Moe", moe=("SparseMoeBlock", "TopKRouter", "Experts"))
+# DeepSeek-V3 (and R1, V3.1: the same model_type): MLA, the group-limited sigmoid router, shared
+# experts, the first first_k_dense_replace layers dense.
+DEEPSEEK_V3 = _arch("deepseek_v3", "DeepseekV3", moe=("MoE", "TopkRouter", "Experts"), mla=True)
 
 #: The supported architectures by ``config.model_type``.
-ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE)}
+ARCHITECTURES = {a.model_type: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V3)}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 

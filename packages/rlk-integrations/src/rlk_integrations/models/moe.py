@@ -1,9 +1,10 @@
 """Mixture-of-experts models on rlk: the sparse block's patched forward and its checks.
 
-:func:`moe_forward` replaces ``forward`` on Qwen3-MoE's ``Qwen3MoeSparseMoeBlock`` and
-Qwen2-MoE's ``Qwen2MoeSparseMoeBlock`` instances
-(:func:`rlk_integrations.models.transformers.patch_model`), the latter with its sigmoid-gated
-shared expert (:func:`shared_expert`); :func:`check_moe` refuses, before anything is patched,
+:func:`moe_forward` replaces ``forward`` on Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``,
+Qwen2-MoE's ``Qwen2MoeSparseMoeBlock`` and DeepSeek-V3's ``DeepseekV3MoE`` instances
+(:func:`rlk_integrations.models.transformers.patch_model`), Qwen2-MoE's with its sigmoid-gated
+shared expert (:func:`shared_expert`), DeepSeek-V3's with its shared experts and its router
+(:func:`route`); :func:`check_moe` refuses, before anything is patched,
 the options it cannot honour. :class:`RoutingLog` records which experts each
 token went to in a rollout and in a training pass, and :func:`routing_differ` gives the share of
 tokens whose experts differ between the two (``rlk consistency``'s expert column).
@@ -32,9 +33,8 @@ def moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     output, as transformers does."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1]).contiguous()
-    router, experts = self.gate, self.experts
-    logits = rlk.linear(x, router.weight)
-    weights, indices = rlk.moe_route(logits, router.top_k, normalize=router.norm_topk_prob)
+    experts = self.experts
+    weights, indices = route(self.gate, x)
     ep = getattr(self, "_rlk_ep", None)  # (rank, world, group), set by models.ep.shard_ep
     if ep is None:
         out = rlk.moe_experts(x, indices, weights, experts.gate_up_proj, experts.down_proj)
@@ -44,7 +44,32 @@ def moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         )
     if getattr(self, "shared_expert", None) is not None:
         out = out + shared_expert(self, x)  # elementwise, one rounding per element
+    if getattr(self, "shared_experts", None) is not None:  # DeepSeek-V3: an ungated MLP
+        out = out + self.shared_experts(x)
     return out.view(shape)
+
+
+def route(router: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``router`` module's ``(weights, indices)`` for ``x [T, H]``, float32 / int64 ``[T,
+    k]``: DeepSeek-V3's ``DeepseekV3TopkRouter`` (it has an ``e_score_correction_bias``) by
+    :func:`rlk.moe_route_grouped` over its logits computed in fp32 as transformers does
+    (``x`` and the weight upcast, exactly, then :func:`rlk.linear`), with its groups,
+    ``norm_topk_prob`` and ``routed_scaling_factor``; the Qwen routers by :func:`rlk.moe_route`
+    over ``rlk.linear(x, weight)``.
+
+    Example::
+
+        weights, indices = route(block.gate, x)
+    """
+    if hasattr(router, "e_score_correction_bias"):
+        logits = rlk.linear(x.float(), router.weight.float())
+        return rlk.moe_route_grouped(
+            logits, router.e_score_correction_bias, router.top_k, router.num_group,
+            router.topk_group, normalize=router.norm_topk_prob,
+            scale=float(router.routed_scaling_factor),
+        )  # fmt: skip
+    logits = rlk.linear(x, router.weight)
+    return rlk.moe_route(logits, router.top_k, normalize=router.norm_topk_prob)
 
 
 def sigmoid(z: torch.Tensor) -> torch.Tensor:
@@ -116,11 +141,9 @@ def chosen_experts(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tenso
     (batch-invariant, so recomputing it gives the forward's bits), the router module's
     ``torch.topk`` on a stock one (the same call in the same batch)."""
     x = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
-    router = block.gate
     if _is_patched(block):
-        logits = rlk.linear(x, router.weight)
-        return rlk.moe_route(logits, router.top_k, normalize=router.norm_topk_prob)[1]
-    return router(x)[2]
+        return route(block.gate, x)[1]
+    return block.gate(x)[2]
 
 
 class RoutingLog:

@@ -1,8 +1,9 @@
-"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE causal LM on rlk ops.
+"""Run a transformers Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 causal LM on rlk
+ops.
 
 :func:`patch_model` picks the patch of the model's architecture (:func:`patch_llama`,
-:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`, :func:`patch_qwen2_moe`),
-which replaces ``forward``
+:func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`, :func:`patch_qwen2_moe`,
+:func:`patch_deepseek_v3`), which replaces ``forward``
 on the model's own instances of the module classes that :mod:`rlk_integrations.models.architectures`
 names for it (no new classes, no weight copies, the state dict is unchanged), so that:
 
@@ -17,6 +18,12 @@ names for it (no new classes, no weight copies, the state dict is unchanged), so
   batch (the rollout and the training recompute choose the same experts); Qwen2-MoE's
   ``Qwen2MoeSparseMoeBlock`` the same, plus its shared expert (an ``*MLP``) scaled by the
   sigmoid of its gate's :func:`rlk.linear` (:func:`rlk_integrations.models.moe.shared_expert`);
+  DeepSeek-V3's ``DeepseekV3MoE`` routes by :func:`rlk.moe_route_grouped` (the router's logits
+  by :func:`rlk.linear` in fp32, as transformers computes them) and adds its shared experts
+  (an ``*MLP``);
+- DeepSeek-V3's ``DeepseekV3Attention`` (multi-head latent attention): q, k and v by
+  :func:`rlk_integrations.models.mla.mla_qkv` (v zero-padded to q's and k's head size), then
+  the same attention as every model, its first ``v_head_dim`` columns to ``o_proj``;
 - ``*RotaryEmbedding``: cos/sin come from :class:`rlk_integrations.models.rotary.RotaryTable`, built
   in fixed chunks of positions (so a position's values never depend on how many positions were
   asked for), and ``*Attention`` applies them with :func:`rlk.apply_rotary`;
@@ -60,6 +67,7 @@ from torch import nn
 import rlk
 import rlk.parallel
 from rlk_integrations.models.architectures import (
+    DEEPSEEK_V3,
     LLAMA,
     QWEN2,
     QWEN2_MOE,
@@ -70,6 +78,7 @@ from rlk_integrations.models.architectures import (
     architecture,
     decoder,
 )
+from rlk_integrations.models.mla import check_mla, mla_qkv
 from rlk_integrations.models.moe import check_moe, moe_forward
 from rlk_integrations.models.rotary import RotaryTable
 
@@ -359,47 +368,41 @@ def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
     return self._rlk_table.gather(position_ids)
 
 
-def _attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk.
-
-    The KV cache arrives as ``past_key_values`` (transformers < 5.24) or ``cache`` (>= 5.24)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    past_key_values = _take_cache(past_key_values, kwargs)
-
-    b, s, _ = hidden_states.shape
-    hidden_shape = (b, s, -1, self.head_dim)
-    paged = getattr(past_key_values, "rlk_paged", False)
-    if _fused_step(past_key_values):  # the cache runs the projections (one product if fused)
-        q, k, v = past_key_values.qkv(self, hidden_states)
-    else:
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
-        q = self.q_norm(q)
-        k = self.k_norm(k)
+def rotary_rows(
+    position_embeddings: tuple[torch.Tensor, torch.Tensor], b: int, s: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patched rotary module's fp32 ``(cos, sin)`` ``[B, S, D]`` as ``[B * S, D]`` rows,
+    :func:`rlk.apply_rotary`'s form; a table that is not rlk's fp32 one is an error."""
     cos, sin = position_embeddings
     cos = cos.expand(b, s, -1).reshape(b * s, -1).contiguous()
     sin = sin.expand(b, s, -1).reshape(b * s, -1).contiguous()
     if cos.dtype != torch.float32:
         raise RuntimeError("rotary tables are not rlk's: patch the whole model with patch_model")
-    q, k = rlk.apply_rotary(
-        q.reshape(b * s, -1, self.head_dim), cos, sin, k=k.reshape(b * s, -1, self.head_dim)
-    )
-    q, k = q.view(hidden_shape), k.view(hidden_shape)
-    if paged:
+    return cos, sin
+
+
+def attend(
+    self: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The attention of the module ``self`` over its rotated ``q [B, S, Hq, D]`` and ``k``/``v
+    [B, S, Hk, D]`` -> ``[B, S, Hq, D]``: a paged KV cache's :meth:`attend` (one packed row, K/V
+    into its pages, :func:`rlk.paged_attention`), else the cache's update (if any) and the
+    ``"rlk"`` attention function (:func:`rlk.attention`) at ``self.scaling``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    b, s = q.shape[:2]
+    if getattr(past_key_values, "rlk_paged", False):
         # rlk_integrations.engine.paged: one packed row, K/V into pages, rlk.paged_attention.
         if b != 1:
             raise ValueError(f"the paged KV cache takes one packed row, got a batch of {b}")
         out = past_key_values.attend(self.layer_idx, q[0], k[0], v[0], self.scaling)
-        return self.o_proj(out.reshape(b, s, -1)), None
+        return out.view(b, s, *out.shape[1:])
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
@@ -415,8 +418,57 @@ def _attention_forward(
         sliding_window=getattr(self, "sliding_window", None),
         **kwargs,
     )
-    out = out.reshape(b, s, -1).contiguous()
-    return self.o_proj(out), None
+    return out
+
+
+def _attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``hidden_states [B, S, H]`` -> ``([B, S, H], None)``; q/k norm (Qwen3) and rotary on rlk.
+
+    The KV cache arrives as ``past_key_values`` (transformers < 5.24) or ``cache`` (>= 5.24)."""
+    past_key_values = _take_cache(past_key_values, kwargs)
+
+    b, s, _ = hidden_states.shape
+    hidden_shape = (b, s, -1, self.head_dim)
+    if _fused_step(past_key_values):  # the cache runs the projections (one product if fused)
+        q, k, v = past_key_values.qkv(self, hidden_states)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head
+        q = self.q_norm(q)
+        k = self.k_norm(k)
+    cos, sin = rotary_rows(position_embeddings, b, s)
+    q, k = rlk.apply_rotary(
+        q.reshape(b * s, -1, self.head_dim), cos, sin, k=k.reshape(b * s, -1, self.head_dim)
+    )
+    q, k = q.view(hidden_shape), k.view(hidden_shape)
+    out = attend(self, q, k, v, attention_mask, past_key_values, **kwargs)
+    return self.o_proj(out.reshape(b, s, -1).contiguous()), None
+
+
+def _mla_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """DeepSeek-V3's multi-head latent attention: ``hidden_states [B, S, H]`` -> ``([B, S, H],
+    None)``; q, k and v by :func:`rlk_integrations.models.mla.mla_qkv`, then :func:`attend`
+    (any cache, the paged one included), the first ``v_head_dim`` columns to ``o_proj``."""
+    past_key_values = _take_cache(past_key_values, kwargs)
+    b, s, _ = hidden_states.shape
+    q, k, v = mla_qkv(self, hidden_states, *rotary_rows(position_embeddings, b, s))
+    out = attend(self, q, k, v, attention_mask, past_key_values, **kwargs)
+    return self.o_proj(out[..., : self.v_head_dim].reshape(b, s, -1)), None
 
 
 def _decoder_layer_forward(
@@ -496,6 +548,8 @@ def _check_supported(model: nn.Module) -> Architecture:
         raise NotImplementedError(f"rope_type {rope!r} depends on the sequence length")
     if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         raise NotImplementedError("sliding-window layers are not supported by rlk attention")
+    if arch.mla:
+        check_mla(cfg)
     return arch
 
 
@@ -619,6 +673,8 @@ def _plan(model: nn.Module, arch: Architecture, leaves: int | None) -> list[tupl
             plan.append((module, _tree_linear_forward))
         elif isinstance(module, nn.Linear):
             plan.append((module, _linear_forward))
+        elif role == "attention" and arch.mla:
+            plan.append((module, _mla_forward))
         elif role is not None:
             plan.append((module, FORWARDS[role]))
         elif type(module).__module__ == arch.modeling and not isinstance(module, PreTrainedModel):
@@ -703,6 +759,19 @@ def patch_qwen2_moe(model: nn.Module, leaves: int | None = None) -> nn.Module:
     return _patch(model, QWEN2_MOE, leaves)
 
 
+def patch_deepseek_v3(model: nn.Module, leaves: int | None = None) -> nn.Module:
+    """Run a transformers DeepSeek-V3 (or R1, V3.1) model on rlk (see :func:`patch_model`): the
+    forwards of its ``DeepseekV3RotaryEmbedding``, ``DeepseekV3DecoderLayer``,
+    ``DeepseekV3RMSNorm`` (the q and kv latents' norms too), ``DeepseekV3Attention`` (multi-head
+    latent attention, :func:`rlk_integrations.models.mla.mla_qkv`), ``DeepseekV3MLP`` (the
+    dense layers and the shared experts), ``DeepseekV3MoE`` (which then runs its
+    ``DeepseekV3TopkRouter`` by :func:`rlk.moe_route_grouped` and ``DeepseekV3Experts`` by
+    :func:`rlk.moe_experts`) and ``nn.Linear`` modules are replaced. ``leaves``,
+    ``output_router_logits=True``, ``num_key_value_heads`` other than the heads and a
+    ``v_head_dim`` above the q/k head size are refused."""
+    return _patch(model, DEEPSEEK_V3, leaves)
+
+
 #: The patch of each supported ``model_type``.
 PATCHES = {
     "llama": patch_llama,
@@ -710,16 +779,17 @@ PATCHES = {
     "qwen3": patch_qwen3,
     "qwen3_moe": patch_qwen3_moe,
     "qwen2_moe": patch_qwen2_moe,
+    "deepseek_v3": patch_deepseek_v3,
 }
 
 
 def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
     """Make a transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``Qwen3ForCausalLM``/
-    ``Qwen3MoeForCausalLM``/``Qwen2MoeForCausalLM`` (or its base model) run every decoder op on
-    rlk: :func:`patch_llama`, :func:`patch_qwen2`, :func:`patch_qwen3`, :func:`patch_qwen3_moe`
-    or :func:`patch_qwen2_moe` by ``model.config.model_type``; ``NotImplementedError`` naming
-    any other architecture (DeepSeek-style routers, with grouped top-k or a score-correction
-    bias, and multi-head latent attention among them). In place; returns ``model``. Idempotent
+    ``Qwen3MoeForCausalLM``/``Qwen2MoeForCausalLM``/``DeepseekV3ForCausalLM`` (or its base
+    model) run every decoder op on rlk: :func:`patch_llama`, :func:`patch_qwen2`,
+    :func:`patch_qwen3`, :func:`patch_qwen3_moe`, :func:`patch_qwen2_moe` or
+    :func:`patch_deepseek_v3` by ``model.config.model_type``; ``NotImplementedError`` naming
+    any other architecture. In place; returns ``model``. Idempotent
     (patching again with other ``leaves`` raises).
 
     What runs after patching (the module classes are named by
@@ -732,6 +802,11 @@ def patch_model(model: nn.Module, leaves: int | None = None) -> nn.Module:
       logits), :func:`rlk.moe_route`, :func:`rlk.moe_experts`; Qwen2-MoE's shared expert is an
       ``*MLP`` and its gate ``sigmoid(rlk.linear(x, w))`` by :func:`rlk.moe_route` over
       ``[z, 0]`` (:func:`rlk_integrations.models.moe.shared_expert`);
+    - ``DeepseekV3MoE``: :func:`rlk.linear` (the router's logits, in fp32),
+      :func:`rlk.moe_route_grouped`, :func:`rlk.moe_experts`, plus the shared experts (an
+      ``*MLP``);
+    - ``DeepseekV3Attention``: :func:`rlk_integrations.models.mla.mla_qkv`, then the attention
+      below;
     - ``*RotaryEmbedding``: the fp32 table of :class:`rlk_integrations.models.rotary.RotaryTable`;
     - ``*Attention``: q/k norm (Qwen3), :func:`rlk.apply_rotary`, then the ``"rlk"`` attention
       function (:func:`rlk.attention`) or a paged KV cache's :func:`rlk.paged_attention`;

@@ -3,10 +3,12 @@
 ``tiny`` (and ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3-moe``, a mixture of 16 experts with
 4 per token, ``tiny-qwen2-moe``, the same with Qwen2-MoE's sigmoid-gated shared expert, all with
 head_dim 32, which stock vLLM's CPU attention takes; and ``tiny-mha`` /
-``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8 tensor-parallel ranks) are small
-enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
-``qwen3-0.6b``, ``llama3-8b-4layers`` and ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token)
-have the shapes of the real models (random weights, nothing downloaded) for GPU runs.
+``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8 tensor-parallel ranks; and
+``tiny-deepseek-v3``, DeepSeek-V3's multi-head latent attention, group-limited router and shared
+expert at tiny size) are small enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
+``qwen3-0.6b``, ``llama3-8b-4layers``, ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token) and
+``deepseek-v3-4layers`` (DeepSeek-V3's layers with 64 of its 256 experts) have the shapes of the
+real models (random weights, nothing downloaded) for GPU runs.
 
 ``llama3.2-1b-4layers`` and ``qwen2.5-1.5b-4layers`` (:data:`HELDOUT`) are held out: the layer
 shapes of Llama-3.2-1B (head_dim 64, llama3 rope scaling, tied embeddings) and Qwen2.5-1.5B
@@ -50,6 +52,24 @@ _TINY_MOE = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[],
     tie_word_embeddings=True,
+)
+
+
+#: DeepSeek-V3's YaRN rope scaling less its factor and original length (mscale and mscale_all_dim
+#: 1: the softmax scale gets (0.1 ln(factor) + 1)^2, the rotary table no extra factor).
+_DEEPSEEK_YARN = dict(rope_type="yarn", beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+
+# What the DeepSeek-V3 configs share with the real model: one shared expert, layer 0 dense,
+# renormalised routing weights scaled by 2.5.
+_DEEPSEEK = dict(
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
 )
 
 
@@ -173,6 +193,65 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # DeepSeek-V3's layers at tiny size: MLA (a q latent of 48, a kv latent of 32, 4 heads of
+    # q/k 24 + 8 rope dims, interleaved rope with YaRN scaling, so an mscale in the softmax
+    # scale), layer 0 dense, then 16 experts in 4 groups, 2 groups and 4 experts per token,
+    # renormalised and scaled by 2.5, and a shared expert. v has q/k's 32 dims: with unequal
+    # head sizes stock sdpa on a CPU takes its math path, which at this size is batch-invariant
+    # (the stock row of rlk consistency would show 0, telling nothing); rlk's padding of a
+    # smaller v (DeepSeek-V3's 128 < 192) is tested in test_deepseek.py.
+    "tiny-deepseek-v3": (
+        "deepseek_v3",
+        dict(
+            _DEEPSEEK,
+            num_hidden_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=24,
+            qk_rope_head_dim=8,
+            v_head_dim=32,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rope_scaling=_DEEPSEEK_YARN | dict(factor=4.0, original_max_position_embeddings=1024),
+        ),
+    ),
+    # DeepSeek-V3's dimensions (hidden 7168, 128 heads, q/kv latents 1536/512, q/k 128 + 64
+    # rope, v 128, experts of 2048, YaRN factor 40) in 4 layers: layer 0 dense, layers 1-3 with
+    # 64 of its 256 experts (8 groups of 8; the real 4 groups and 8 experts per token) so that
+    # its bf16 weights (11.6e9 parameters, 23 GB) leave room on one 80 GB GPU.
+    "deepseek-v3-4layers": (
+        "deepseek_v3",
+        dict(
+            _DEEPSEEK,
+            num_hidden_layers=4,
+            hidden_size=7168,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            n_routed_experts=64,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            vocab_size=129280,
+            max_position_embeddings=163840,
+            rope_scaling=_DEEPSEEK_YARN | dict(factor=40.0, original_max_position_embeddings=4096),
+        ),
+    ),
     "llama3.2-1b-4layers": (
         "llama",
         dict(
@@ -254,4 +333,17 @@ def load_model(
             model = AutoModelForCausalLM.from_config(
                 cfg, dtype=dtype, attn_implementation=attn_implementation
             )
+        if cfg.model_type == "deepseek_v3":
+            _random_score_bias(model, seed)
     return model.eval()
+
+
+@torch.no_grad()
+def _random_score_bias(model: torch.nn.Module, seed: int) -> None:
+    """DeepSeek-V3's routers' ``e_score_correction_bias`` (zeros at init, learned in a trained
+    model), seeded random at a trained model's scale, so that the choice differs from the
+    weights' order as in a real checkpoint."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.01)
