@@ -83,6 +83,14 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
         help="rlk side: tensor-parallel size of the rollout; > 1 spawns that many processes "
         "(gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
     )
+    pk.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="with --rollout-engine vllm: run N GRPO steps (vLLM samples 4 completions per "
+        "prompt, the trainer of --train-engine recomputes and updates, the weights go back "
+        "into vLLM) and print a row per side and step (default: one rollout, no update)",
+    )
     pk.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     pk.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     pk.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -107,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         consistency.write_json(report, args.json)
     ok = consistency.ok(report)
     if not ok:
-        print("rlk: the rlk row is not exactly zero", file=sys.stderr)
+        print("rlk: an rlk row is not exactly zero", file=sys.stderr)
     return 0 if ok else 1
 
 
@@ -134,6 +142,7 @@ def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> d
         leaves=args.leaves,
         train_tp=args.train_tp,
         rollout_tp=args.rollout_tp,
+        steps=args.steps,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )
 

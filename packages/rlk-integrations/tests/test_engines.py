@@ -104,18 +104,20 @@ def test_an_engine_that_cannot_run_says_why(nolib, capsys, monkeypatch):
 
 
 def test_an_engine_refuses_a_layout_it_cannot_sample_with(monkeypatch):
-    # The options carry the run's rlk layout; vllm runs unsharded rlk ops and says so, so that
-    # rlk consistency needs no rule of its own for it (by name: a usage error; all: skipped).
+    # The options carry the run's rlk layout; vllm runs unsharded rlk ops (leaves served, TP 1)
+    # and says so, so that rlk consistency needs no rule of its own for it (by name: a usage
+    # error; all: skipped).
     import rlk_integrations.adapters.vllm as rv
 
     monkeypatch.setattr(rv, "check_vllm", lambda: rv.TESTED_VLLM)  # as if vLLM were installed
-    for options in (engines.RolloutOptions(leaves=8), engines.RolloutOptions(tp=2)):
-        assert "runs unsharded rlk ops" in engines.create("vllm", options).unavailable(CPU)
-        assert engines.create("paged", options).unavailable(CPU) is None
+    tp2 = engines.RolloutOptions(leaves=8, tp=2)
+    assert "runs unsharded rlk ops" in engines.create("vllm", tp2).unavailable(CPU)
+    assert engines.create("paged", tp2).unavailable(CPU) is None
+    assert engines.create("vllm", engines.RolloutOptions(leaves=8)).unavailable(CPU) is None
     assert engines.create("vllm").unavailable(CPU) is None
     monkeypatch.setattr(consistency, "_run", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(consistency.UsageError, match="'vllm' cannot run here: runs unsharded"):
-        consistency.run("tiny", rollout_modes=("vllm",), leaves=8)
+        consistency.run("tiny", rollout_modes=("vllm",), leaves=8, rollout_tp=2)
 
 
 def test_stock_twins():

@@ -4,6 +4,7 @@ config objects, stood in for here by namespaces with the same fields)."""
 from __future__ import annotations
 
 import importlib
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,34 @@ def test_unsupported_option_is_named(change, named):
     with pytest.raises(NotImplementedError, match="rlk's vLLM models do not support") as e:
         check_config(_config(**change))
     assert named in str(e.value)
+
+
+def test_tensor_parallelism_needs_leaves():
+    """TP > 1 runs on the tree-ordered linears only (the bits of one device); never on MoE."""
+    tp2 = _config(tp=2)
+    tp2.model_config.hf_config = SimpleNamespace(rlk_leaves=8)
+    check_config(tp2)
+    tp2.model_config.hf_config.num_experts = 16
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 with a mixture"):
+        check_config(tp2)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 without leaves"):
+        check_config(_config(tp=2))
+
+
+def test_engine_args_tensor_parallel_with_leaves(monkeypatch):
+    monkeypatch.setattr(rv, "installed_vllm", lambda: rv.TESTED_VLLM)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # restored after the test
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    args = rv.engine_args(tensor_parallel_size=2, leaves=8)
+    assert args["tensor_parallel_size"] == 2
+    cfg = SimpleNamespace(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    assert args["hf_overrides"](cfg).rlk_leaves == 8
+    if not torch.cuda.is_available():  # one share of the cores per rank
+        assert len(os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 without leaves"):
+        rv.engine_args(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="leaves"):
+        rv.engine_args(tensor_parallel_size=4, leaves=2)
 
 
 def test_several_unsupported_options_are_all_named():
@@ -196,6 +225,7 @@ def bare_model(name: str = "tiny"):
     hf = zoo.load_model(name)
     object.__setattr__(model, "hf", hf)
     model.model, model.lm_head, model._pushed = hf.model, hf.lm_head, None
+    model._tp, model._shard_dim, model._views = (0, 1), {}, {}  # one device
     return model
 
 

@@ -24,6 +24,7 @@ from vllm_helpers import (  # skips without vLLM
 )
 
 import rlk_integrations.adapters.vllm.worker as rvw
+from rlk_integrations.adapters.vllm.loop import TransformersTrainer, as_sample, grpo_loop, sample
 from rlk_integrations.engine import training
 from rlk_integrations.engine.engines import Sample
 from rlk_integrations.tools import zoo
@@ -43,19 +44,6 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256)
 
 def start(path: str, **kw):
     return start_engine(path, **{**ENGINE, **kw})
-
-
-def as_sample(out, j: int = 0) -> Sample:
-    """Completion ``j`` of a request's output as a :class:`Sample` (vLLM's log-probabilities)."""
-    c = out.outputs[j]
-    lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-    return Sample(list(out.prompt_token_ids), list(c.token_ids), torch.tensor(lps))
-
-
-def sample(llm, prompt_list, params) -> list[list[Sample]]:
-    """Generate; per prompt its ``n`` completions as :class:`Sample`."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_list], params, use_tqdm=False)
-    return [[as_sample(o, j) for j in range(len(o.outputs))] for o in outs]
 
 
 def differing(trainer, samples: list[Sample], temperature: float) -> list[int]:
@@ -213,27 +201,20 @@ def test_a_declared_partial_update_samples_the_mix(llm, checkpoint):
 
 
 def test_grpo_loop_importance_ratio_is_one_at_every_step(llm, checkpoint):
-    """Three GRPO steps: vLLM samples (temperature 0.7, n = 4), the trainer on rlk recomputes the
-    log-probabilities and updates, the new weights go into vLLM (``update_weights``). The
-    recompute equals the rollout's log-probabilities bit for bit at every step (importance
-    ratio exactly 1), and the weights did change."""
-    from vllm import SamplingParams
-
-    trainer = load_trainer(checkpoint)
-    start_weights = named_weights(trainer)
-    opt = torch.optim.SGD(trainer.parameters(), lr=LR)
-    ps = prompts([5, 7], seed=11)
+    """Three GRPO steps (``loop.grpo_loop``): vLLM samples (temperature 0.7, n = 4), the trainer
+    on rlk recomputes the log-probabilities and updates, the new weights go into vLLM
+    (``update_weights``, buckets of 8). The recompute equals the rollout's log-probabilities bit
+    for bit at every step (importance ratio exactly 1), and the weights did change."""
+    trainer = TransformersTrainer(load_trainer(checkpoint), lr=LR)
+    start_weights = named_weights(trainer.model)
     try:
-        for step in range(3):
-            sp = SamplingParams(temperature=0.7, n=4, max_tokens=NEW, logprobs=0, seed=100 + step)
-            samples = [s for group in sample(llm, ps, sp) for s in group]
-            rewards = torch.tensor([float(sum(t % 2 == 0 for t in s.response)) for s in samples])
-            stats = training.grpo_step(trainer, opt, samples, rewards, 4, 3, temperature=0.7)
-            assert stats["max_abs_dlogp"] == 0.0, (step, stats)
-            rv.update_weights(llm, trainer.named_parameters(), bucket_size=8)
+        steps = list(grpo_loop(llm, trainer, prompts([5, 7], seed=11), 3, new_tokens=NEW,
+                               seed=1))  # fmt: skip
+        assert [s.max_abs_dlogp for s in steps] == [0.0, 0.0, 0.0]
+        assert all(len(s.samples) == 8 for s in steps)
         moved = [
             n
-            for (n, a), (_, b) in zip(start_weights, named_weights(trainer))
+            for (n, a), (_, b) in zip(start_weights, named_weights(trainer.model))
             if not torch.equal(a, b)
         ]
         assert len(moved) > len(start_weights) // 2, moved

@@ -42,13 +42,14 @@ ENGINE = dict(
 )
 
 
-def write_checkpoint(path: str, *, tokenizer: bool = False) -> None:
-    """The head_dim-64 tiny Qwen2 (seeded random bf16 weights, safetensors); with ``tokenizer``
-    also a word-level tokenizer of its ids (``t0`` ... ``t511``), which vLLM's OpenAI server
-    needs to render completions."""
+def write_checkpoint(path: str, *, tokenizer: bool = False, kv_heads: int = 1) -> None:
+    """The head_dim-64 tiny Qwen2 (seeded random bf16 weights, safetensors) with ``kv_heads``
+    key/value heads (2: it splits over two tensor-parallel ranks); with ``tokenizer`` also a
+    word-level tokenizer of its ids (``t0`` ... ``t511``), which vLLM's OpenAI server needs to
+    render completions."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    fields = dict(zoo.CONFIGS["tiny"][1], num_attention_heads=2, num_key_value_heads=1)
+    fields = dict(zoo.CONFIGS["tiny"][1], num_attention_heads=2, num_key_value_heads=kv_heads)
     cfg = Qwen2Config(**dict(fields, head_dim=64))
     cfg.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -597,6 +597,34 @@ def grpo_step(
             return packed_logprobs(model, batch, temperature=temperature, logits_dtype=logits_dtype)
 
     device = next(model.parameters()).device
+    stats, _ = grpo_update(
+        recompute, optimizer, samples, rewards, group_size, micro_batch_size, order=order,
+        device=device,
+    )  # fmt: skip
+    return stats
+
+
+def grpo_update(
+    recompute: Callable[[list[Sample]], list[torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    rewards: torch.Tensor,
+    group_size: int,
+    micro_batch_size: int,
+    *,
+    order: list[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """:func:`grpo_step`'s update with any trainer: ``recompute(batch)`` gives the float32
+    ``[len(response)]`` log-probabilities (with grad) of a micro-batch of samples on
+    ``device`` (the transformers model's :func:`packed_logprobs`, Megatron's
+    ``rlk_integrations.adapters.megatron.packed_logprobs``). Per micro-batch: GRPO advantages
+    of ``rewards`` (float ``[len(samples)]``, groups of ``group_size`` consecutive samples),
+    :func:`rlk.policy_loss` against the rollout's ``Sample.logprobs``, backward scaled by the
+    micro-batch's share of the tokens; then one ``optimizer.step()``.
+
+    Returns ``({"loss", "max_abs_dlogp"}, the recomputed log-probabilities per sample, detached,
+    in the samples' order)``."""
     adv_all = rlk.grpo_advantages(
         rewards.to(device=device, dtype=torch.float32).contiguous(), group_size
     )
@@ -604,9 +632,13 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     max_d, loss_sum = 0.0, 0.0
     width = max(len(s.response) for s in samples)
+    out: list[torch.Tensor | None] = [None] * len(samples)
     for group in micro_batches(len(samples), micro_batch_size, order):
         batch = [samples[i] for i in group]
-        new_p, mask = pad_rows(recompute(batch), width)
+        lps = recompute(batch)
+        for i, lp in zip(group, lps):
+            out[i] = lp.detach()
+        new_p, mask = pad_rows(lps, width)
         old_p, _ = pad_rows([s.logprobs.to(device) for s in batch], width)
         max_d = max(max_d, float(((new_p.detach() - old_p).abs() * mask).max()))
         loss, _ = rlk.policy_loss(new_p, old_p, adv_all[group], mask, agg="token-mean")
@@ -614,7 +646,7 @@ def grpo_step(
         (loss * share).backward()
         loss_sum += float(loss.detach()) * share
     optimizer.step()
-    return {"loss": loss_sum, "max_abs_dlogp": max_d}
+    return {"loss": loss_sum, "max_abs_dlogp": max_d}, out  # type: ignore[return-value]
 
 
 def packed_logprobs_and_values(

@@ -88,6 +88,8 @@ class SideResult:
     #: Mixture of experts: the share of tokens routed to other experts in training than in
     #: the rollout (rlk_integrations.models.moe.routing_differ); None where not measured.
     expert_differ: float | None = None
+    #: The GRPO step of a loop run (``steps``); None in a one-shot run.
+    step: int | None = None
 
 
 def compare(rollout_lps: list[torch.Tensor], train_lps: list[torch.Tensor]) -> dict[str, float]:
@@ -357,7 +359,9 @@ class ConsistencyConfig:
     every one that can); ``rollout``: their options, also the run's ``leaves`` (the rlk side's
     tree-ordered row-parallel linears, rollout and training) and the rollout's tensor-parallel
     size ``rollout.tp``. ``train_engine``: one of :data:`TRAIN_ENGINES`, at tensor-parallel
-    size ``train_tp``. ``warmup``: untimed passes first (None: on a GPU).
+    size ``train_tp``. ``warmup``: untimed passes first (None: on a GPU). ``steps``: run
+    that many GRPO steps of the vLLM loop instead (:func:`run_loop`; ``rollout_modes``
+    ``("vllm",)``, the transformers or Megatron trainer).
 
     A value that cannot work raises :class:`UsageError` naming it (or
     :class:`rlk.BackendError` for ``backend``) when the config is built, before a model is:
@@ -387,6 +391,7 @@ class ConsistencyConfig:
     rollout: RolloutOptions = RolloutOptions()
     train_engine: str = "transformers"
     train_tp: int = 1
+    steps: int | None = None
 
     @classmethod
     def of(
@@ -445,7 +450,25 @@ class ConsistencyConfig:
         if self.train_engine == "transformers-graphs" and self.train_tp > 1:
             raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
         self._check_leaves()
+        self._check_loop()
         self._check_machine()
+
+    def _check_loop(self) -> None:
+        if self.steps is None:
+            return
+        _positive("steps", self.steps)
+        if self.rollout_modes != ("vllm",):
+            raise UsageError("steps runs the GRPO loop on vLLM: rollout mode 'vllm' alone")
+        if self.train_engine not in ("transformers", "megatron"):
+            raise UsageError(
+                f"steps trains with transformers or megatron, not {self.train_engine!r}"
+            )
+        if self.train_tp > 1 and self.train_engine != "megatron":
+            raise UsageError("steps with train_tp > 1 trains with megatron (train_engine)")
+        if self.rollout.tp != 1:
+            raise UsageError("steps samples with vLLM at rollout_tp = 1")
+        if not self.temperature > 0:
+            raise UsageError(f"steps samples at a temperature > 0, got {self.temperature}")
 
     def _check_leaves(self) -> None:
         leaves = self.leaves
@@ -521,6 +544,8 @@ def run(
         config = model
     else:
         config = ConsistencyConfig.of(model, **options)
+    if config.steps is not None:
+        return run_loop(config, progress)
     teardown = None
     if config.train_engine == "megatron" and config.train_tp == 1 and "rlk" in config.sides:
         # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
@@ -614,28 +639,125 @@ def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> d
                     )
                 )
     unpatch_model(model)
+    return _report(c, model.config.model_type, chosen, [e.name for e in rlk_engines], skipped,
+                   rows)  # fmt: skip
+
+
+def _report(c: ConsistencyConfig, model_type: str, backend: str | None,
+            rollout_modes: list[str], skipped: dict[str, str], rows: list[SideResult],
+            **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """The report of a run of ``c``: its settings, then ``extra``, then the rows."""
     return {
         "model": c.model,
-        "model_type": model.config.model_type,
-        "backend": chosen,
-        "device": str(dev),
+        "model_type": model_type,
+        "backend": backend,
+        "device": str(c.torch_device),
         "dtype": str(c.dtype).replace("torch.", ""),
         "prompts": c.prompts,
         "new_tokens": c.new_tokens,
         "prompt_len": list(c.prompt_len),
         "micro_batch": c.micro_batch,
-        "rollout_modes": [e.name for e in rlk_engines],
+        "rollout_modes": rollout_modes,
         "rollout_skipped": skipped,
         "page_size": c.rollout.page_size,
         "max_batch": c.rollout.max_batch,
         "train_engine": c.train_engine,
-        "leaves": leaves,
-        "train_tp": train_tp,
-        "rollout_tp": rollout_tp,
+        "leaves": c.leaves,
+        "train_tp": c.train_tp,
+        "rollout_tp": c.rollout.tp,
         "seed": c.seed,
         "temperature": c.temperature,
+        **extra,
         "rows": [asdict(r) for r in rows],
     }
+
+
+#: The loop's completions per prompt (GRPO's group) and its SGD learning rate (large: most
+#: bf16 weights of a random tiny model move every step).
+LOOP_GROUP = 4
+LOOP_LR = 1.0
+
+
+def run_loop(config: ConsistencyConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """``config.steps`` GRPO steps per side with vLLM as the rollout engine
+    (:func:`rlk_integrations.adapters.vllm.loop.grpo_loop`): vLLM samples :data:`LOOP_GROUP`
+    completions of each prompt at ``config.temperature``, the trainer recomputes their
+    log-probabilities and updates by SGD (:data:`LOOP_LR`), the new weights go into the running
+    engine, and so on. The rlk side: rlk's vLLM models (``leaves`` as the trainer's), the
+    transformers trainer on rlk or Megatron-core's (``train_engine``, at ``train_tp``), weights
+    pushed by rlk's update path. The stock side: stock vLLM, the stock transformers trainer,
+    vLLM's own ``reload_weights``. The report has a row per side and step (``step``); the rlk
+    rows compare the rollout with the recompute of the weights that sampled it."""
+    # vLLM and Megatron-core are optional: imported where they run.
+    from rlk_integrations.adapters.vllm import loop
+    from rlk_integrations.adapters.vllm.engine import VLLMRollout, start_llm
+
+    c, say = config, progress or (lambda msg: None)
+    dev = c.torch_device
+    say(f"loading {c.model} ({c.dtype}, {dev})")
+    cfg = zoo.load_model(c.model, dtype=c.dtype, seed=c.seed).config
+    batch = random_prompts(c.prompts, cfg.vocab_size, c.prompt_len[0], c.prompt_len[1], c.seed)
+    max_len = max(max(len(p) for p in batch) + c.new_tokens + 1, 512)
+    step_tokens = LOOP_GROUP * sum(len(p) + 1 for p in batch)
+    rows, skipped, chosen = [], {}, None
+    for side in c.sides:
+        stock = side == "stock"
+        model = zoo.load_model(c.model, dtype=c.dtype, device=dev, seed=c.seed)  # each its own
+        why = VLLMRollout(c.rollout).stock_twin(model, dev) if stock else None
+        if isinstance(why, str):
+            skipped["vllm-stock"] = why
+            continue
+        leaves = None if stock else c.leaves
+        with tempfile.TemporaryDirectory(prefix="rlk-loop-") as tmp:
+            say(f"[{side}] starting vLLM ({'stock' if stock else 'rlk'} model classes)")
+            llm = start_llm(model, tmp, max_len=max_len, step_tokens=step_tokens, stock=stock,
+                            page_size=c.rollout.page_size, leaves=leaves)  # fmt: skip
+            trainer: Any = None
+            use = c.backend if not stock else None
+            try:
+                with rlk.use_backend(use) if use else contextlib.nullcontext():
+                    trainer = _loop_trainer(c, model, stock, say)
+                    chosen = chosen if stock else rlk.current_backend(dev.type)
+                    steps = loop.grpo_loop(llm, trainer, batch, c.steps, n=LOOP_GROUP,
+                                           new_tokens=c.new_tokens, temperature=c.temperature,
+                                           seed=c.seed, stock=stock)  # fmt: skip
+                    for st in steps:
+                        rows.append(_loop_row(side, trainer.name, st))
+                        say(f"[{side}] step {st.step}: max |dlogp| {rows[-1].max_abs_dlogp:.3e}")
+            finally:
+                if trainer is not None:
+                    trainer.close()
+                llm.llm_engine.engine_core.shutdown()
+    return _report(c, cfg.model_type, chosen, ["vllm"], skipped, rows, steps=c.steps,
+                   group_size=LOOP_GROUP)  # fmt: skip
+
+
+def _loop_trainer(c: ConsistencyConfig, model: torch.nn.Module, stock: bool, say) -> Any:
+    """The loop's trainer of one side (``model`` unpatched)."""
+    from rlk_integrations.adapters.vllm import loop
+
+    kw = dict(lr=LOOP_LR, micro_batch=c.micro_batch)
+    if stock:
+        return loop.TransformersTrainer(model, use_rlk=False, **kw)
+    if c.train_engine == "megatron":
+        say(f"[rlk] Megatron-core trainer at TP={c.train_tp}")
+        return loop.MegatronTrainer(model, tp=c.train_tp, leaves=c.leaves, **kw)
+    return loop.TransformersTrainer(patch_model(model, leaves=c.leaves), **kw)
+
+
+def _loop_row(side: str, train_engine: str, st: Any) -> SideResult:
+    """A report row of one loop step (a :class:`~rlk_integrations.adapters.vllm.loop.LoopStep`)."""
+    new = sum(len(s.response) for s in st.samples)
+    tokens = sum(len(s.tokens) for s in st.samples)
+    return SideResult(
+        side=side,
+        rollout_mode="vllm-stock" if side == "stock" else "vllm",
+        train_engine=train_engine,
+        step=st.step,
+        rollout_tok_s=new / st.rollout_s if st.rollout_s > 0 else math.inf,
+        train_tok_s=tokens / st.train_s if st.train_s > 0 else math.inf,
+        **compare([s.logprobs for s in st.samples], st.recomputed),
+    )
 
 
 def ok(report: dict[str, Any]) -> bool:
@@ -660,7 +782,15 @@ def format_table(report: dict[str, Any]) -> str:
     leaves = report.get("leaves")
     notes = []
     tp, rtp = report.get("train_tp", 1), report.get("rollout_tp", 1)
-    if engine != "transformers" or tp > 1 or rtp > 1:
+    steps = report.get("steps")
+    if steps:
+        notes.append(
+            f"{steps} GRPO steps: vLLM samples {report['group_size']} completions per prompt, "
+            "the trainer recomputes and updates (SGD), the weights go back into vLLM; rlk rows: "
+            f"rlk's vLLM models, training {engine} + rlk at TP={tp}; stock rows: stock vLLM, "
+            "stock transformers, vLLM's reload_weights"
+        )
+    elif engine != "transformers" or tp > 1 or rtp > 1:
         core = "-core" if engine == "megatron" else ""
         notes.append(
             f"rlk rows: rollout transformers + rlk at TP={rtp}, training {engine}{core} + rlk "
@@ -668,7 +798,7 @@ def format_table(report: dict[str, Any]) -> str:
         )
     if leaves:
         notes.append(f"rlk o_proj/down_proj: tree-ordered linear, {leaves} leaves")
-    if any(r.get("rollout_mode") == "vllm-stock" for r in report["rows"]):
+    if not steps and any(r.get("rollout_mode") == "vllm-stock" for r in report["rows"]):
         notes.append(
             "stock vllm-stock row: vLLM's own model classes and kernels sample, stock "
             "transformers recomputes"
@@ -677,7 +807,9 @@ def format_table(report: dict[str, Any]) -> str:
         notes.append(f"rollout engine {name} not run: {why}")
     # Mixture of experts: the share of tokens whose experts differ ("-": not measured).
     experts = any(r.get("expert_differ") is not None for r in report["rows"])
+    stepped = any(r.get("step") is not None for r in report["rows"])
     cols = (
+        ("step " if stepped else "") +
         f"{'side':<6} {'rollout':<10} {'train':<19} {'tokens':>7} {'max|dlogp|':>11} "
         f"{'mean|dlogp|':>12} "
         f"{'differ':>7} " + (f"{'experts':>8} " if experts else "") +
@@ -686,7 +818,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [head, *notes, cols, "-" * len(cols)]
     for r in report["rows"]:
         lines.append(
-            f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<10} "
+            (f"{r['step']:>4} " if stepped else "")
+            + f"{r['side']:<6} {r.get('rollout_mode', 'padded'):<10} "
             f"{r.get('train_engine', 'transformers'):<19} {r['tokens']:>7d} "
             f"{_num(r['max_abs_dlogp']):>11} "
             f"{_num(r['mean_abs_dlogp']):>12} {100 * r['frac_differ']:>6.1f}% "

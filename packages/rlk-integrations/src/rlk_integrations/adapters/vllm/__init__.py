@@ -34,6 +34,7 @@ naming them (:func:`rlk_integrations.adapters.vllm.model.check_config`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+import rlk.parallel
 from rlk_integrations.adapters.vllm import sampler
 from rlk_integrations.adapters.vllm.worker import pack
 
@@ -89,9 +91,12 @@ def check_vllm() -> str:
     return found
 
 
-def rlk_architectures(hf_config: Any) -> Any:
+def rlk_architectures(hf_config: Any, leaves: int | None = None) -> Any:
     """vLLM ``hf_overrides`` callable: the config's architecture ``X`` becomes ``RLKX``;
-    ``NotImplementedError`` naming an architecture rlk does not cover."""
+    ``NotImplementedError`` naming an architecture rlk does not cover. ``leaves`` (bound by
+    :func:`engine_args`) is set as the config's ``rlk_leaves``: the model's row-parallel
+    linears (``o_proj``/``down_proj``) run on :func:`rlk.parallel.tree_linear` with that many
+    K-leaves, the bits of a Megatron or rlk trainer at any tensor-parallel size dividing them."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     if str(getattr(hf_config, "model_type", "")).startswith("dummy_"):
         return hf_config  # vLLM's probe of whether the callable changes model_type
@@ -108,10 +113,12 @@ def rlk_architectures(hf_config: Any) -> Any:
     if not out:
         raise NotImplementedError("the checkpoint's config names no architecture")
     hf_config.architectures = out
+    if leaves is not None:
+        hf_config.rlk_leaves = leaves
     return hf_config
 
 
-def engine_args(**overrides: Any) -> dict[str, Any]:
+def engine_args(*, leaves: int | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(model=..., **engine_args())`` (or ``EngineArgs``) that
     run the checkpoint on rlk's model classes; ``overrides`` are added to them.
 
@@ -123,31 +130,55 @@ def engine_args(**overrides: Any) -> dict[str, Any]:
     ``enforce_eager=True`` (vLLM's warm-up and graph capture would run rlk's kernels through
     Triton's interpreter: minutes instead of seconds) and ``TRITON_INTERPRET=1`` in the
     environment that vLLM's processes inherit, so that rlk's Triton kernels run under the
-    interpreter there."""
+    interpreter there.
+
+    ``leaves``: the model's row-parallel linears on the tree-ordered linear with that many
+    K-leaves (a power of two; None: plain :func:`rlk.linear`), for a trainer that runs them so
+    (``patch_model(model, leaves=L)``, Megatron's ``build_gpt_model(leaves=L)``, at any
+    tensor-parallel size dividing ``L``)."""
     check_vllm()
-    _check_overrides(overrides)
+    _check_overrides(overrides, leaves)
+    tp = overrides.get("tensor_parallel_size", 1)
+    if leaves is not None:
+        rlk.parallel.check_leaves(leaves, tp)
     args: dict[str, Any] = {
-        "hf_overrides": rlk_architectures,
+        "hf_overrides": rlk_architectures
+        if leaves is None
+        else functools.partial(rlk_architectures, leaves=leaves),
         "logprobs_mode": "raw_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args["enforce_eager"] = True
+        if tp > 1:
+            # vLLM's CPU build binds each TP rank's OpenMP threads to cores; its automatic
+            # choice reserves a core per process and leaves none on a 2-core machine, where
+            # TP 2 starts only with the cores given: one share of this process's per rank.
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(len(cores) // tp, 1)
+            ranks = [cores[(r * share) % len(cores) : (r * share) % len(cores) + share]
+                     for r in range(tp)]  # fmt: skip
+            bind = "|".join(",".join(map(str, c)) for c in ranks)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     args.update(overrides)
     return args
 
 
-def hf_overrides(checkpoint: str) -> dict[str, list[str]]:
+def hf_overrides(checkpoint: str, *, leaves: int | None = None) -> dict[str, Any]:
     """The dict form of ``hf_overrides`` for ``checkpoint`` (a directory with a
     ``config.json``), for where a callable cannot go: ``vllm serve --hf-overrides '<json>'``,
     or an ``LLM``/``AsyncEngineArgs`` built from a config file. ``{"architectures":
     ["RLKQwen2ForCausalLM"]}`` for a Qwen2 checkpoint; ``NotImplementedError`` for an
-    architecture rlk does not serve."""
+    architecture rlk does not serve. ``leaves``: as :func:`engine_args`' (``"rlk_leaves"``)."""
     with open(os.path.join(checkpoint, "config.json")) as f:
         cfg = json.load(f)
     mapped = rlk_architectures(SimpleNamespace(**{"architectures": cfg.get("architectures")}))
-    return {"architectures": list(mapped.architectures)}
+    out: dict[str, Any] = {"architectures": list(mapped.architectures)}
+    if leaves is not None:
+        rlk.parallel.check_leaves(leaves)
+        out["rlk_leaves"] = leaves
+    return out
 
 
 def update_weights(
@@ -183,7 +214,7 @@ def update_weights(
     return stale
 
 
-def _check_overrides(kw: dict[str, Any]) -> None:
+def _check_overrides(kw: dict[str, Any], leaves: int | None = None) -> None:
     """``NotImplementedError`` naming each engine argument the rlk models refuse, here in the
     caller's process (the same option passed to ``LLM()`` directly fails in vLLM's engine
     process, which vLLM reports as ``Engine core initialization failed`` with this message in
@@ -192,7 +223,7 @@ def _check_overrides(kw: dict[str, Any]) -> None:
         "quantization": kw.get("quantization") is not None,
         "enable_lora": bool(kw.get("enable_lora")),
         "speculative_config": kw.get("speculative_config") is not None,
-        "tensor_parallel_size": kw.get("tensor_parallel_size", 1) != 1,
+        "tensor_parallel_size": kw.get("tensor_parallel_size", 1) != 1 and not leaves,
         "pipeline_parallel_size": kw.get("pipeline_parallel_size", 1) != 1,
         "prefill_context_parallel_size": kw.get("prefill_context_parallel_size", 1) != 1,
         "decode_context_parallel_size": kw.get("decode_context_parallel_size", 1) != 1,
@@ -203,6 +234,7 @@ def _check_overrides(kw: dict[str, Any]) -> None:
         "hf_overrides": "hf_overrides" in kw,
     }
     bad = [f"{k}={kw[k]!r}" for k, on in refused.items() if on]
+    bad = [b + " without leaves" if b.startswith("tensor_") else b for b in bad]
     if bad:
         raise NotImplementedError(f"rlk's vLLM models do not support {'; '.join(bad)}")
 

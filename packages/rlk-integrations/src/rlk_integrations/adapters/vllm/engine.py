@@ -39,6 +39,35 @@ def _weights_key(model: torch.nn.Module) -> tuple:
     return (id(model),) + tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
+def start_llm(model: torch.nn.Module, directory: str, *, max_len: int, step_tokens: int,
+              stock: bool, page_size: int = 16, leaves: int | None = None) -> Any:  # fmt: skip
+    """Save ``model`` (a transformers causal LM) to ``directory`` and start a ``vllm.LLM`` on it
+    with this module's engine settings: rlk's model classes
+    (:func:`rlk_integrations.adapters.vllm.engine_args`, ``page_size`` tokens per KV block,
+    ``leaves`` tree-ordered row-parallel linears) or, with ``stock``, vLLM's own. ``max_len``:
+    the longest sequence; ``step_tokens``: the prompt tokens one step must hold."""
+    from vllm import LLM  # vLLM: an optional dependency, imported where it runs
+
+    model.save_pretrained(directory)
+    on_cuda = next(model.parameters()).is_cuda
+    kw: dict[str, Any] = dict(
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3 if on_cuda else 0.1,
+        max_model_len=max_len,
+        max_num_batched_tokens=max(step_tokens, max_len, 2048),
+        enable_prefix_caching=True,
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        seed=0,
+        logprobs_mode="processed_logprobs",
+    )
+    if not stock:
+        kw = rv.engine_args(block_size=page_size, leaves=leaves, **kw)
+    elif leaves:
+        raise ValueError("leaves are rlk's: stock vLLM runs its own linears")
+    return LLM(model=directory, **kw)
+
+
 class VLLMRollout:
     """The rollout engine ``vllm`` (``stock=False``: rlk's model classes in vLLM) or vLLM's own
     kernels (``stock=True``)."""
@@ -59,8 +88,8 @@ class VLLMRollout:
             return str(e)
         if device.type not in ("cpu", "cuda"):
             return f"vLLM runs on CPU or CUDA here, not {device.type}"
-        if not self.stock and (self.options.leaves or self.options.tp > 1):
-            return "runs unsharded rlk ops (no leaves, rollout_tp = 1)"
+        if not self.stock and self.options.tp > 1:
+            return "runs unsharded rlk ops (rollout_tp = 1; leaves are served)"
         return None
 
     def stock_twin(self, model: torch.nn.Module, device: torch.device) -> VLLMRollout | str:
@@ -86,25 +115,10 @@ class VLLMRollout:
         if self._llm is not None and key == self._key and max_len <= self._max_len:
             return self._llm
         self.close()
-        from vllm import LLM  # vLLM: an optional dependency, imported where it runs
-
         self._dir = tempfile.mkdtemp(prefix="rlk-vllm-")
-        model.save_pretrained(self._dir)
-        on_cuda = next(model.parameters()).is_cuda
-        kw: dict[str, Any] = dict(
-            enforce_eager=True,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.3 if on_cuda else 0.1,
-            max_model_len=max_len,
-            max_num_batched_tokens=max(step_tokens, max_len, 2048),
-            enable_prefix_caching=True,
-            dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-            seed=0,
-            logprobs_mode="processed_logprobs",
-        )
-        if not self.stock:
-            kw = rv.engine_args(block_size=self.options.page_size, **kw)
-        self._llm = LLM(model=self._dir, **kw)
+        self._llm = start_llm(model, self._dir, max_len=max_len, step_tokens=step_tokens,
+                              stock=self.stock, page_size=self.options.page_size,
+                              leaves=None if self.stock else self.options.leaves)  # fmt: skip
         self._key, self._max_len = key, max_len
         return self._llm
 

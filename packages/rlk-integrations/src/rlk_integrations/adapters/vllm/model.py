@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+import rlk.parallel
 from rlk_integrations.adapters.vllm import LOGPROBS_MODES, check_vllm
 from rlk_integrations.adapters.vllm import sampler as rlk_sampler
 from rlk_integrations.engine.paged_step import forward_packed
 from rlk_integrations.models.architectures import architecture
+from rlk_integrations.models.tp import ROW_LINEARS, shard_tp
 from rlk_integrations.models.transformers import patch_model
 
 
@@ -48,8 +50,14 @@ def check_config(vllm_config: Any) -> None:
         bad.append("LoRA (enable_lora=True)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         bad.append("speculative decoding (speculative_config)")
-    if pc.tensor_parallel_size != 1:
-        bad.append(f"tensor_parallel_size={pc.tensor_parallel_size}")
+    tp, hf_config = pc.tensor_parallel_size, getattr(mc, "hf_config", None)
+    if tp != 1 and not getattr(hf_config, "rlk_leaves", None):
+        bad.append(
+            f"tensor_parallel_size={tp} without leaves (engine_args(leaves=L): rlk's "
+            "tree-ordered linears keep the bits of one device)"
+        )
+    if tp != 1 and getattr(hf_config, "num_experts", None):
+        bad.append(f"tensor_parallel_size={tp} with a mixture of experts")
     if pc.pipeline_parallel_size != 1:
         bad.append(f"pipeline_parallel_size={pc.pipeline_parallel_size}")
     for cp in ("prefill_context_parallel_size", "decode_context_parallel_size"):
@@ -112,9 +120,15 @@ class RLKForCausalLM(nn.Module):
         architecture(cfg, integration="vLLM")  # NotImplementedError for another model_type
         mc = vllm_config.model_config
         hf = AutoModelForCausalLM.from_config(cfg, dtype=mc.dtype, attn_implementation="sdpa")
-        hf = patch_model(hf.eval())
+        # rlk_leaves: set by engine_args(leaves=...) or the dict hf_overrides.
+        hf = patch_model(hf.eval(), leaves=getattr(cfg, "rlk_leaves", None))
         for p in hf.parameters():
             p.requires_grad_(False)
+        #: Tensor parallelism: (rank, size) in vLLM's TP group, and the dimension along which
+        #: each sharded parameter (by id) holds its rank's slice of the checkpoint's tensor.
+        self._tp, self._shard_dim, self._views = (0, 1), {}, {}
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            self._shard(hf)
         # The transformers model is held outside the module tree; its two children are in it,
         # so parameter names are the checkpoint's.
         object.__setattr__(self, "hf", hf)
@@ -122,7 +136,8 @@ class RLKForCausalLM(nn.Module):
         self.lm_head = hf.get_output_embeddings()
         self.model.rotary_emb._rlk_table.reserve(mc.max_model_len + 1)
         attn0 = self.model.layers[0].self_attn
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        world = self._tp[1]
+        heads, kv_heads = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
         self.attn = nn.ModuleList(
             Attention(
                 heads,
@@ -138,6 +153,36 @@ class RLKForCausalLM(nn.Module):
         self._cache = _Cache(self.attn)
         #: ids of the parameters pushed since an incomplete update began; None: none is.
         self._pushed: set[int] | None = None
+
+    def _shard(self, hf: nn.Module) -> None:
+        """This worker's rank of vLLM's tensor-parallel group
+        (:func:`rlk_integrations.models.tp.shard_tp` on vLLM's TP process group, the
+        tree-ordered linears of ``leaves``: the bits of one device). A tied head becomes a
+        view of this rank's rows of the (replicated) embedding, so that loading the
+        embedding loads it."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group().device_group
+        shard_tp(hf, group=group)
+        rank, world = rlk.parallel.group_info(group)
+        self._tp = (rank, world)
+        head = hf.get_output_embeddings()
+        if hf.config.tie_word_embeddings:
+            embed = hf.get_input_embeddings().weight
+            rows = embed.shape[0] // world
+            head.weight = nn.Parameter(embed.data.narrow(0, rank * rows, rows),
+                                       requires_grad=False)  # fmt: skip
+            self._views[id(head.weight)] = id(embed)  # written when the embedding is
+        for path, module in hf.named_modules():
+            short = path.rsplit(".", 1)[-1]
+            dim = 1 if short in ROW_LINEARS else 0
+            if getattr(module, "_rlk_tp", None) is None or module is hf:
+                continue
+            if module is head and hf.config.tie_word_embeddings:
+                continue  # a view of the embedding, loaded with it
+            for p in (module.weight, module.bias):
+                if p is not None and not (dim == 1 and p is module.bias):
+                    self._shard_dim[id(p)] = dim
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -196,8 +241,8 @@ class RLKForCausalLM(nn.Module):
                 errors.append(f"{name!r} is no parameter of the rlk model")
             elif not isinstance(tensor, torch.Tensor):
                 errors.append(f"{name}: a {type(tensor).__name__}, not a torch.Tensor")
-            elif tensor.shape != target[1].shape:
-                shape = tuple(target[1].shape)
+            elif tensor.shape != self._full_shape(target[1]):
+                shape = tuple(self._full_shape(target[1]))
                 errors.append(f"{name}: shape {tuple(tensor.shape)}, the model's {shape}")
             elif not tensor.dtype.is_floating_point:
                 errors.append(f"{name}: dtype {tensor.dtype}, not a floating dtype")
@@ -209,16 +254,34 @@ class RLKForCausalLM(nn.Module):
         written: set[tuple] = set()
         with torch.no_grad():
             for (keys, dest), (_, tensor) in zip(targets, bucket):
+                dim = self._shard_dim.get(id(dest))
+                if dim is not None:  # this rank's slice of the checkpoint's tensor
+                    rank, world = self._tp
+                    tensor = rlk.parallel.shard(tensor, dim, rank=rank, world_size=world)
                 dest.copy_(tensor)
                 written |= keys
         pushed = (self._pushed or set()) | written
         self._pushed = None if pushed >= set(_pieces(params)) else pushed
         ids = {key[0] for key in written}
+        ids |= {view for view, of in self._views.items() if of in ids}
         return {n for n, p in self.named_parameters() if id(p) in ids}
 
     def _named_params(self) -> dict[str, nn.Parameter]:
-        """Parameter name -> parameter, a tied head under both of its names."""
-        return dict(self.hf.named_parameters(remove_duplicate=False))
+        """Parameter name -> parameter, a tied head under both of its names (the embedding:
+        sharded, the head is a view of it)."""
+        params = dict(self.hf.named_parameters(remove_duplicate=False))
+        if self._tp[1] > 1 and self.hf.config.tie_word_embeddings:
+            params["lm_head.weight"] = params["model.embed_tokens.weight"]
+        return params
+
+    def _full_shape(self, param: torch.Tensor) -> torch.Size:
+        """The checkpoint's shape of a parameter (of its tensor's, for this rank's slice)."""
+        dim = self._shard_dim.get(id(param))
+        if dim is None:
+            return param.shape
+        shape = list(param.shape)
+        shape[dim] *= self._tp[1]
+        return torch.Size(shape)
 
     def stale_parameters(self) -> list[str]:
         """The checkpoint tensors not pushed since an incomplete update began (``[]``: none)."""
