@@ -1,4 +1,5 @@
-"""``torch.compile(fullgraph=True)`` of patched Llama, Qwen2, Qwen3 and Qwen3-MoE models
+"""``torch.compile(fullgraph=True)`` of patched Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE and
+DeepSeek-V3 models
 (:func:`rlk_integrations.engine.training.compiled_logprobs`: the packed training pass, decoder then
 ``rlk.linear_logprobs``), forward and backward, with no graph break and the bits of the eager
 pass (:func:`~rlk_integrations.engine.training.packed_logprobs`): log-probabilities and every
@@ -57,7 +58,8 @@ def _check(model, samples, **compile_kwargs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["tiny-llama", "tiny", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe"]
+    "name",
+    ["tiny-llama", "tiny", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3"],
 )
 def test_compiled_training_pass_gives_the_eager_bits(name):
     torch._dynamo.reset()
