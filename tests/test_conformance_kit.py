@@ -45,19 +45,19 @@ def test_reference_passes_accuracy_and_skips_what_it_does_not_claim(reference_re
             assert (row.status, row.detail) == ("skip", "not claimed by backend")
     lin = r.row("linear", "accuracy")
     assert 0 < lin.max_err < 0.1 and 0 < lin.rel_rms < 1e-2  # errors are measured, not zero
-    assert r.counts() == {"pass": 16, "fail": 0, "skip": 64}
+    assert r.counts() == {"pass": 17, "fail": 0, "skip": 68}
     assert r.seconds < 30
 
 
 def test_table_and_dict(reference_report):
     table = testing.format_table(reference_report)
     assert "backend 'reference'" in table
-    assert table.splitlines()[-1].startswith("16 passed, 0 failed, 64 skipped")
-    assert "not claimed by backend: 64 checks" in table
+    assert table.splitlines()[-1].startswith("17 passed, 0 failed, 68 skipped")
+    assert "not claimed by backend: 68 checks" in table
     d = reference_report.to_dict()
     json.dumps(d)  # serialisable
-    assert d["ok"] and d["summary"] == {"pass": 16, "fail": 0, "skip": 64}
-    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 80
+    assert d["ok"] and d["summary"] == {"pass": 17, "fail": 0, "skip": 68}
+    assert d["tolerances"] == testing.TOLERANCES and len(d["rows"]) == 85
 
 
 def test_batch_dependent_backend_fails_batch_invariance_only(fakes):
@@ -161,7 +161,7 @@ def test_cli_reference_passes_with_json(tmp_path, capsys):
     code = cli.main(["conformance", "--backend", "reference", "--json", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.out
-    assert "16 passed, 0 failed, 64 skipped" in captured.out
+    assert "17 passed, 0 failed, 68 skipped" in captured.out
     assert "linear: accuracy pass" in captured.err  # progress, one line per op
     d = json.loads(out.read_text())
     assert d["ok"] and d["backend"] == "reference" and d["mode"] == "quick"
