@@ -180,6 +180,7 @@ VLLM_TESTS = [
     "packages/rlk-integrations/tests/test_vllm.py",
     "packages/rlk-integrations/tests/test_vllm_options.py",
     "packages/rlk-integrations/tests/test_vllm_rl.py",
+    "packages/rlk-integrations/tests/test_vllm_loop.py",
     "packages/rlk-integrations/tests/test_vllm_server.py",
     "packages/rlk-integrations/tests/test_trl_vllm.py",
 ]

@@ -144,3 +144,27 @@ def test_cli_steps_usage_errors(extra, message, capsys):
     argv = ["consistency", "--steps", "2", *extra]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_2_has_one_devices_bits(checkpoint, monkeypatch):
+    """vLLM at ``tensor_parallel_size=2`` (two CPU workers, one core each) on rlk's models with
+    8 leaves, in fp32 (where the tree order shows in the bits): two GRPO steps whose samples'
+    log-probabilities equal the one-device recompute with the same leaves, with weights pushed
+    into both ranks' shards between them. The control: the one-device model on plain
+    ``rlk.linear`` (no leaves) gives other bits for the same samples."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # restored after the test
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    args = rv.engine_args(logprobs_mode="processed_logprobs", leaves=LEAVES, tensor_parallel_size=2)
+    engine = start_engine(checkpoint, dtype="float32", **args)
+    fp32 = zoo.load_model(checkpoint, dtype=torch.float32)
+    trainer = loop.TransformersTrainer(rt.patch_model(fp32, leaves=LEAVES), lr=1.0)
+    try:
+        steps = list(loop.grpo_loop(engine, trainer, prompts([5, 7], seed=4), 2, seed=6))
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    assert [s.max_abs_dlogp for s in steps] == [0.0, 0.0]
+    plain = rt.patch_model(zoo.load_model(checkpoint, dtype=torch.float32))
+    first = steps[0].samples
+    lps = training.recompute_logprobs(plain, first, 3, temperature=0.7)
+    assert any(not torch.equal(s.logprobs, lp) for s, lp in zip(first, lps))

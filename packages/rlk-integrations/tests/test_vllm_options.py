@@ -101,8 +101,10 @@ def test_engine_args_tensor_parallel_with_leaves(monkeypatch):
     assert args["tensor_parallel_size"] == 2
     cfg = SimpleNamespace(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     assert args["hf_overrides"](cfg).rlk_leaves == 8
-    if not torch.cuda.is_available():  # one share of the cores per rank
+    if not torch.cuda.is_available():  # one share of the cores per rank, unset at TP 1
         assert len(os.environ["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == 2
+        rv.engine_args()
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 without leaves"):
         rv.engine_args(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="leaves"):

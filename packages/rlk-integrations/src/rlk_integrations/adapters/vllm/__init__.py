@@ -135,7 +135,10 @@ def engine_args(*, leaves: int | None = None, **overrides: Any) -> dict[str, Any
     ``leaves``: the model's row-parallel linears on the tree-ordered linear with that many
     K-leaves (a power of two; None: plain :func:`rlk.linear`), for a trainer that runs them so
     (``patch_model(model, leaves=L)``, Megatron's ``build_gpt_model(leaves=L)``, at any
-    tensor-parallel size dividing ``L``)."""
+    tensor-parallel size dividing ``L``). With ``leaves``, vLLM's ``tensor_parallel_size``
+    (a power of two dividing ``L``) shards rlk's model over vLLM's workers, the bits of one
+    device; on a CPU it then also sets ``VLLM_CPU_OMP_THREADS_BIND`` (:func:`_bind_cpu_ranks`).
+    """
     check_vllm()
     _check_overrides(overrides, leaves)
     tp = overrides.get("tensor_parallel_size", 1)
@@ -151,18 +154,34 @@ def engine_args(*, leaves: int | None = None, **overrides: Any) -> dict[str, Any
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args["enforce_eager"] = True
-        if tp > 1:
-            # vLLM's CPU build binds each TP rank's OpenMP threads to cores; its automatic
-            # choice reserves a core per process and leaves none on a 2-core machine, where
-            # TP 2 starts only with the cores given: one share of this process's per rank.
-            cores = sorted(os.sched_getaffinity(0))
-            share = max(len(cores) // tp, 1)
-            ranks = [cores[(r * share) % len(cores) : (r * share) % len(cores) + share]
-                     for r in range(tp)]  # fmt: skip
-            bind = "|".join(",".join(map(str, c)) for c in ranks)
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        _bind_cpu_ranks(tp)
     args.update(overrides)
     return args
+
+
+#: The ``VLLM_CPU_OMP_THREADS_BIND`` value :func:`engine_args` set in this process (None: none).
+_BOUND: str | None = None
+
+
+def _bind_cpu_ranks(tp: int) -> None:
+    """vLLM's CPU build binds each TP rank's OpenMP threads to cores; its automatic choice
+    reserves a core per process and refuses TP 2 on a 2-core host ("Not enough allowed NUMA
+    nodes"), which starts with the cores given by hand: here one equal share of this process's
+    cores per rank, in ``VLLM_CPU_OMP_THREADS_BIND`` (which vLLM's processes inherit) unless the
+    caller set it. At TP 1 the value set here is removed again (vLLM would read it as ranks)."""
+    global _BOUND
+    var = "VLLM_CPU_OMP_THREADS_BIND"
+    if tp == 1:
+        if _BOUND is not None and os.environ.get(var) == _BOUND:
+            del os.environ[var]
+        _BOUND = None
+        return
+    if var in os.environ and os.environ[var] != _BOUND:
+        return  # the caller's
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(len(cores) // tp, 1)
+    ranks = [cores[(r * share) % len(cores) :][:share] for r in range(tp)]
+    _BOUND = os.environ[var] = "|".join(",".join(map(str, c)) for c in ranks)
 
 
 def hf_overrides(checkpoint: str, *, leaves: int | None = None) -> dict[str, Any]:

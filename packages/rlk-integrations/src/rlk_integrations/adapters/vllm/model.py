@@ -11,10 +11,15 @@ cache. A vLLM step runs the packed row of its tokens through the paged rollout's
 :func:`rlk.logprobs` of these logits (:mod:`rlk_integrations.adapters.vllm.sampler`).
 
 Weights are the checkpoint's own tensors, copied by name (``load_weights``); so
-``training.recompute_logprobs`` on the same checkpoint gives the same bits.
+``training.recompute_logprobs`` on the same checkpoint gives the same bits. The config's
+``rlk_leaves`` (``engine_args(leaves=L)``) puts ``o_proj``/``down_proj`` on the tree-ordered
+linear; with it, vLLM's ``tensor_parallel_size`` t > 1 shards the model over vLLM's TP workers
+(:func:`rlk_integrations.models.tp.shard_tp`), each cutting its slice of every checkpoint
+tensor it loads: the bits of one device.
 
 Anything the classes cannot run raises at engine start, naming it (:func:`check_config`):
-quantization, LoRA, speculative decoding, tensor, pipeline or context parallelism above 1, a
+quantization, LoRA, speculative decoding, tensor parallelism above 1 without leaves or on a
+mixture of experts, pipeline or context parallelism above 1, a
 runner other than ``generate`` (pooling), prompt embeddings, a KV cache dtype other than the
 model's, a ``logprobs_mode`` other than ``raw_logprobs`` / ``processed_logprobs``, vLLM's V2 model
 runner, an architecture other than Llama / Qwen2 / Qwen3.
