@@ -38,6 +38,10 @@ The report has one row per side: tokens compared, max and mean ``|dlogp|``, the 
 tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
 rollout and training (forward + backward) tokens per second.
 
+``steps`` (``--steps N``, with ``--rollout-engine vllm``): the RL loop instead of one rollout
+(:func:`run_loop`): N GRPO steps per side, vLLM sampling and the weights of each update pushed
+back into the running engine; a row per side and step.
+
 A run's settings are one frozen :class:`ConsistencyConfig` (the engines' ``RolloutOptions``
 inside), validated once where it is built and passed whole to :func:`run`.
 """
