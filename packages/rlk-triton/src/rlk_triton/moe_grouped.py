@@ -76,7 +76,7 @@ def _grouped_fwd_kernel(
         v1 = tl.sum(tl.where(cols[None, :] == i1[:, None], c, 0.0), axis=1)
         v2 = tl.sum(tl.where(cols[None, :] == i2[:, None], c, 0.0), axis=1)
         gkey = tl.where(gcols[None, :] == g, _key(v1 + v2)[:, None], gkey)
-    allowed = cols[None, :] < 0
+    allowed = valid & (cols < 0)[None, :]  # all False, the tile's shape
     for _ in tl.static_range(TOPK_GROUP):
         _, gi = _best(gkey, gcols, GPAD)
         gkey = tl.where(gcols[None, :] == gi[:, None], _INT_MIN, gkey)
