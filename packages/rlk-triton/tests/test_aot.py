@@ -160,6 +160,19 @@ def test_a_ptxas_failure_is_a_compile_result():
     assert len(bad) == 1 and bad[0].startswith("does not compile") and "sm_90" in bad[0]
 
 
+def test_a_front_end_error_names_its_cause():
+    """A CompilationError's own message ends with a caret under the source: the row gives its
+    cause (here the input precision that gfx90a and gfx950 refuse and gfx942 accepts)."""
+    a = torch.zeros(32, 32, dtype=torch.bfloat16)
+    launch = functools.partial(planted.tf32_dot_kernel[(1,)], a, a, torch.empty(32, 32), BLOCK=32)
+    report, _ = aot.compile_report(_record(launch, "amd", "tf32", 0), _configs(1, ["rocm"]),
+                                   ("gfx90a", "gfx942"))  # fmt: skip
+    rows = {r["target"]: r for r in report["rows"]}
+    assert rows["gfx942"]["ok"] and not rows["gfx90a"]["ok"]
+    assert rows["gfx90a"]["error"].startswith("CompilationError at ")
+    assert "AssertionError: input_precision must be one of" in rows["gfx90a"]["error"]
+
+
 # --------------------------------------------------------------------------------------------
 # Every kernel through rlk's jit
 # --------------------------------------------------------------------------------------------

@@ -150,10 +150,20 @@ def _compile_one(kernel, args: tuple, kwargs: dict, target_name: str, memo: dict
         src = ASTSource(kernel, signature, constexprs, attrs)
         return key, triton.compile(src, target=target, options=options.__dict__)
     except Exception as e:  # the compiler's error is the result
-        # Its lines that say what failed (ptxas's end with a repro command, not the cause).
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        said = [ln for ln in lines if re.search(r"error|fatal|failed", ln, re.I)] or lines[-1:]
-        return key, f"{type(e).__name__}: {' | '.join(said[:3])}"[:400]
+        return key, _error_text(e)
+
+
+def _error_text(e: BaseException) -> str:
+    """What failed, in one line: the root of the exception's causes (a ``CompilationError``
+    shows the source with a caret; its cause says what is wrong), and of a message over
+    several lines those that say what failed (ptxas's ends with a repro command)."""
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
+    said = [ln for ln in lines if re.search(r"error|fatal|failed", ln, re.I)] or lines[-1:]
+    head = "" if root is e else f"{type(e).__name__} {str(e).split(chr(10), 1)[0]} "
+    return f"{head}{type(root).__name__}: {' | '.join(said[:3])}"[:400]
 
 
 def _worker() -> None:
