@@ -1,14 +1,16 @@
-"""The GRPO loop on vLLM's CPU build (the real engine) with Megatron-core as the trainer, and
-``rlk consistency --rollout-engine vllm --steps N``.
+"""The GRPO loop on vLLM's CPU build (the real engine) with Megatron-core as the trainer,
+through ``rlk consistency --rollout-engine vllm --steps N``, and tensor parallelism 2 in vLLM.
 
-Megatron at TP 1 and at TP 2 (two spawned gloo ranks per step) trains, its weights go back to
-the checkpoint's names and into rlk's vLLM model (``engine_args(leaves=8)``: the trainer's
-tree-ordered row-parallel linears), and the recompute equals vLLM's log-probabilities bit for bit
-at every step. The command runs the transformers trainer's loop beside the stock one (stock
-vLLM, stock transformers, vLLM's own weight reload), whose rows differ.
+``rlk consistency --steps 2 --train-engine megatron``: Megatron at TP 1 trains, its weights go
+back to the checkpoint's names and into rlk's vLLM model, and the rlk rows are 0 at every step;
+the stock loop beside it (stock vLLM, stock transformers, vLLM's own weight reload) differs.
+Then one engine at ``tensor_parallel_size=2`` with the trainer's tree-ordered row-parallel
+linears (``engine_args(leaves=8)``) and Megatron at TP 2 (two spawned gloo ranks per step):
+the recompute equals vLLM's log-probabilities bit for bit at every step. (The transformers
+trainer's loop is test_vllm_rl.py's.)
 
-The checkpoint: vllm_helpers' head_dim-64 tiny Qwen2 with 2 key/value heads (Megatron's TP 2
-splits them).
+The checkpoint: vllm_helpers' head_dim-64 tiny Qwen2 with 2 key/value heads (TP 2 splits them).
+Two engine starts for the command, one for TP 2.
 """
 
 from __future__ import annotations
@@ -37,43 +39,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    engine = start_engine(
-        checkpoint, **rv.engine_args(logprobs_mode="processed_logprobs", leaves=LEAVES)
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def tree_trainer(checkpoint):
-    """The checkpoint on the transformers integration with the trainer's tree-ordered linears."""
-    return rt.patch_model(zoo.load_model(checkpoint, dtype=torch.bfloat16), leaves=LEAVES)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_trainer_loop_ratio_is_one(llm, checkpoint, tp):
-    """GRPO steps with Megatron-core training at TP ``tp`` (temperature 0.7, n = 4): the
-    recompute equals vLLM's log-probabilities bit for bit at every step. The control: the last
-    step's samples recomputed with the checkpoint's weights differ (the pushed weights are the
-    ones that sampled)."""
-    trainer = loop.MegatronTrainer(
-        zoo.load_model(checkpoint, dtype=torch.bfloat16), lr=1.0, tp=tp, leaves=LEAVES
-    )
-    try:
-        loop.push(llm, trainer.weights())  # from the checkpoint, whatever ran before
-        steps = list(loop.grpo_loop(llm, trainer, prompts([5, 7], seed=11), 3, seed=tp))
-    finally:
-        trainer.close()
-    assert [s.max_abs_dlogp for s in steps] == [0.0, 0.0, 0.0]
-    last = steps[-1].samples
-    before = training.recompute_logprobs(tree_trainer(checkpoint), last, 3, temperature=0.7)
-    assert all(not torch.equal(s.logprobs, lp) for s, lp in zip(last, before))
-
-
-@pytest.mark.slow
-def test_megatron_weights_are_the_checkpoints_names(llm, checkpoint):
+def test_megatron_weights_are_the_checkpoints_names(checkpoint):
     """A Megatron trainer's weights (TP 1) before any step are the checkpoint's tensors under
     the checkpoint's names, bit for bit (what goes into vLLM is what was trained)."""
     trainer = loop.MegatronTrainer(load_trainer(checkpoint), lr=1.0, leaves=LEAVES)
@@ -102,12 +68,15 @@ def test_unshard_tp_inverts_shard_for_tp():
 
 @pytest.mark.slow
 def test_cli_steps_rlk_rows_zero_stock_rows_not(checkpoint, tmp_path, capsys):
-    """``rlk consistency --rollout-engine vllm --steps 2``: two GRPO steps per side, a row per
-    side and step; the rlk rows are exactly zero, the stock rows are not, and the command
-    exits 0."""
+    """``rlk consistency --rollout-engine vllm --steps 2 --train-engine megatron``: two GRPO
+    steps per side, Megatron-core (TP 1) training the rlk side, its weights converted back to
+    the checkpoint's names and pushed into vLLM; a row per side and step. The rlk rows are
+    exactly zero, the stock rows (stock vLLM, stock transformers, vLLM's reload) are not, and
+    the command exits 0."""
     out = tmp_path / "loop.json"
     argv = ["consistency", "--model", checkpoint, "--rollout-engine", "vllm", "--steps", "2"]
     argv += ["--prompts", "2", "--new-tokens", "4", "--temperature", "0.7", "--quiet"]
+    argv += ["--train-engine", "megatron"]
     rc = cli.main([*argv, "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -117,6 +86,7 @@ def test_cli_steps_rlk_rows_zero_stock_rows_not(checkpoint, tmp_path, capsys):
     for i in range(2):
         rlk_row, stock_row = rows["rlk", i], rows["stock", i]
         assert rlk_row["tokens"] == 2 * 4 * 4 and rlk_row["rollout_mode"] == "vllm"
+        assert rlk_row["train_engine"] == "megatron"
         assert rlk_row["max_abs_dlogp"] == 0.0 and rlk_row["frac_differ"] == 0.0
         assert stock_row["rollout_mode"] == "vllm-stock" and stock_row["frac_differ"] > 0
     assert "2 GRPO steps" in printed and "step side" in printed
@@ -147,24 +117,29 @@ def test_cli_steps_usage_errors(extra, message, capsys):
 
 
 @pytest.mark.slow
-def test_vllm_tensor_parallel_2_has_one_devices_bits(checkpoint, monkeypatch):
+def test_tp2_in_vllm_and_in_megatron_ratio_is_one(checkpoint, monkeypatch):
     """vLLM at ``tensor_parallel_size=2`` (two CPU workers, one core each) on rlk's models with
-    8 leaves, in fp32 (where the tree order shows in the bits): two GRPO steps whose samples'
-    log-probabilities equal the one-device recompute with the same leaves, with weights pushed
-    into both ranks' shards between them. The control: the one-device model on plain
-    ``rlk.linear`` (no leaves) gives other bits for the same samples."""
+    8 leaves, and Megatron-core training at TP 2 (two gloo ranks per step), in fp32 (where the
+    tree order shows in the bits): two GRPO steps at 0.7, n = 4, the joined Megatron weights
+    pushed into both vLLM ranks' shards between them; every log-probability equals the
+    trainer's recompute. The controls: the one-device model on plain ``rlk.linear`` (no leaves)
+    gives other bits for the first step's samples, and the checkpoint's weights other bits for
+    the last step's (the pushed weights are the ones that sampled)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # restored after the test
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     args = rv.engine_args(logprobs_mode="processed_logprobs", leaves=LEAVES, tensor_parallel_size=2)
     engine = start_engine(checkpoint, dtype="float32", **args)
     fp32 = zoo.load_model(checkpoint, dtype=torch.float32)
-    trainer = loop.TransformersTrainer(rt.patch_model(fp32, leaves=LEAVES), lr=1.0)
+    trainer = loop.MegatronTrainer(fp32, lr=1.0, tp=2, leaves=LEAVES)
     try:
         steps = list(loop.grpo_loop(engine, trainer, prompts([5, 7], seed=4), 2, seed=6))
     finally:
         engine.llm_engine.engine_core.shutdown()
     assert [s.max_abs_dlogp for s in steps] == [0.0, 0.0]
     plain = rt.patch_model(zoo.load_model(checkpoint, dtype=torch.float32))
-    first = steps[0].samples
+    first, last = steps[0].samples, steps[-1].samples
     lps = training.recompute_logprobs(plain, first, 3, temperature=0.7)
     assert any(not torch.equal(s.logprobs, lp) for s, lp in zip(first, lps))
+    tree = rt.patch_model(zoo.load_model(checkpoint, dtype=torch.float32), leaves=LEAVES)
+    lps = training.recompute_logprobs(tree, last, 3, temperature=0.7)
+    assert all(not torch.equal(s.logprobs, lp) for s, lp in zip(last, lps))
