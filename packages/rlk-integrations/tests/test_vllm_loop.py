@@ -52,6 +52,14 @@ def test_megatron_weights_are_the_checkpoints_names(checkpoint):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_megatron_trainer_refuses_tp_without_leaves():
+    model = zoo.load_model("tiny")
+    with pytest.raises(ValueError, match="tp = 2 needs leaves"):
+        loop.MegatronTrainer(model, lr=1.0, tp=2)
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        loop.MegatronTrainer(model, lr=1.0, tp=0)
+
+
 def test_unshard_tp_inverts_shard_for_tp():
     from rlk_integrations.adapters import megatron
 

@@ -108,7 +108,9 @@ class MegatronTrainer:
       ``cuda:0..tp-1``) that load their :func:`~rlk_integrations.adapters.megatron.shard_for_tp`
       shard of the current weights, recompute and update; the updated shards come back,
       joined (:func:`unshard_tp`). SGD keeps no state between steps, so a fresh group per
-      step is the same update as a persistent one.
+      step is the same update as a persistent one; it costs a spawn, a process group and a
+      model build every step (about 25 s a step on 2 CPU cores), which a persistent group
+      would not: this trainer is for checking bits, not for speed.
 
     ``leaves``: the row/column-parallel linears on rlk's tree-ordered linears (needed at
     ``tp > 1``; vLLM's model then runs ``o_proj``/``down_proj`` with the same leaves:
@@ -120,6 +122,8 @@ class MegatronTrainer:
         # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
         from rlk_integrations.adapters import megatron
 
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {tp!r}")
         if tp > 1 and not leaves:
             raise ValueError(f"tp = {tp} needs leaves (tree-ordered parallel linears)")
         self.config, self.lr, self.micro_batch = model.config, lr, micro_batch
