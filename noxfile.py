@@ -190,7 +190,10 @@ VLLM_TESTS = [
 #: rlk-integrations[verl] pins its runtime needs.
 VERL = "verl==0.9.1"
 #: The tests of rlk inside verl (stage 4).
-VERL_TESTS = ["packages/rlk-integrations/tests/test_verl.py"]
+VERL_TESTS = [
+    "packages/rlk-integrations/tests/test_verl.py",
+    "packages/rlk-integrations/tests/test_verl_rollout.py",
+]
 
 
 def _install_verl(session: nox.Session) -> None:

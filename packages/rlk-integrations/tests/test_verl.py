@@ -26,16 +26,11 @@ pytestmark = pytest.mark.slow  # verl's import and engines: stage 4 of nox -s te
 os.environ.setdefault("VERL_PLATFORM", "cpu")
 os.environ.setdefault("VERL_ENGINE_VENDOR", "rlk")
 pytest.importorskip("transformers")
+import verl_workers as vw  # noqa: E402  (sets VERL_PLATFORM=cpu before verl is imported)
+
 import rlk_integrations.adapters.verl as rv  # noqa: E402
 
-try:
-    rv.check_verl()
-except RuntimeError as e:
-    if os.environ.get("RLK_REQUIRE_VERL") == "1":
-        raise
-    pytest.skip(f"verl tests need verl {rv.TESTED_VERL}: {e}", allow_module_level=True)
-
-import verl_workers as vw  # noqa: E402  (sets VERL_PLATFORM=cpu before verl is imported)
+vw.require_verl()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,21 @@ from rlk_integrations.engine import rollout, training  # noqa: E402
 from rlk_integrations.models import transformers as rt  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
+
+def require_verl() -> None:
+    """Skip the importing test module without verl :data:`~rlk_integrations.adapters.verl.
+    TESTED_VERL`, unless RLK_REQUIRE_VERL=1 (stage 4 of ``nox -s tests``, which installs it):
+    then fail."""
+    import pytest
+
+    try:
+        rv.check_verl()
+    except RuntimeError as e:
+        if os.environ.get("RLK_REQUIRE_VERL") == "1":
+            raise
+        pytest.skip(f"verl tests need verl {rv.TESTED_VERL}: {e}", allow_module_level=True)
+
+
 #: The models of the two-rank test; the one-rank test runs every architecture rlk patches.
 MODELS = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
 ALL_MODELS = (*MODELS, "tiny-qwen2-moe")
@@ -135,14 +150,18 @@ def micro(size: int) -> dict:
     return dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=size)
 
 
-def infer(eng, samples, micro_batch_size: int):
+def infer(eng, samples, micro_batch_size: int, temperature: float = 1.0):
     """``infer_batch``'s log-probs and entropies of the responses, ``[B, R]`` float32 each, as
-    verl's trainer computes ``old_log_probs`` (``_compute_old_log_prob``); micro-batches as
-    :func:`micro` says."""
+    verl's trainer computes ``old_log_probs`` (``_compute_old_log_prob``) at the rollout's
+    ``temperature``; micro-batches as :func:`micro` says."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     td = no_padding(
-        padded(samples), calculate_entropy=True, compute_loss=False, **micro(micro_batch_size)
+        padded(samples),
+        calculate_entropy=True,
+        compute_loss=False,
+        temperature=temperature,
+        **micro(micro_batch_size),
     )
     with eng.eval_mode():
         out = eng.infer_batch(td)["model_output"]
@@ -246,3 +265,99 @@ def grpo(path: str, steps: int, *, stock: bool = False, group: int = 2) -> list[
                 params[name].copy_(w)  # bf16, as FSDP's mixed precision casts it
     assert any(not torch.equal(start[k], p) for k, p in params.items()), "no weight moved"
     return diffs
+
+
+# verl's vLLM rollout (test_verl_rollout.py): its server, vLLMHttpServer, as the named Ray actor
+# verl's replica would start, without the GPU placement; weights pushed by its ServerAdapter.
+#: The rollout's sampling (vLLM's SamplingParams), and the temperature the engine recomputes.
+TEMPERATURE = 0.7
+
+
+def rollout_configs(path: str, *, rlk: bool = True):
+    """verl's rollout and model configs for a vLLM server on ``path``: ``overrides()``' engine
+    arguments (rlk's model class by ``hf_overrides``, ``processed_logprobs``) and verl's
+    ``load_format=dummy`` (the weights come from the trainer); with ``rlk`` False vLLM's own
+    model, loading the checkpoint itself (stock vLLM's CPU layers cannot take a weight push:
+    their repacking at load drops the parameters' ``weight_loader``). Sized for the CPU
+    (eager, no sleep mode: it needs CUDA)."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.config.rollout import CheckpointEngineConfig
+
+    from rlk_integrations.adapters.vllm import hf_overrides
+
+    # The KV cache's size on the CPU (else a share of the host's memory, which a busy host
+    # may not have free).
+    vllm = {"block_size": 32, "kv_cache_memory_bytes": 64 << 20}  # vLLM CPU attention: 32s
+    if rlk:
+        vllm["hf_overrides"] = hf_overrides(path)
+    config = RolloutConfig(
+        name="vllm",
+        tensor_model_parallel_size=1,
+        temperature=TEMPERATURE,
+        logprobs_mode="processed_logprobs",
+        calculate_log_probs=True,
+        enforce_eager=True,
+        enable_sleep_mode=False,
+        free_cache_engine=False,
+        max_model_len=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        prompt_length=16,
+        response_length=6,
+        engine_kwargs={"vllm": vllm},
+        checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1),
+        load_format="dummy" if rlk else "auto",
+    )
+    return config, HFModelConfig(path=path, external_lib=rv.PLUGIN)
+
+
+def start_server(path: str, replica: int, *, rlk: bool = True):
+    """verl's ``vLLMHttpServer`` as the Ray actor ``vllm_server_<replica>_0`` (the name verl's
+    ``ServerAdapter`` looks up), its ``launch_server`` begun: returns (actor, launch ref)."""
+    import ray
+    from verl.workers.rollout.replica import RolloutMode
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    config, model = rollout_configs(path, rlk=rlk)
+    actor = (
+        ray.remote(vLLMHttpServer)
+        .options(name=f"vllm_server_{replica}_0", num_cpus=0)
+        .remote(config, model, RolloutMode.HYBRID, [], replica, 0, 1, 1, "")
+    )
+    return actor, actor.launch_server.remote()
+
+
+def push_weights(eng, path: str, replica: int) -> None:
+    """The trainer's weight sync as verl's worker does it (``update_weights``):
+    ``get_per_tensor_param`` of the engine into verl's ``ServerAdapter.update_weights``, which
+    streams them through its bucketed transfer (shared memory: the CPU has no IPC) into verl's
+    worker extension in the vLLM worker, ``model.load_weights`` per bucket."""
+    import asyncio
+
+    from verl.workers.rollout.vllm_rollout import ServerAdapter
+
+    config, model = rollout_configs(path)
+    adapter = ServerAdapter(config, model, None, replica_rank=replica)
+    params, peft = eng.get_per_tensor_param(layered_summon=False, base_sync_done=True)
+    # Bounded: verl's sender waits on its socket for ever if the receiving worker died.
+    sync = adapter.update_weights(params, peft_config=peft, base_sync_done=True)
+    asyncio.run(asyncio.wait_for(sync, timeout=300))
+
+
+def served(actor, prompts: list[list[int]], seed: int):
+    """Each prompt's response from the server's ``generate`` (what verl's agent loop calls),
+    with the log-probs it returns, as :class:`~rlk_integrations.engine.engines.Sample`."""
+    import ray
+
+    from rlk_integrations.engine.engines import Sample
+
+    params = dict(temperature=TEMPERATURE, logprobs=True)
+    refs = [
+        actor.generate.remote(p, dict(params, seed=seed + i), f"r{i}")
+        for i, p in enumerate(prompts)
+    ]
+    out = ray.get(refs, timeout=600)
+    return [
+        Sample(prompt=p, response=o.token_ids, logprobs=torch.tensor(o.log_probs))
+        for p, o in zip(prompts, out)
+    ]

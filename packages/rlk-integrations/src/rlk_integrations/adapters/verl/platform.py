@@ -3,7 +3,8 @@
 verl's engines ask its platform for the device name, the torch device module and the
 collective backend; without an accelerator ``get_device_name()`` says ``cuda``. The rlk engine's
 CPU tests register this one as ``cpu`` and select it with ``VERL_PLATFORM=cpu``: FSDP2 over gloo,
-the same code path as on a GPU except the device.
+the same code path as on a GPU except the device; verl's vLLM weight sync moves its buckets
+through shared memory (no IPC).
 """
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
 NAME = "cpu"
+
+
+class _CPUDevice(ModuleType):
+    """``torch.cpu`` with the cache call verl makes of every device module (its weight
+    transfer's clean-up, ``get_torch_device().empty_cache()``), which ``torch.cpu`` lacks:
+    the host has no device cache to empty. It compares equal to ``torch.cpu``: verl skips its
+    device-memory queries for ``device == torch.cpu``, which the host does not have either."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is torch.cpu
+
+    def __hash__(self) -> int:
+        return hash(torch.cpu)
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+_DEVICE = _CPUDevice("torch.cpu")
 
 
 @PlatformRegistry.register(platform=NAME)
@@ -33,7 +57,7 @@ class PlatformCPU(PlatformBase):
 
     @property
     def device_module(self) -> ModuleType:
-        return torch.cpu
+        return _DEVICE
 
     def is_available(self) -> bool:
         return True
