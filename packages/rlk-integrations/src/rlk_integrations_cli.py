@@ -84,6 +84,15 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
         "(gloo on CPU, NCCL on GPUs) and needs --leaves (default: 1)",
     )
     pk.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="rlk side, a mixture-of-experts model: expert-parallel size of the padded rollout "
+        "and the training recompute (transformers or megatron); > 1 spawns that many processes "
+        "(gloo on CPU, NCCL on GPUs), each holding 1/N of the experts and running its share of "
+        "the prompts, which N must divide, as it must the experts (default: 1)",
+    )
+    pk.add_argument(
         "--steps",
         type=int,
         default=None,
@@ -142,6 +151,7 @@ def _run_consistency(args: argparse.Namespace, prompt_len: tuple[int, int]) -> d
         leaves=args.leaves,
         train_tp=args.train_tp,
         rollout_tp=args.rollout_tp,
+        ep=args.ep,
         steps=args.steps,
         progress=None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True)),
     )

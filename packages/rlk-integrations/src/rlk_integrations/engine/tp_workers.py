@@ -31,6 +31,7 @@ from torch import nn
 import rlk
 from rlk_integrations.engine import engines, training
 from rlk_integrations.engine.engines import RolloutOptions, RolloutResult, Sample
+from rlk_integrations.models.ep import shard_ep
 from rlk_integrations.models.tp import shard_tp
 from rlk_integrations.models.transformers import patch_model
 
@@ -73,9 +74,12 @@ def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None
         return torch.load(out, weights_only=True)
 
 
-def build_sharded(config, weights: str, dtype, device, leaves: int, stock_allreduce=False):
+def build_sharded(config, weights: str, dtype, device, leaves: int | None, stock_allreduce=False,
+                  ep: bool = False):  # fmt: skip
     """This rank's model: built from ``config``, the weights of the file ``weights`` (a full
-    state dict), patched with ``leaves`` and sharded over the default process group."""
+    state dict), patched with ``leaves`` and sharded over the default process group: tensor
+    parallel (:func:`~rlk_integrations.models.tp.shard_tp`), or with ``ep`` its experts
+    (:func:`~rlk_integrations.models.ep.shard_ep`)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
@@ -84,7 +88,7 @@ def build_sharded(config, weights: str, dtype, device, leaves: int, stock_allred
     model.load_state_dict(torch.load(weights, weights_only=True))
     model.eval()
     patch_model(model, leaves=leaves)
-    return shard_tp(model, stock_allreduce=stock_allreduce)
+    return shard_ep(model) if ep else shard_tp(model, stock_allreduce=stock_allreduce)
 
 
 def _sync(device: torch.device) -> None:

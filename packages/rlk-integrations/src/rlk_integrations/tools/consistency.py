@@ -38,6 +38,12 @@ The report has one row per side: tokens compared, max and mean ``|dlogp|``, the 
 tokens whose log-probability differs at all, the k3 KL estimate of KL(rollout || training), and
 rollout and training (forward + backward) tokens per second.
 
+``ep`` (``--ep N``, a mixture-of-experts model): the rlk row's padded rollout and training
+recompute (transformers, or Megatron-core in its EP group) run in ``N`` spawned processes whose
+model holds ``1/N`` of every MoE layer's experts (:func:`rlk_integrations.models.ep.shard_ep`);
+each rank samples, then recomputes, its own share of the sequences (another share: the
+recompute's order), the tokens reaching their experts by all-to-all (:class:`ExpertParallel`).
+
 ``steps`` (``--steps N``, with ``--rollout-engine vllm``): the RL loop instead of one rollout
 (:func:`run_loop`): N GRPO steps per side, vLLM sampling and the weights of each update pushed
 back into the running engine; a row per side and step.
@@ -66,9 +72,10 @@ import torch.multiprocessing as mp
 import rlk
 import rlk.parallel
 from rlk_integrations.engine import engines, tp_workers, training
-from rlk_integrations.engine.engines import RolloutEngine, RolloutOptions
+from rlk_integrations.engine.engines import RolloutEngine, RolloutOptions, RolloutResult
 from rlk_integrations.engine.rollout import PaddedRollout
 from rlk_integrations.models import moe
+from rlk_integrations.models.architectures import architecture
 from rlk_integrations.models.transformers import patch_model, unpatch_model
 from rlk_integrations.tools import zoo
 from rlk_integrations.tools.zoo import CONFIGS
@@ -157,6 +164,7 @@ def run_side(
     trainer = model if train_model is None else train_model
     train_engine = "transformers" if train_model is None and recompute is None else "megatron"
     train_engine = "transformers-graphs" if train_graphs else train_engine
+    train_engine = getattr(recompute, "engine", train_engine)  # a recompute elsewhere names its own
     say = progress or (lambda msg: None)
     device = next(model.parameters()).device
     seeds = [seed * 100003 + i for i in range(len(prompts))]
@@ -174,8 +182,7 @@ def run_side(
             model, prompts, new_tokens, seeds, temperature=temperature, progress=progress
         )
     # Training sees the samples in another order and another batch composition.
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + 1)).tolist()
-    groups = training.micro_batches(len(prompts), micro_batch, order)
+    groups = train_groups(len(prompts), micro_batch, seed)
     say(
         f"[{side}] training ({train_engine}): {len(groups)} packed micro-batches of <= "
         f"{micro_batch} sequences"
@@ -183,7 +190,6 @@ def run_side(
     if recompute is not None:
         train_lps, train_s = recompute(ro.samples, groups, temperature, ro.logits_dtype)
         train_tokens = sum(len(s.tokens) for s in ro.samples)
-        train_engine = getattr(recompute, "engine", train_engine)
     else:
         graphed = None
         if train_graphs:
@@ -195,6 +201,9 @@ def run_side(
             )  # fmt: skip
     m = compare([s.logprobs for s in ro.samples], train_lps)  # type: ignore[arg-type]
     m["expert_differ"] = moe.expert_differ(*routes, groups)
+    logged = getattr(recompute, "routing", None)
+    if logged is not None:  # (rollout, recompute) routing logged by ranks elsewhere (EP)
+        m["expert_differ"] = moe.routing_differ(*logged)[0]
     return SideResult(
         side=side,
         rollout_mode=engine.name,
@@ -338,6 +347,160 @@ def _megatron_tp_worker(
         teardown()
 
 
+def _rank_share(n: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s indices of ``n`` (``world`` must divide it): a contiguous equal share, so
+    that every rank runs the same number of forwards (the all-to-alls pair them up)."""
+    per = n // world
+    return range(rank * per, (rank + 1) * per)
+
+
+def train_groups(n: int, micro_batch: int, seed: int) -> list[list[int]]:
+    """The training recompute's packed micro-batches of ``n`` samples: another order than the
+    rollout's (seeded by ``seed``), ``micro_batch`` samples each."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    return training.micro_batches(n, micro_batch, order)
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+class ExpertParallel:
+    """The padded rollout and the training recompute (``train_engine``: the transformers model
+    or Megatron-core's ``GPTModel``, both on rlk) at expert parallelism ``world``, in one spawn
+    of ``world`` processes (gloo on CPU, NCCL on GPUs) whose models hold ``1/world`` of every MoE
+    layer's experts (:func:`~rlk_integrations.models.ep.shard_ep`; Megatron's EP group): as in
+    an RL step, the ranks that sample then recompute. Rank r samples prompts ``r*P/world ..
+    (r+1)*P/world`` with their seeds (the padded engine built from ``options``); then, the
+    samples exchanged, it recomputes (forward + backward) its contiguous share of the order of
+    ``groups`` (so another share than it sampled) in packed micro-batches as large as the
+    largest of ``groups``. The tokens reach their experts by all-to-all; times are the slowest
+    rank's.
+
+    The object is :func:`run_side`'s rollout engine (``padded-ep<world>``; :meth:`generate` runs
+    both passes) and its ``recompute`` (``<train_engine>-ep<world>``; the call hands back the
+    recompute of the samples :meth:`generate` returned, for the ``groups`` it was built with).
+    ``routing`` (after a call): the experts each token was routed to in the rollout and in the
+    recompute, two ``{(sample, position): experts per layer}``.
+
+    Example::
+
+        ep = ExpertParallel(RolloutOptions(), 2, train_groups(4, 2, 0), None, False, "megatron")
+        ro = ep.generate(model, prompts, 8, seeds)
+        lps, seconds = ep(ro.samples, train_groups(4, 2, 0), 1.0, ro.logits_dtype)
+    """
+
+    def __init__(self, options: RolloutOptions, world: int, groups: list[list[int]],
+                 backend: str | None, warmup: bool,
+                 train_engine: str = "transformers") -> None:  # fmt: skip
+        if train_engine not in ("transformers", "megatron"):
+            raise ValueError(f"train_engine must be transformers or megatron, got {train_engine!r}")
+        self.options, self.world, self.groups = options, world, groups
+        self.backend, self.warmup, self.train_engine = backend, warmup, train_engine
+        self.name, self.engine = f"padded-ep{world}", f"{train_engine}-ep{world}"
+        self.routing: tuple[dict, dict] | None = None
+        self._done: tuple[Any, Any] | None = None
+
+    def stock_twin(self, model, device) -> None:
+        return None  # the stock side runs on one device
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if device.type == "cuda" and torch.cuda.device_count() < self.world:
+            return f"EP={self.world} needs {self.world} GPUs, found {torch.cuda.device_count()}"
+        return None
+
+    def generate(self, model, prompts, new_tokens, seeds, *, temperature=1.0, top_k=0,
+                 top_p=1.0, eos_token_id=None, progress=None) -> RolloutResult:  # fmt: skip
+        if eos_token_id is not None:  # a rank that stops early would leave the others waiting
+            raise ValueError("ExpertParallel samples a fixed number of tokens: eos_token_id None")
+        if len(prompts) % self.world or sorted(i for g in self.groups for i in g) != list(
+            range(len(prompts))
+        ):
+            raise ValueError(
+                f"EP={self.world} must divide the {len(prompts)} prompts, and groups hold each "
+                "prompt's sample once"
+            )
+        p = next(model.parameters())
+        kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        with tempfile.TemporaryDirectory(prefix="rlk-ep-") as tmp:
+            weights = os.path.join(tmp, "weights.pt")
+            tp_workers.save_weights(model, weights)
+            ro, lps, seconds, self.routing = tp_workers.spawn(
+                _ep_worker, self.world, p.device.type, model.config, weights, p.dtype,
+                self.options, prompts, new_tokens, seeds, kw, self.groups, self.warmup,
+                self.train_engine, backend=self.backend,
+            )  # fmt: skip
+        for smp in ro.samples:
+            smp.logprobs = smp.logprobs.to(p.device)
+        self._done = (ro.samples, ([lp.to(p.device) for lp in lps], seconds))
+        return ro
+
+    def __call__(self, samples, groups, temperature, logits_dtype):
+        if self._done is None or samples is not self._done[0] or groups != self.groups:
+            raise ValueError(
+                "ExpertParallel recomputes the samples of its last generate, for its groups"
+            )
+        return self._done[1]
+
+
+def _ep_worker(rank, world, device, config, weights, dtype, options, prompts, new_tokens,
+               seeds, sample_kw, groups, warmup, train_engine):  # fmt: skip
+    """A rank of :class:`ExpertParallel`: ``(rollout, log-probs per sample, seconds, (rollout
+    routing, recompute routing))``, every rank's gathered."""
+    model = tp_workers.build_sharded(config, weights, dtype, device, None, ep=True)
+    mine = _rank_share(len(prompts), rank, world)
+    args = ([prompts[i] for i in mine], new_tokens, [seeds[i] for i in mine])
+    engine = engines.create("padded", options)
+    if warmup:  # untimed: the kernels compile here
+        engine.generate(model, args[0], 2, args[2], **sample_kw)
+    with moe.RoutingLog(model) as log:
+        ro = engine.generate(model, *args, **sample_kw)
+    for s in ro.samples:
+        s.logprobs = s.logprobs.cpu()
+    routed = {(mine[b], pos): e for (b, pos), e in moe.padded_routing(log).items()}
+    parts = _gather((ro, routed), world)
+    ro = RolloutResult(
+        samples=[s for r, _ in parts for s in r.samples],
+        seconds=max(r.seconds for r, _ in parts),
+        new_tokens=sum(r.new_tokens for r, _ in parts),
+        logits_dtype=ro.logits_dtype,
+    )
+    rollout_routing = {k: v for _, r in parts for k, v in r.items()}
+    # The recompute: this rank's share of the groups' order, in micro-batches of their size.
+    order = [i for g in groups for i in g]
+    share = [order[i] for i in _rank_share(len(order), rank, world)]
+    mine_groups = training.micro_batches(len(share), max(len(g) for g in groups), share)
+    trainer, teardown = model, None
+    try:
+        if train_engine == "megatron":
+            # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
+            from rlk_integrations.adapters import megatron
+
+            teardown = megatron.init_model_parallel(1, world)  # EP over this process group
+            trainer = megatron.build_gpt_model(config, dtype=dtype)
+            megatron.load_hf_weights(trainer, torch.load(weights, weights_only=True), config,
+                                     ep_rank=rank, ep_world_size=world)  # fmt: skip
+            trainer.to(device)
+            log = megatron.RoutingLog(trainer)
+        else:
+            log = moe.RoutingLog(model)
+        with log:
+            lps, _, seconds = _recompute_here(model, trainer, None if trainer is model else trainer,
+                                              ro, mine_groups, sample_kw["temperature"], True,
+                                              device, 1 if warmup else 0)  # fmt: skip
+    finally:
+        if teardown is not None:
+            teardown()
+    routed = moe.packed_routing(log, mine_groups)
+    parts = _gather(([None if lp is None else lp.cpu() for lp in lps], routed, seconds), world)
+    lps = [next(p[0][i] for p in parts if p[0][i] is not None) for i in range(len(order))]
+    train_routing = {k: v for p in parts for k, v in p[1].items()}
+    return ro, lps, max(p[2] for p in parts), (rollout_routing, train_routing)
+
+
 class UsageError(ValueError):
     """An argument of :func:`run` that cannot work, found before anything runs."""
 
@@ -363,9 +526,11 @@ class ConsistencyConfig:
     every one that can); ``rollout``: their options, also the run's ``leaves`` (the rlk side's
     tree-ordered row-parallel linears, rollout and training) and the rollout's tensor-parallel
     size ``rollout.tp``. ``train_engine``: one of :data:`TRAIN_ENGINES`, at tensor-parallel
-    size ``train_tp``. ``warmup``: untimed passes first (None: on a GPU). ``steps``: run
-    that many GRPO steps of the vLLM loop instead (:func:`run_loop`; ``rollout_modes``
-    ``("vllm",)``, the transformers or Megatron trainer).
+    size ``train_tp``. ``ep``: the rlk row's expert-parallel size (a mixture-of-experts model;
+    > 1: :class:`ExpertParallel`, the padded rollout and the transformers or Megatron recompute).
+    ``warmup``: untimed passes first (None: on a GPU). ``steps``: run that many GRPO steps
+    of the vLLM loop instead (:func:`run_loop`; ``rollout_modes`` ``("vllm",)``, the
+    transformers or Megatron trainer).
 
     A value that cannot work raises :class:`UsageError` naming it (or
     :class:`rlk.BackendError` for ``backend``) when the config is built, before a model is:
@@ -395,6 +560,7 @@ class ConsistencyConfig:
     rollout: RolloutOptions = RolloutOptions()
     train_engine: str = "transformers"
     train_tp: int = 1
+    ep: int = 1
     steps: int | None = None
 
     @classmethod
@@ -430,7 +596,7 @@ class ConsistencyConfig:
                 f"unknown model {self.model!r}: a built-in config ({', '.join(CONFIGS)}) "
                 "or a local checkpoint directory"
             )
-        for name in ("prompts", "new_tokens", "micro_batch", "train_tp"):
+        for name in ("prompts", "new_tokens", "micro_batch", "train_tp", "ep"):
             _positive(name, getattr(self, name))
         _positive("page_size", self.rollout.page_size)
         _positive("max_batch", self.rollout.max_batch, allow_none=True)
@@ -454,6 +620,7 @@ class ConsistencyConfig:
         if self.train_engine == "transformers-graphs" and self.train_tp > 1:
             raise UsageError("train_engine 'transformers-graphs' runs unsharded (train_tp = 1)")
         self._check_leaves()
+        self._check_moe()
         self._check_loop()
         self._check_machine()
 
@@ -473,6 +640,54 @@ class ConsistencyConfig:
             raise UsageError("steps samples with vLLM at rollout_tp = 1")
         if not self.temperature > 0:
             raise UsageError(f"steps samples at a temperature > 0, got {self.temperature}")
+
+    def _model_config(self) -> Any:
+        if self.model in CONFIGS:
+            return zoo.make_config(self.model)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model, local_files_only=True)
+
+    def _check_moe(self) -> None:
+        """What a mixture of experts runs: no ``leaves`` (nor the tensor parallelism that needs
+        them), and ``ep`` > 1 on MoE models alone, where the run can honour it."""
+        if self.leaves is None and self.ep == 1:
+            return  # nothing to ask of the model's config
+        cfg = self._model_config()
+        try:
+            arch = architecture(cfg)
+        except NotImplementedError as e:
+            raise UsageError(str(e)) from None
+        name = f"{self.model} ({cfg.model_type})"
+        if arch.moe and self.leaves is not None:
+            raise UsageError(
+                f"leaves (and train_tp/rollout_tp > 1, which need it) has no mixture-of-experts "
+                f"layout: {name} is an MoE model; shard its experts with ep instead"
+            )
+        if self.ep == 1:
+            return
+        if not arch.moe:
+            raise UsageError(f"ep = {self.ep} shards experts: {name} is a dense model")
+        experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+        if experts % self.ep:
+            raise UsageError(f"ep = {self.ep} must divide {name}'s {experts} experts")
+        if self.prompts % self.ep:
+            raise UsageError(
+                f"ep = {self.ep} must divide prompts = {self.prompts} (every rank samples and "
+                "recomputes the same number of sequences)"
+            )
+        if self.train_engine not in ("transformers", "megatron"):
+            raise UsageError(
+                f"ep > 1 recomputes with train_engine 'transformers' or 'megatron', not "
+                f"{self.train_engine!r}"
+            )
+        if self.rollout_modes not in (None, ("padded",)):
+            raise UsageError(
+                f"ep > 1 samples with rollout mode 'padded' alone (every rank must run the same "
+                f"number of forwards), not {self.rollout_modes!r}"
+            )
+        if self.steps is not None:
+            raise UsageError("ep > 1 does not run the GRPO loop (steps)")
 
     def _check_leaves(self) -> None:
         leaves = self.leaves
@@ -516,6 +731,10 @@ class ConsistencyConfig:
                 f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
                 f"{torch.cuda.device_count()}"
             )
+        if on_gpu and self.ep > torch.cuda.device_count():
+            raise UsageError(
+                f"ep = {self.ep} needs {self.ep} GPUs, this machine has {torch.cuda.device_count()}"
+            )
         if self.backend is not None:
             with rlk.use_backend(self.backend):
                 rlk.current_backend(dev)
@@ -551,7 +770,12 @@ def run(
     if config.steps is not None:
         return run_loop(config, progress)
     teardown = None
-    if config.train_engine == "megatron" and config.train_tp == 1 and "rlk" in config.sides:
+    if (
+        config.train_engine == "megatron"
+        and config.train_tp == 1
+        and config.ep == 1
+        and "rlk" in config.sides
+    ):
         # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
         from rlk_integrations.adapters import megatron
 
@@ -573,6 +797,10 @@ def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> d
     vocab = model.config.vocab_size
     batch = random_prompts(c.prompts, vocab, c.prompt_len[0], c.prompt_len[1], c.seed)
     rlk_engines, skipped = engines.available(c.rollout_modes, dev, c.rollout)
+    if c.ep > 1:  # EP runs the padded rollout alone (a fixed number of forwards per rank)
+        why = f"ep = {c.ep} samples with the padded rollout alone"
+        skipped.update({e.name: why for e in rlk_engines if e.name != "padded"})
+        rlk_engines = [e for e in rlk_engines if e.name == "padded"]
     # (the warm-up engine, the timed one) per row: the stock row samples with torch.
     rollouts = {"stock": [(PaddedRollout(sampler="torch"),) * 2]}
     rollouts["rlk"] = [(e, e) for e in rlk_engines]
@@ -590,7 +818,12 @@ def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> d
             (e, tp_workers.TPRollout(e.name, c.rollout, rollout_tp, leaves, c.backend, warmup))
             for e in rlk_engines
         ]
-    if train_tp > 1 and "rlk" in c.sides and c.train_engine == "transformers":
+    if c.ep > 1 and "rlk" in c.sides:
+        say(f"rlk rollout and training at EP={c.ep}: {c.ep} spawned processes")
+        groups = train_groups(c.prompts, c.micro_batch, c.seed)
+        recompute = ExpertParallel(c.rollout, c.ep, groups, c.backend, warmup, c.train_engine)
+        rollouts["rlk"] = [(e, recompute) for e in rlk_engines]
+    elif train_tp > 1 and "rlk" in c.sides and c.train_engine == "transformers":
         say(f"transformers training at TP={train_tp}: {train_tp} spawned processes")
         recompute = tp_workers.TransformersTP(model, train_tp, leaves, c.backend, warmup)
     elif train_tp > 1 and "rlk" in c.sides:
@@ -669,6 +902,7 @@ def _report(c: ConsistencyConfig, model_type: str, backend: str | None,
         "leaves": c.leaves,
         "train_tp": c.train_tp,
         "rollout_tp": c.rollout.tp,
+        "ep": c.ep,
         "seed": c.seed,
         "temperature": c.temperature,
         **extra,
@@ -793,6 +1027,13 @@ def format_table(report: dict[str, Any]) -> str:
             "the trainer recomputes and updates (SGD), the weights go back into vLLM; rlk rows: "
             f"rlk's vLLM models, training {engine} + rlk at TP={tp}; stock rows: stock vLLM, "
             "stock transformers, vLLM's reload_weights"
+        )
+    elif report.get("ep", 1) > 1:
+        core = "-core" if engine == "megatron" else ""
+        notes.append(
+            f"rlk rows: rollout transformers + rlk, training {engine}{core} + rlk, the experts "
+            f"over EP={report['ep']} ranks (each samples, then recomputes another, share of the "
+            "sequences); the stock row is stock transformers on one device"
         )
     elif engine != "transformers" or tp > 1 or rtp > 1:
         core = "-core" if engine == "megatron" else ""
