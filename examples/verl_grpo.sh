@@ -4,8 +4,9 @@
 # verl's training/rollout_probs_diff_max is the number to watch (rlk's CPU tests hold it at 0).
 #
 # NOT RUN HERE: written for one node of 8 GPUs with verl 0.9.1 and vllm 0.32.0 installed; the
-# project's CI runs the engine, the GRPO pieces and these overrides on CPU only
-# (packages/rlk-integrations/tests/test_verl.py). Nothing below has been measured.
+# project's CI runs the engine, the GRPO pieces, verl's vLLM server and weight sync and these
+# overrides on CPU only (packages/rlk-integrations/tests/test_verl.py, test_verl_rollout.py).
+# Nothing below has been measured.
 #
 # Install (verl's own metadata pins an older transformers and vLLM, so verl goes in without its
 # dependencies; rlk-integrations[verl] names its runtime needs):

@@ -6,7 +6,9 @@
 temperature 0.7 with ``processed_logprobs``. The log-probs verl's server returns are the
 engine's ``infer_batch`` bits; the same server on vLLM's own model (the checkpoint's weights,
 loaded by vLLM: its CPU layers cannot take a weight push) returns log-probs that differ (the
-negative control).
+negative control). Then a 3-step GRPO loop of verl's pieces on rlk's server, verl's weight sync
+after each step, keeps verl's ``rollout_probs_diff_max`` at 0 (its negative control, verl's own
+log-probs: test_verl.py).
 
 Runs in stage 4 of ``nox -s tests`` beside test_verl.py (``RLK_REQUIRE_VERL=1``: no skip).
 """
@@ -53,7 +55,8 @@ def test_vllm_version_is_the_cpu_builds():
 def test_verls_vllm_rollout_gives_the_engines_bits(tmp_path, monkeypatch):
     """Both servers start (the stock one beside rlk's), rlk's takes the engine's weights
     through verl's weight sync, and each samples 4 prompts; rlk's log-probs equal the engine's
-    bit for bit, vLLM's own model's differ (by less than 0.1: the same weights)."""
+    bit for bit, vLLM's own model's differ (by less than 0.1: the same weights). Then 3 GRPO
+    steps on rlk's server: ``rollout_probs_diff_max`` 0 at each."""
     import ray
     import torch.distributed as dist
 
@@ -84,6 +87,10 @@ def test_verls_vllm_rollout_gives_the_engines_bits(tmp_path, monkeypatch):
         print(f"vLLM's own model: max |dlogp| {stock.max():.3e}, {(stock > 0).float().mean():.1%}")
         assert stock.max() > 0, "vLLM's own model gave the engine's bits"
         assert stock.max() < 0.1
+        # A GRPO loop of verl's pieces on this rollout: verl's weight sync after every step.
+        rollout = vw.server_rollout(servers[RLK][0], path, RLK)
+        diffs = vw.grpo(path, 3, eng=eng, rollout=rollout, temperature=vw.TEMPERATURE)
+        assert diffs == [0.0, 0.0, 0.0]
     finally:
         dist.destroy_process_group()
         ray.shutdown()

@@ -205,14 +205,45 @@ def rank_worker(rank: int, world: int, init_file: str, root: str) -> None:
         dist.destroy_process_group()
 
 
-def grpo(path: str, steps: int, *, stock: bool = False, group: int = 2) -> list[float]:
-    """``steps`` GRPO steps from verl's own pieces: rlk's rollout samples ``group`` responses
-    per prompt; verl's engine recomputes ``old_log_probs`` (``infer_batch``); verl's
-    ``calculate_debug_metrics`` compares them with the rollout's; ``core_algos``' GRPO
-    advantage of a toy reward (the share of even tokens); the engine's ``train_batch`` with
-    verl's ``ppo_loss`` (vanilla clipped policy loss); then the engine's weights
-    (``get_per_tensor_param``) are pushed into the rollout model. Returns verl's
-    ``training/rollout_probs_diff_max`` of each step; asserts the weights moved."""
+def own_rollout(path: str):
+    """rlk's own rollout for :func:`grpo`: ``(generate, push)``. ``generate(prompt_lens,
+    seed)`` samples 6 new tokens per prompt with rlk's rollout model (bf16, patched);
+    ``push(eng)`` copies the engine's ``get_per_tensor_param`` into it (bf16, as FSDP's mixed
+    precision casts them)."""
+    model = rollout_model(path)
+    params = dict(model.named_parameters(remove_duplicate=False))
+
+    def generate(lens: list[int], seed: int):
+        return sample(model, lens, 6, seed=seed)
+
+    def push(eng) -> None:
+        weights, _ = eng.get_per_tensor_param()
+        with torch.no_grad():
+            for name, w in weights:
+                params[name].copy_(w)
+
+    return generate, push
+
+
+def grpo(
+    path: str,
+    steps: int,
+    *,
+    stock: bool = False,
+    group: int = 2,
+    eng=None,
+    rollout=None,
+    temperature: float = 1.0,
+) -> list[float]:
+    """``steps`` GRPO steps from verl's own pieces: the rollout (``(generate, push)``,
+    :func:`own_rollout` by default, or verl's vLLM server: :func:`server_rollout`) samples
+    ``group`` responses per prompt at ``temperature``; verl's engine (``eng``, else a new one
+    on ``path``, verl's stock log-probs with ``stock``) recomputes ``old_log_probs``
+    (``infer_batch``); verl's ``calculate_debug_metrics`` compares them with the rollout's;
+    ``core_algos``' GRPO advantage of a toy reward (the share of even tokens); the engine's
+    ``train_batch`` with verl's ``ppo_loss`` (vanilla clipped policy loss); then the engine's
+    weights are pushed into the rollout. Returns verl's ``training/rollout_probs_diff_max`` of
+    each step; asserts the engine's weights moved."""
     import functools
 
     import numpy as np
@@ -222,20 +253,19 @@ def grpo(path: str, steps: int, *, stock: bool = False, group: int = 2) -> list[
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    eng = engine(path, stock=stock)
+    eng = eng if eng is not None else engine(path, stock=stock)
+    generate, push = rollout if rollout is not None else own_rollout(path)
     actor = FSDPActorConfig(
         strategy="fsdp2", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=2, rollout_n=group
     )
     loss = functools.partial(ppo_loss, actor)
-    model = rollout_model(path)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    start = {k: p.detach().clone() for k, p in params.items()}
+    start = {k: w.clone() for k, w in eng.get_per_tensor_param()[0]}
     diffs = []
     for step in range(steps):
-        samples = sample(model, [n for n in (5, 3) for _ in range(group)], 6, seed=10 + step)
+        samples = generate([n for n in (5, 3) for _ in range(group)], 10 + step)
         uid = np.array([i // group for i in range(len(samples))], dtype=object)
         batch = padded(samples)
-        old, _ = infer(eng, samples, 2)
+        old, _ = infer(eng, samples, 2, temperature)
         metrics = calculate_debug_metrics(
             DataProto.from_dict(
                 tensors={k: batch[k] for k in ("rollout_log_probs", "response_mask", "responses")}
@@ -255,15 +285,14 @@ def grpo(path: str, steps: int, *, stock: bool = False, group: int = 2) -> list[
             calculate_entropy=False,
             compute_loss=True,
             global_batch_size=len(samples),
+            temperature=temperature,
             **micro(2),
         )
         with eng.train_mode():
             eng.train_batch(td, loss_function=loss)
-        weights, _ = eng.get_per_tensor_param()
-        with torch.no_grad():
-            for name, w in weights:
-                params[name].copy_(w)  # bf16, as FSDP's mixed precision casts it
-    assert any(not torch.equal(start[k], p) for k, p in params.items()), "no weight moved"
+        push(eng)
+    end = dict(eng.get_per_tensor_param()[0])
+    assert any(not torch.equal(w, end[k]) for k, w in start.items()), "no weight moved"
     return diffs
 
 
@@ -361,3 +390,19 @@ def served(actor, prompts: list[list[int]], seed: int):
         Sample(prompt=p, response=o.token_ids, logprobs=torch.tensor(o.log_probs))
         for p, o in zip(prompts, out)
     ]
+
+
+def server_rollout(actor, path: str, replica: int):
+    """verl's vLLM server (:func:`start_server`) as :func:`grpo`'s rollout: ``generate``
+    samples seeded random prompts of the given lengths (:func:`served`, 6 new tokens at
+    :data:`TEMPERATURE`), ``push`` is verl's weight sync (:func:`push_weights`)."""
+
+    def generate(lens: list[int], seed: int):
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+        return served(actor, prompts, seed)
+
+    def push(eng) -> None:
+        push_weights(eng, path, replica)
+
+    return generate, push
