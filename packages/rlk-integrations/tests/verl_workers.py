@@ -37,7 +37,7 @@ def require_verl() -> None:
 
 #: The models of the two-rank test; the one-rank test runs every architecture rlk patches.
 MODELS = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
-ALL_MODELS = (*MODELS, "tiny-qwen2-moe")
+ALL_MODELS = (*MODELS, "tiny-qwen2-moe", "tiny-deepseek-v3")
 VOCAB = 512
 #: verl's mixed precision: bf16 compute over fp32 master weights.
 MIXED = dict(param_dtype="bf16", reduce_dtype="fp32", buffer_dtype="fp32")
