@@ -130,9 +130,10 @@ def test_tp2_in_vllm_and_in_megatron_ratio_is_one(checkpoint, monkeypatch):
     8 leaves, and Megatron-core training at TP 2 (two gloo ranks per step), in fp32 (where the
     tree order shows in the bits): two GRPO steps at 0.7, n = 4, the joined Megatron weights
     pushed into both vLLM ranks' shards between them; every log-probability equals the
-    trainer's recompute. The controls: the one-device model on plain ``rlk.linear`` (no leaves)
-    gives other bits for the first step's samples, and the checkpoint's weights other bits for
-    the last step's (the pushed weights are the ones that sampled)."""
+    trainer's recompute, and the first step's equal the one-device transformers recompute with
+    the same leaves (TP 2 == TP 1). The controls: the one-device model on plain
+    ``rlk.linear`` (no leaves) gives other bits for the first step's samples, and the
+    checkpoint's weights other bits for the last step's (the pushed weights sampled them)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")  # restored after the test
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     args = rv.engine_args(logprobs_mode="processed_logprobs", leaves=LEAVES, tensor_parallel_size=2)
@@ -149,5 +150,7 @@ def test_tp2_in_vllm_and_in_megatron_ratio_is_one(checkpoint, monkeypatch):
     lps = training.recompute_logprobs(plain, first, 3, temperature=0.7)
     assert any(not torch.equal(s.logprobs, lp) for s, lp in zip(first, lps))
     tree = rt.patch_model(zoo.load_model(checkpoint, dtype=torch.float32), leaves=LEAVES)
+    lps = training.recompute_logprobs(tree, first, 3, temperature=0.7)  # one device, TP 1
+    assert all(torch.equal(s.logprobs, lp) for s, lp in zip(first, lps))
     lps = training.recompute_logprobs(tree, last, 3, temperature=0.7)
     assert all(not torch.equal(s.logprobs, lp) for s, lp in zip(last, lps))
