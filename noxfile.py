@@ -186,6 +186,7 @@ VLLM_TESTS = [
     "packages/rlk-integrations/tests/test_vllm_rl.py",
     "packages/rlk-integrations/tests/test_vllm_loop.py",
     "packages/rlk-integrations/tests/test_vllm_server.py",
+    "packages/rlk-integrations/tests/test_vllm_worker_death.py",
     # Last: TRL's colocated engine leaves the process's torch.distributed group initialised.
     "packages/rlk-integrations/tests/test_trl_vllm.py",
 ]
