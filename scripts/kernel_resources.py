@@ -126,7 +126,7 @@ def main() -> None:
                 consts = dict(
                     HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=attention.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
-                    PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="tf32",
+                    PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="ieee",
                     TMA=bool(cfg.get("TMA")) and not paged, OFF32=True,
                 )  # fmt: skip
                 if not consts["TMA"]:
@@ -134,7 +134,7 @@ def main() -> None:
                 name = "paged" if paged else "fwd"
                 runs.append((name, attention._fwd_kernel, consts, cfg))
         for cfg in attention.TUNING["attention.bwd"].configs:
-            common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="tf32", OFF32=True)
+            common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="ieee", OFF32=True)
             dq = dict(HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_N=attention.BLOCK_N, **common)  # fmt: skip
             dkdv = dict(HG=attention._group_tile(group, attention_bwd.BWD_BLOCK_M),

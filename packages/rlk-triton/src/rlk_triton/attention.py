@@ -617,9 +617,11 @@ def _group_tile(group: int, block_m: int) -> int:
     return min(group, block_m, 64)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: full-precision FMA dot (no TF32); bf16/fp16: the tensor-core dot.
-    return "ieee" if dtype == torch.float32 else "tf32"
+#: ``input_precision`` of every attention dot, whatever the dtype. fp32 inputs: the
+#: full-precision FMA dot (no TF32). bf16/fp16 inputs take the tensor-core dot whatever the
+#: option says (with "tf32" instead, the PTX for sm_80/sm_90 and gfx942's code are byte for byte
+#: the same), and Triton's AMD backend refuses "tf32" on gfx90a and gfx950 (``rlk aot``).
+DOT_PRECISION = "ieee"
 
 
 def _stages(cfg, head_dim: int) -> int:
@@ -809,7 +811,7 @@ def _forward(
         PAGED=paged,
         PAGE_SIZE=page_size,
         STORE_LSE=store_lse,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=DOT_PRECISION,
         SPLIT_T=KV_SPLIT // BLOCK_N,
         SPLITS=splits_in_program,
         SPLIT_GRID=split_grid,

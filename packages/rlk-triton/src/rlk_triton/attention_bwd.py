@@ -21,7 +21,7 @@ from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
 from rlk_triton.attention import (
     _LOG2E,
     BLOCK_N,
-    _dot_precision,
+    DOT_PRECISION,
     _group_tile,
     _max_len,
     _nan_rows,
@@ -377,9 +377,11 @@ def _backward(do, q, k, v, o, lse, cu_q, cu_k, causal, scale, table, max_lens=No
     cfg = tuning.config(
         table, "attention.bwd", rows=max(max_nq, max_nk) * group, group=group, head_dim=d
     )
-    prec = _dot_precision(q.dtype)
     common = dict(
-        CAUSAL=causal, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]
+        CAUSAL=causal,
+        DOT_PREC=DOT_PRECISION,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     hg = _group_tile(group, BWD_BLOCK_M)
     # int32 row offsets (OFF32) where every element of q and k (v, do and the gradients share
