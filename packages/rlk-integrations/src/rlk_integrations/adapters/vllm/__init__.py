@@ -34,9 +34,12 @@ naming them (:func:`rlk_integrations.adapters.vllm.model.check_config`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
+import threading
+import time
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
 from types import SimpleNamespace
@@ -206,6 +209,7 @@ def update_weights(
     *,
     bucket_size: int = 0,
     partial: bool = False,
+    timeout: float | None = None,
 ) -> int:
     """Push ``named_tensors`` (checkpoint names -> tensors of the model's shapes and dtypes)
     into a running ``vllm.LLM`` on rlk's models, then reset its prefix cache so that no block
@@ -215,22 +219,81 @@ def update_weights(
     ``partial=True``: the update ends with these tensors even if others were not pushed (else
     generation refuses to run until every tensor of the checkpoint has been).
 
+    Never hangs on a dead engine: each call to vLLM is waited for while checking that vLLM's
+    engine process lives (vLLM 0.32's synchronous ``LLM`` itself waits forever for a call whose
+    ``EngineCore`` process died); its death is a ``RuntimeError`` naming the bucket (and the
+    process that exited), within about a second. ``timeout``: seconds per call to vLLM (None:
+    no limit), else ``TimeoutError``.
+
     Returns how many tensors are stale (0 after a complete update). Example::
 
         rv.update_weights(llm, trainer.named_parameters(), bucket_size=64)
     """
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 0:
         raise ValueError(f"bucket_size must be an int >= 0, got {bucket_size!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise ValueError(f"timeout must be None or seconds > 0, got {timeout!r}")
     items = [(str(n), t) for n, t in named_tensors]
     step = bucket_size or max(len(items), 1)
-    stale = 0
+    stale, n = 0, -(-len(items) // step)
     for i in range(0, len(items), step):
         last = i + step >= len(items)
         bucket = pack(items[i : i + step])
-        stale = max(llm.collective_rpc("rlk_update_weights", args=(bucket, partial and last)))
-    if not llm.reset_prefix_cache():
+        rpc = functools.partial(
+            llm.collective_rpc, "rlk_update_weights", args=(bucket, partial and last)
+        )
+        stale = max(_bounded(llm, rpc, f"bucket {i // step + 1} of {n}", timeout))
+    if not _bounded(llm, llm.reset_prefix_cache, "the prefix-cache reset", timeout):
         raise RuntimeError("vLLM did not reset its prefix cache after the weight update")
     return stale
+
+
+def _bounded(llm: Any, call: Any, what: str, timeout: float | None) -> Any:
+    """``call()`` (a blocking call into ``llm``'s engine) run in a daemon thread, waited for
+    while vLLM's engine monitor has not marked the engine dead: vLLM 0.32's synchronous client
+    waits forever for a call whose EngineCore process died (the monitor shuts the client down
+    but fails no call already waiting), so this raises :func:`_death`'s ``RuntimeError`` then
+    (also when the call itself failed on the dead engine), and ``TimeoutError`` after
+    ``timeout`` seconds. The thread of a call that never returns stays blocked on the dead
+    engine."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="rlk-update-weights", daemon=True).start()
+    start = time.monotonic()
+    while not concurrent.futures.wait([done], timeout=0.5).done:
+        if (died := _death(llm, what)) is not None:
+            raise died
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise TimeoutError(f"vLLM did not answer the weight update ({what}) in {timeout} s")
+    try:
+        return done.result()
+    except Exception as e:
+        if (died := _death(llm, what)) is not None:
+            raise died from e
+        raise
+
+
+def _death(llm: Any, what: str) -> RuntimeError | None:
+    """The error for a weight update whose vLLM engine died, naming the process that exited
+    (vLLM's engine monitor marks the engine dead within a second of its EngineCore process
+    exiting; EngineCore marks it so when a worker dies); None while it lives, or for an engine
+    in this process (no monitor)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources = getattr(core, "resources", None)
+    if not getattr(resources, "engine_dead", False):
+        return None
+    proc = getattr(getattr(resources, "engine_manager", None), "failed_proc_name", None)
+    exited = f" (its process {proc} exited)" if proc else ""
+    return RuntimeError(
+        f"vLLM's engine died{exited} during the weight update ({what}): the model's weights "
+        "are incomplete and the engine serves no more calls"
+    )
 
 
 def _check_overrides(kw: dict[str, Any], leaves: int | None = None) -> None:
