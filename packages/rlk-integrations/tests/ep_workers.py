@@ -1,5 +1,5 @@
-"""Workers of the expert-parallel tests in test_ep.py (importable by name for
-torch.multiprocessing).
+"""Workers of the expert-parallel tests (test_ep.py, test_megatron_moe_ep.py), importable by
+name for torch.multiprocessing.
 
 :func:`spawn` runs a worker in ``world`` gloo processes (bounded timeouts) and returns every
 rank's result; :func:`cases_worker` runs several cases, each on an expert-parallel group of the
@@ -44,6 +44,11 @@ def _entry(rank, world, tmp, fn, args):
 def spawn(fn, world: int, *args) -> list:
     """``fn(rank, world, *args)`` in ``world`` gloo processes; every rank's result, in rank
     order."""
+    if fn.__module__.rsplit(".", 1)[-1].startswith("test_"):
+        # pytest imports test files by path (importlib mode): a child process cannot.
+        raise ValueError(
+            f"fn: {fn.__qualname__} is defined in a test file; move it to a workers module"
+        )
     with tempfile.TemporaryDirectory(prefix="rlk-ep-") as tmp:
         mp.spawn(_entry, args=(world, tmp, fn, args), nprocs=world, join=True)
         # (the results hold rollout records: this process's own files, read as pickles)
@@ -135,3 +140,32 @@ def cases_worker(rank, world, cases):
         if rank < size:
             out[name] = fn(rank, size, *args, group=groups[size])
     return out
+
+
+def megatron_ep_worker(rank, world, name, lengths):
+    """This rank of a Megatron-core EP group of ``world`` on zoo model ``name``, running its
+    sequences ``lengths[rank]``: (its log-probs, its last MoE layer's expert gradients by
+    Megatron name, the experts its tokens were routed to)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    from test_consistency_megatron import _samples
+
+    from rlk_integrations.adapters import megatron as rm
+    from rlk_integrations.tools import zoo
+
+    teardown = rm.init_model_parallel(1, world)
+    try:
+        hf = zoo.load_model(name, dtype=torch.bfloat16)  # seeded: the same weights everywhere
+        mg = rm.build_gpt_model(hf.config, dtype=torch.bfloat16)
+        rm.load_hf_weights(mg, hf.state_dict(), hf.config, ep_rank=rank, ep_world_size=world)
+        assert len(mg.decoder.layers[0].mlp.experts.local_experts) == hf.config.num_experts // world
+        samples = _samples(lengths[rank], hf.config.vocab_size, seed=10 + rank)
+        with rm.RoutingLog(mg) as log:
+            lps = rm.packed_logprobs(mg, samples)
+        torch.cat(lps).sum().backward()
+        last = f"decoder.layers.{hf.config.num_hidden_layers - 1}.mlp.experts."
+        grads = {k: p.grad for k, p in mg.named_parameters() if k.startswith(last)}
+        return [lp.detach() for lp in lps], grads, set(log.calls[0][2].flatten().tolist())
+    finally:
+        teardown()

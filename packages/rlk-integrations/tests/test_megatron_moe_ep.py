@@ -15,7 +15,7 @@ import rlk  # noqa: F401  (first: it picks Triton's CPU interpreter before Megat
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from ep_workers import spawn  # noqa: E402
+from ep_workers import megatron_ep_worker, spawn  # noqa: E402
 from test_consistency_megatron import _samples  # noqa: E402
 
 from rlk_integrations.engine import training  # noqa: E402
@@ -27,38 +27,11 @@ NAME = "tiny-qwen3-moe"
 LENGTHS = [[(3, 5), (6, 2)], [(2, 4), (5, 3), (4, 4)]]
 
 
-def _last_experts(name: str, cfg) -> bool:
-    return name.startswith(f"decoder.layers.{cfg.num_hidden_layers - 1}.mlp.experts.")
-
-
-def ep_worker(rank, world):
-    """This rank of an EP group of ``world``: (its log-probs, its last MoE layer's expert
-    gradients by Megatron name, the experts its tokens were routed to)."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-    from rlk_integrations.adapters import megatron as rm
-
-    teardown = rm.init_model_parallel(1, world)
-    try:
-        hf = zoo.load_model(NAME, dtype=torch.bfloat16)  # seeded: the same weights everywhere
-        mg = rm.build_gpt_model(hf.config, dtype=torch.bfloat16)
-        rm.load_hf_weights(mg, hf.state_dict(), hf.config, ep_rank=rank, ep_world_size=world)
-        assert len(mg.decoder.layers[0].mlp.experts.local_experts) == hf.config.num_experts // world
-        samples = _samples(LENGTHS[rank], hf.config.vocab_size, seed=10 + rank)
-        with rm.RoutingLog(mg) as log:
-            lps = rm.packed_logprobs(mg, samples)
-        torch.cat(lps).sum().backward()
-        grads = {k: p.grad for k, p in mg.named_parameters() if _last_experts(k, hf.config)}
-        return [lp.detach() for lp in lps], grads, set(log.calls[0][2].flatten().tolist())
-    finally:
-        teardown()
-
-
 @pytest.mark.slow
 def test_megatron_moe_ep2_equals_one_device():
     world = 2
-    results = spawn(ep_worker, world)
+    # (the worker lives in ep_workers: spawned children import it by name, never this file)
+    results = spawn(megatron_ep_worker, world, NAME, LENGTHS)
     from rlk_integrations.adapters import megatron as rm
 
     hf = rt.patch_model(zoo.load_model(NAME, dtype=torch.bfloat16))
