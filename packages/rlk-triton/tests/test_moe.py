@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlk_reference._moe as ref
-from rlk_triton import moe, tuning
+from rlk_triton import aot_record, moe, tuning
 from rlk_triton._triton import INTERPRET
 
 TABLE = moe.CPU_TUNING if INTERPRET else moe.TUNING
@@ -165,6 +165,26 @@ def test_tuning_invariance(op):
         with tuning.force(op, cfg):
             got = _triton(p, False)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
+
+
+def test_dw_launch_on_amd_has_at_most_two_stages():
+    # Triton 3.9 cannot compile the dW kernel's 128x128 / 8-warp tile at 3 stages for gfx950:
+    # on AMD it launches with 2 (same bits); NVIDIA launches the table's 3. Recorded, not run.
+    p = _layer(T=9, E=4, k=2, H=40, I=48, dtype=torch.bfloat16, seed=6, device="cpu")
+    big = {"moe_experts.dw": moe._DW_CONFIGS[1]}
+    assert big["moe_experts.dw"]["num_stages"] == 3
+    for platform, stages in (("nvidia", 3), ("amd", 2)):
+        seen = []
+
+        def sink(kernel, args, kwargs, seen=seen):
+            if aot_record.kernel_name(kernel) == "rlk_triton.moe:_grouped_dw_kernel":
+                seen.append((kwargs["BLOCK_M"], kwargs["num_warps"], kwargs["num_stages"]))
+            return True
+
+        with aot_record.recording(sink), aot_record._platform(platform), \
+                tuning.force("moe_experts", big):  # fmt: skip
+            _triton(p, False)
+        assert seen and set(seen) == {(128, 8, stages)}, platform
 
 
 def test_no_grad_path_equals_autograd_path():

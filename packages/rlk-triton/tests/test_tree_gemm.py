@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlk_triton import gemm, tree_gemm, tuning
+from rlk_triton import aot_record, gemm, tree_gemm, tuning
 from rlk_triton.backend import default_table, known_tables
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -182,12 +182,35 @@ def test_tree_configs_keep_one_mma_kind_and_chooser_in_range():
                 for nbytes in (2, 4):
                     i = tree_gemm._choose_tree(M=M, N=N, K=K, leaves=leaves, dtype_bytes=nbytes)
                     assert 0 <= i < len(tree_gemm.TREE_CONFIGS)
+                    assert tree_gemm._fits_tree(tree_gemm.TREE_CONFIGS[i], leaves), (M, N, i)
     # The flat kernel: 128x256 where that grid fills the GPU, else 128x128 where it nearly does.
     wide = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(4096, 4096, 14336, leaves=8)]
     assert wide["VARIANT"] == "flat" and wide["BLOCK_N"] == 256, wide
     narrow = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(2048, 896, 4864, leaves=8)]
     assert narrow["VARIANT"] == "flat" and narrow["BLOCK_N"] == 128, narrow
     assert "VARIANT" not in tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(1, 4096, 14336, 8)]
+
+
+def test_a_forced_config_that_does_not_fit_is_not_launched():
+    # 128x128 / 8 warps holds 64 fp32 registers a thread per live tile: it fits 2 leaves (2
+    # tiles), not 4 (3 tiles: ptxas cannot allocate them on sm_100), where the choice runs.
+    big = tree_gemm.TREE_CONFIGS[4]
+    table = default_table()
+    x, w, b = _inputs(3, 4 * 24, 10, torch.bfloat16)
+    launched = []
+
+    def sink(kernel, args, kwargs):
+        launched.append((kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]))
+        return True  # recorded, not run
+
+    for leaves, fits in ((2, True), (4, False)):
+        assert tree_gemm._fits_tree(big, leaves) is fits
+        chosen = tree_gemm.TREE_CONFIGS[tree_gemm._choose_tree(3, 10, 96, leaves)]
+        want = big if fits else chosen
+        launched.clear()
+        with aot_record.recording(sink), tuning.force("tree_linear", {"tree_linear.fwd": big}):
+            tree_gemm.tree_linear_forward(x, w, b, leaves, table)
+        assert launched == [(want["BLOCK_M"], want["BLOCK_N"], want["num_warps"])], leaves
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,11 +224,11 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_fused_equals_unfused_every_config(dtype):
-    # Every config the fused kernel can run (TREE_CONFIGS: no installed table has tree_linear
-    # rules; the CPU test also runs the GEMM tables' configs through it) at 8 leaves, and the
-    # fp32 subtree output; every leaf count at the chosen config. K-leaf widths 112 (Qwen2
-    # o_proj / 8: not a multiple of BLOCK_K) and 512. (With every table's GEMM configs too this
-    # did not finish in 110 s on the H200.)
+    # Every config the fused kernel can run (TREE_CONFIGS that fit 8 leaves: no installed
+    # table has tree_linear rules; the CPU test also runs the GEMM tables' configs through it)
+    # at 8 leaves, and the fp32 subtree output; every leaf count at the chosen config. K-leaf
+    # widths 112 (Qwen2 o_proj / 8: not a multiple of BLOCK_K) and 512. (With every table's
+    # GEMM configs too this did not finish in 110 s on the H200.)
     table = default_table()
     major, _ = torch.cuda.get_device_capability()
     for M, K, N in ((300, 896, 896), (129, 4096, 640)):
@@ -214,6 +237,8 @@ def test_gpu_fused_equals_unfused_every_config(dtype):
         ref = tree_gemm.tree_linear_forward_unfused(x, w, b, leaves, table)
         ref32 = tree_gemm.tree_matmul_unfused(x, w.t(), leaves, table=table)
         for cfg in tree_gemm.TREE_CONFIGS:
+            if not tree_gemm._fits_tree(cfg, leaves):
+                continue  # never launched at 8 leaves (its live tiles exceed the registers)
             c = torch.empty(M, N, device="cuda", dtype=dtype)
             kernel = tree_gemm._tree_launch(x, w.t(), b, c, leaves, cfg)
             assert _bits_equal(c, ref), (M, K, N, leaves, cfg)

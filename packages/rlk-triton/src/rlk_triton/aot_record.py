@@ -167,20 +167,26 @@ def config_sets(op: str, tables: dict[str, dict]) -> list[tuple[dict, list[str]]
 
 def _tree_inputs(op: str) -> list:
     """Inputs of the tree-reduced linears (not in the conformance kit): bf16 and fp32, four
-    leaves, with a bias, forward and backward."""
+    leaves, with a bias, forward and backward; ``tree_linear`` also bf16 at 1 and 2 leaves,
+    where the fused kernel's largest tiles launch (they do not fit 4 leaves:
+    ``tree_gemm._fits_tree``)."""
     import torch
 
     from rlk.testing.case_tools import Case
 
     cases = []
-    for dtype in (torch.bfloat16, torch.float32):
+    runs = [(torch.bfloat16, 4), (torch.float32, 4)]
+    if op == "tree_linear":
+        runs += [(torch.bfloat16, 1), (torch.bfloat16, 2)]
+    for dtype, leaves in runs:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(5, 64, generator=g).to(dtype)
         w = torch.randn(48, 64, generator=g).to(dtype)
         b = torch.randn(48, generator=g).to(dtype)
-        args = {"x": x, "weight": w, "bias": b, "leaves": 4}
+        args = {"x": x, "weight": w, "bias": b, "leaves": leaves}
         cot = (torch.randn(5, 48, generator=g),)
-        cases.append(Case(op, f"{str(dtype)[6:]} M=5 K=64 N=48 leaves=4", dtype, args, cot))
+        label = f"{str(dtype)[6:]} M=5 K=64 N=48 leaves={leaves}"
+        cases.append(Case(op, label, dtype, args, cot))
     return cases
 
 

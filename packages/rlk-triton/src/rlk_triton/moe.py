@@ -471,13 +471,19 @@ def _grouped_dw(table, d: _Dispatch, a, b, out, *, weights=None, gather_b=False)
     rows (see ``_grouped_dw_kernel``)."""
     M, N = out.shape[1], out.shape[2]
     cfg = tuning.config(table, "moe_experts.dw", M=M, N=N, K=d.slots, dtype_bytes=a.element_size())
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bn, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"]
+    if tuning.launches_on_amd():
+        # Triton 3.9's AMD block-pingpong schedule (gfx950, with its asynchronous copies)
+        # fails to compile the 128x128 / 8-warp tile at 3 stages; every dW config compiles
+        # for gfx90a/942/950 at 2 (``rlk aot``). Stages set how many K chunks load ahead,
+        # not the order the dot adds them: the same bits.
+        stages = min(stages, _AMD_DW_STAGES)
     _grouped_dw_kernel[(cdiv(M, bm) * cdiv(N, bn), d.experts)](
         a, b, out, d.token, d.order, weights if weights is not None else d.offsets, d.offsets,
         M, N, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         GATHER_A=weights is not None, GATHER_B=gather_b, IEEE=a.dtype == torch.float32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K[a.dtype], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=stages,
     )  # fmt: skip
 
 
@@ -664,6 +670,8 @@ _GEMM_CONFIGS = (
     _gemm_cfg(64, 32, 4, 4),  # 3: narrow N
 )
 _DW_CONFIGS = (_gemm_cfg(64, 64, 4, 3), _gemm_cfg(128, 128, 8, 3), _gemm_cfg(64, 128, 4, 3))
+#: Pipeline stages of a dW launch on an AMD GPU at most (see ``_grouped_dw``).
+_AMD_DW_STAGES = 2
 _ROW_CONFIGS = ({"block": 2048, "num_warps": 4}, {"block": 1024, "num_warps": 4},
                 {"block": 4096, "num_warps": 8})  # fmt: skip
 

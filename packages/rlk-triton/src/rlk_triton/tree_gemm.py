@@ -315,8 +315,10 @@ def _flat(bm, bn, warps, stages, reg_slots, halves=False, group_m=8):
 #: num_warps in {4, 8}, so tl.dot is wgmma on Hopper for every one. A _tree_kernel program
 #: holds 1 + log2(leaves) fp32 tiles (the leaf accumulator and the pending subtrees), i.e.
 #: (1 + log2(leaves)) * BLOCK_M * BLOCK_N / (32 * num_warps) registers a thread; a flat one
-#: holds 1 + REG_SLOTS and parks the rest. "VARIANT", "REG_SLOTS" and "HALVES" choose the
-#: kernel and where pending sums live, never an add: every entry gives the same bits.
+#: holds 1 + REG_SLOTS and parks the rest. A config fits a leaf count when those tiles take at
+#: most _TILE_REGS registers (:func:`_fits_tree`); the rules launch only configs that fit.
+#: "VARIANT", "REG_SLOTS" and "HALVES" choose the kernel and where pending sums live, never an
+#: add: every entry gives the same bits.
 TREE_CONFIGS = (
     _tcfg(64, 32, 4, 6),  # 0: decode, small N; 8 leaves without spills (221 regs on sm_90)
     _tcfg(64, 64, 4, 4),  # 1: decode
@@ -348,13 +350,31 @@ _START = {0: 5, 1: 4, 2: 2, 3: 3}
 _ORDER = (5, 4, 2, 3, 1, 0)
 
 
+#: Registers a thread may give to the live fp32 tiles, of the 255 an NVIDIA thread has (the
+#: rest hold the operand pipeline and addresses): the largest tiles _choose_tree picks take
+#: 128 (128x256 at 1 leaf, 128x128 at 2, 64x128 at 8), and 128x128 / 8 warps at 4 leaves (192)
+#: fails ptxas's register allocation for sm_100 (Triton 3.9, ``rlk aot``).
+_TILE_REGS = 128
+
+
+def _fits_tree(cfg: tuning.Config, leaves: int = 1, **_: int) -> bool:
+    """Whether the fused kernel can launch ``cfg`` at ``leaves`` leaves: its live fp32 tiles
+    (see TREE_CONFIGS) take at most :data:`_TILE_REGS` registers a thread."""
+    pending = leaves.bit_length() - 1
+    if cfg.get("VARIANT") == "flat":
+        pending = min(cfg["REG_SLOTS"], pending)
+    per_tile = cfg["BLOCK_M"] * cfg["BLOCK_N"] // (32 * cfg["num_warps"])
+    return (1 + pending) * per_tile <= _TILE_REGS
+
+
 def _choose_tree(M: int, N: int, K: int, leaves: int = 1, dtype_bytes: int = 2) -> int:
     """Fused-kernel config: from 4 leaves on, the flat kernel's 128x256 tile where its grid
-    fills the GPU, else its 128x128 tile where that grid nearly does; otherwise the largest _tree_kernel tile whose live fp32 tiles (the
-    leaf accumulator and log2(leaves) pending subtrees) fit the registers, stepping down while
-    the grid is short of one program per SM."""
+    fills the GPU, else its 128x128 tile where that grid nearly does; otherwise the largest
+    _tree_kernel tile whose live fp32 tiles (the leaf accumulator and log2(leaves) pending
+    subtrees) fit the registers (:func:`_fits_tree`), stepping down while the grid is short of
+    one program per SM. fp32: 64x64 up to 8 leaves, 64x32 beyond (the FMA path)."""
     if dtype_bytes == 4:
-        return 6
+        return 6 if _fits_tree(TREE_CONFIGS[6], leaves) else 0
     if leaves >= 4 and gemm._tiles(M, N, TREE_CONFIGS[_FLAT_WIDE]) >= gemm._NUM_SMS:
         return _FLAT_WIDE
     # 3/4 of the SMs: one wave of 128x128 tiles against two of the unrolled kernel's smaller
@@ -381,8 +401,8 @@ def use_fused(leaves: int) -> bool:
 
 
 TREE_TUNING = {
-    "tree_linear.fwd": tuning.Rule(configs=TREE_CONFIGS, choose=_choose_tree),
-    "tree_linear.bwd_dx": tuning.Rule(configs=TREE_CONFIGS, choose=_choose_tree),
+    "tree_linear.fwd": tuning.Rule(configs=TREE_CONFIGS, choose=_choose_tree, fits=_fits_tree),
+    "tree_linear.bwd_dx": tuning.Rule(configs=TREE_CONFIGS, choose=_choose_tree, fits=_fits_tree),
 }
 
 #: GEMM tuning key of the unfused path -> key of the fused kernel's rule.

@@ -4,7 +4,9 @@ A table maps a kernel key (``"rms_norm.fwd"``) to a :class:`Rule`: the candidate
 chooser that picks one by shape. Backends differ only by their tables (NVIDIA, AMD, generic);
 the numerics contract says no config may change a bit, and the conformance kit runs every
 candidate to prove it. Configs hold launch parameters only (block sizes, warps, stages); the
-reduction order is fixed by constants of the kernel, never by a config.
+reduction order is fixed by constants of the kernel, never by a config. A rule may say which
+candidates a shape can launch at all (:attr:`Rule.fits`: a tile whose live registers grow with
+the shape); its chooser returns only those, and a forced one that does not fit is not launched.
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ def _first(**shape: int) -> int:
     return 0
 
 
+def _always(config: Config, **shape: int) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Rule:
-    """Candidate configs of one kernel and a chooser returning an index into them."""
+    """Candidate configs of one kernel, a chooser returning an index into them for a shape,
+    and ``fits(config, **shape)``: whether ``config`` can launch at that shape (default:
+    always). The chooser must return a config that fits (:func:`config` checks)."""
 
     configs: tuple[Config, ...]
     choose: Callable[..., int] = _first
+    fits: Callable[..., bool] = _always
 
 
 TuningTable = Mapping[str, Rule]
@@ -39,7 +48,7 @@ def preferring(rule: Rule, config: Config) -> Rule:
     extra launch config (the CPU tables' widest tiles) while every candidate stays checked."""
     configs = (*rule.configs, config)
     last = len(configs) - 1
-    return Rule(configs=configs, choose=lambda **_: last)
+    return Rule(configs=configs, choose=lambda **_: last, fits=rule.fits)
 
 
 _forced: contextvars.ContextVar[Mapping[str, Config] | None] = contextvars.ContextVar(
@@ -55,17 +64,32 @@ def merge(base: TuningTable, overrides: TuningTable) -> dict[str, Rule]:
 
 
 def config(table: TuningTable, key: str, **shape: int) -> Config:
-    """The config kernel ``key`` runs with for ``shape`` (a forced one wins)."""
-    forced = (_forced.get() or {}).get(key)
-    if forced is not None:
-        return forced
+    """The config kernel ``key`` runs with for ``shape``: a forced one that fits the shape
+    (:attr:`Rule.fits`), else the rule's choice. A forced config that does not fit (one the
+    chooser would never give this shape: the GPU could not compile it) yields to the choice,
+    which by the contract has the same bits."""
     rule = table[key]
-    return rule.configs[rule.choose(**shape)]
+    forced = (_forced.get() or {}).get(key)
+    if forced is not None and rule.fits(forced, **shape):
+        return forced
+    chosen = rule.configs[rule.choose(**shape)]
+    if not rule.fits(chosen, **shape):
+        raise RuntimeError(f"tuning rule {key!r} chose {dict(chosen)}, which does not fit {shape}")
+    return chosen
 
 
 def is_forced(key: str) -> bool:
     """Whether kernel ``key`` runs a config forced by :func:`force` in this context."""
     return (_forced.get() or {}).get(key) is not None
+
+
+def launches_on_amd() -> bool:
+    """Whether kernels launch on an AMD GPU: torch is a ROCm build (``torch.version.hip``;
+    ``rlk aot`` sets it to record launches as on an AMD GPU). For the few launch options
+    Triton's AMD backend needs otherwise (their launchers say why), never for a bit."""
+    import torch
+
+    return torch.version.hip is not None
 
 
 #: Called eagerly (not under CUDA graph capture), a kernel call of fewer FLOPs than this runs
