@@ -2,8 +2,8 @@
 
     python3 scripts/kernel_resources.py [--maxnreg N] [--head-dims 64,128] [--loops]
 
-Compiles ``rlk_triton.attention``'s forward (packed and paged) and ``rlk_triton.attention_bwd``'s
-dQ and dK/dV kernels at every
+Compiles ``rlk_triton.attention_fwd``'s forward (packed and paged) and
+``rlk_triton.attention_bwd``'s dQ and dK/dV kernels at every
 launch config of the tuning table, for an H100/H200 (sm_90), with the specialisations a real
 launch gets (pointers and the harness shapes' strides divisible by 16), and prints what
 ``cuobjdump --dump-resource-usage`` reports: registers per thread, stack bytes (spills) and
@@ -35,7 +35,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlk_triton import attention, attention_bwd, paged_attention  # noqa: E402
+from rlk_triton import attention, attention_bwd, attention_fwd, paged_attention  # noqa: E402
 
 #: Integer arguments that the harness shapes make divisible by 16 (strides and head_dim).
 DIV16 = {
@@ -124,27 +124,27 @@ def main() -> None:
         for key, paged in (("attention.fwd", False), ("paged_attention.fwd", True)):
             for cfg in {**attention.TUNING, **paged_attention.TUNING}[key].configs:
                 consts = dict(
-                    HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
-                    BLOCK_N=attention.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
+                    HG=attention_fwd._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
+                    BLOCK_N=attention_fwd.BLOCK_N, BLOCK_D=d, CAUSAL=True, PAGED=paged,
                     PAGE_SIZE=32 if paged else 1, STORE_LSE=not paged, DOT_PREC="ieee",
                     TMA=bool(cfg.get("TMA")) and not paged, OFF32=True,
                 )  # fmt: skip
                 if not consts["TMA"]:
                     consts.update(K_DESC=None, V_DESC=None)
                 name = "paged" if paged else "fwd"
-                runs.append((name, attention._fwd_kernel, consts, cfg))
+                runs.append((name, attention_fwd._fwd_kernel, consts, cfg))
         for cfg in attention.TUNING["attention.bwd"].configs:
             common = dict(BLOCK_D=d, CAUSAL=True, DOT_PREC="ieee", OFF32=True)
-            dq = dict(HG=attention._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=attention.BLOCK_N, **common)  # fmt: skip
-            dkdv = dict(HG=attention._group_tile(group, attention_bwd.BWD_BLOCK_M),
+            dq = dict(HG=attention_fwd._group_tile(group, cfg["BLOCK_M"]), BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_N=attention_fwd.BLOCK_N, **common)  # fmt: skip
+            dkdv = dict(HG=attention_fwd._group_tile(group, attention_bwd.BWD_BLOCK_M),
                         BLOCK_M=attention_bwd.BWD_BLOCK_M, BLOCK_N=cfg["BLOCK_N"],
                         SPLIT=attention_bwd._split_dkdv(d), EARLY_DP=attention_bwd._early_dp(d),
                         **common)  # fmt: skip
             runs.append(("dq", attention_bwd._dq_kernel, dq, cfg))
             runs.append(("dkdv", attention_bwd._dkdv_kernel, dkdv, cfg))
         for name, kernel, consts, cfg in runs:
-            stages = attention._stages(cfg, d)
+            stages = attention_fwd._stages(cfg, d)
             cap = args.maxnreg or cfg.get("maxnreg")
             regs, stack, smem, ck = resources(kernel, consts, cfg["num_warps"], stages, cap)
             desc = f"BLOCK_M {consts['BLOCK_M']} BLOCK_N {consts['BLOCK_N']} "

@@ -371,9 +371,9 @@ def offsets_part(rows) -> None:
     the packed causal forward and forward + backward at ATTN_SHAPES, CUDA-graph GPU time of
     each, bits compared."""
     from rlk.bench import attention as battn
-    from rlk_triton import attention
+    from rlk_triton import attention_fwd
 
-    span = attention._span
+    span = attention_fwd._span
     cases = [
         (f"decode B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}",
          functools.partial(rlk.paged_attention, *battn.decode_inputs(b, ctx, hq, hk, d, page,
@@ -389,12 +389,12 @@ def offsets_part(rows) -> None:
         r = {"part": "offsets", "shape": name}
         outs = {}
         for width, patch in (("int32", span), ("int64", lambda t: 2**31)):
-            attention._span = patch
+            attention_fwd._span = patch
             try:
                 outs[width] = fn()
                 r[width + "_us"] = round(graph_ms(fn, 1) * 1e3, 2)
             finally:
-                attention._span = span
+                attention_fwd._span = span
         a, b_ = outs["int32"], outs["int64"]
         pairs = zip(a, b_, strict=True) if isinstance(a, tuple) else [(a, b_)]
         r["bits_equal"] = all(torch.equal(x, y) for x, y in pairs)
@@ -432,7 +432,7 @@ def _attention_case(b: int, s: int, hq: int, hk: int, d: int):
 
 
 def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
-    from rlk_triton import attention
+    from rlk_triton import attention_fwd
 
     q, k, v, do, cu, flops, step = _attention_case(b, s, hq, hk, d)
 
@@ -482,9 +482,9 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
             best_b = (t_, cf)
     # 128-key tiles: another softmax order (not bit-equal by design), timed for its worth.
     n128 = (float("inf"), None)
-    saved = attention.BLOCK_N
+    saved = attention_fwd.BLOCK_N
     try:
-        attention.BLOCK_N = 128
+        attention_fwd.BLOCK_N = 128
         for cf in [] if ATTN_FWD_ONLY else ATTN_FWD[:6]:
             with tuning.force("attention", {"attention.fwd": cf}):
                 try:
@@ -496,7 +496,7 @@ def _attention_shape(rows, b: int, s: int, hq: int, hk: int, d: int) -> None:
             if t_ < n128[0]:
                 n128 = (t_, cf)
     finally:
-        attention.BLOCK_N = saved
+        attention_fwd.BLOCK_N = saved
     r = {
         "part": "attention", "shape": f"B={b} S={s} Hq={hq} Hk={hk} D={d}",
         "fwd_TF": tf(fwd_ms), "fwd_best_TF": tf(best_f[0]), "fwd_best": best_f[1],

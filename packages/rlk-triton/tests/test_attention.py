@@ -18,6 +18,7 @@ import torch
 import rlk_reference as ref
 from rlk_triton import attention as attn
 from rlk_triton import attention_bwd as attn_bwd
+from rlk_triton import attention_fwd as attn_fwd
 from rlk_triton import paged_attention as pattn
 from rlk_triton import tuning
 
@@ -331,8 +332,9 @@ def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
     packed (forward and backward) and paged; a bad page id is NaN either way. ``_span`` is one
     past the last element's offset."""
     x = torch.empty(5, 3, 4)
-    assert attn._span(x) == 60 and attn._span(x[:, 1:]) == 56 and attn._span(x[::2]) == 60
-    assert attn._span(torch.empty(0, 4)) == 0
+    assert attn_fwd._span(x) == 60 and attn_fwd._span(x[:, 1:]) == 56
+    assert attn_fwd._span(x[::2]) == 60
+    assert attn_fwd._span(torch.empty(0, 4)) == 0
     lens = [90, 33]
     q, k, v = _qkv(sum(lens), 4, 2, 16, torch.float16, seed=91)
     cu = _cu(lens)
@@ -344,16 +346,16 @@ def test_row_offsets_int32_and_int64_read_the_same_rows(monkeypatch):
         return *_fwd_bwd(q, k, v, cu, cu, do), _paged(q_dec, seqs, [1, 1], 16)
 
     narrow = both()
-    monkeypatch.setattr(attn, "_span", lambda t: 2**31)
+    monkeypatch.setattr(attn_fwd, "_span", lambda t: 2**31)
     wide = both()
     assert all(map(torch.equal, narrow, wide))
     kc, vc, bt = _paged_cache([seqs[0]], 16)
     bt[0, 2] = -1  # keys 32..47: a page id out of range
-    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    monkeypatch.setattr(attn_fwd._bounds, "report", lambda ok, message: None)
     args = (q[:1], kc, vc, bt, torch.tensor([90], dtype=torch.int32), _cu([1]), 0.25)
     assert pattn.paged_attention(*args, table=TABLE).isnan().all()
     monkeypatch.undo()
-    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    monkeypatch.setattr(attn_fwd._bounds, "report", lambda ok, message: None)
     assert pattn.paged_attention(*args, table=TABLE).isnan().all()
 
 
@@ -401,10 +403,10 @@ def test_descriptor_loads_change_no_bits():
     for d in (16, 24):
         q, k, v = _qkv(sum(lens), hq, hk, d, torch.bfloat16, seed=24)
         k[:70], v[:70] = float("nan"), float("nan")
-        assert attn._descriptors_fit(k, v, False) == (d == 16)
+        assert attn_fwd._descriptors_fit(k, v, False) == (d == 16)
         # a contiguous view whose base is not 16-byte aligned keeps the pointer loads
         shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)
-        assert not attn._descriptors_fit(shifted.copy_(k), v, False)
+        assert not attn_fwd._descriptors_fit(shifted.copy_(k), v, False)
         for causal, cfg in itertools.product((True, False), TABLE["attention.fwd"].configs):
             want, got = _pointers_and_descriptors(cfg, q, k, v, cu, cu, causal)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -497,7 +499,7 @@ def test_kv_split_paths(monkeypatch, split, dtype):
     other = _qkv(70, hq, hk, d, dtype, seed=81)
     paths = dict(chunkings=[(100, 200), (1, 129, 170)], page_sizes=(16, 64), decode_from=n - 3)
     unsplit = _fwd(q, k, v, _cu([n]), _cu([n]))
-    monkeypatch.setattr(attn, "KV_SPLIT", split)
+    monkeypatch.setattr(attn_fwd, "KV_SPLIT", split)
     outs = _path_outputs(q, k, v, other=other, **paths)
     split_grid = _path_outputs(q, k, v, other=other, table=_split_table(), **paths)
     _assert_all_equal({**outs, **{f"{name} (a program per split)": o
@@ -517,7 +519,7 @@ def test_kv_split_paths(monkeypatch, split, dtype):
 def test_kv_split_backward_and_bad_pages(monkeypatch):
     """With splits: the backward from the merged statistics is accurate and the same for both
     kinds of launch; a bad page makes the rows that see it NaN in either."""
-    monkeypatch.setattr(attn, "KV_SPLIT", 64)
+    monkeypatch.setattr(attn_fwd, "KV_SPLIT", 64)
     lens = [200, 30]
     q, k, v = _qkv(sum(lens), 2, 1, 16, torch.float16, seed=82)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(83)).to(torch.float16)
@@ -538,7 +540,7 @@ def test_kv_split_backward_and_bad_pages(monkeypatch):
     for table in (TABLE, _split_table()):
         with pytest.raises(ValueError, match="page id"):
             pattn.paged_attention(*args, table=table)
-    monkeypatch.setattr(attn._bounds, "report", lambda ok, message: None)
+    monkeypatch.setattr(attn_fwd._bounds, "report", lambda ok, message: None)
     for table in (TABLE, _split_table()):
         o = pattn.paged_attention(*args, table=table)
         assert o.isnan().all(), "rows that see the bad page must be NaN"
@@ -678,11 +680,11 @@ def test_gpu_backward_determinism_batch_and_tuning(causal, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_split", [attn.KV_SPLIT, 1024])
+@pytest.mark.parametrize("kv_split", [attn_fwd.KV_SPLIT, 1024])
 def test_gpu_paged_tuning_and_decode_batch(kv_split, monkeypatch):
     # At 1024 the sequences of 4096, 1000 and 2500 keys cross split boundaries: every config
     # (a program per split among them) and the packed prefill merge at the same positions.
-    monkeypatch.setattr(attn, "KV_SPLIT", kv_split)
+    monkeypatch.setattr(attn_fwd, "KV_SPLIT", kv_split)
     hq, hk, d = 32, 8, 128
     lens = [4096, 17, 1000, 2500]
     seqs = [

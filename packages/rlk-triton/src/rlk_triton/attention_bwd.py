@@ -8,8 +8,8 @@ atomics; a sequence's gradients depend only on that sequence. The tunable block 
 (``BLOCK_N`` of the dK/dV kernel, ``BLOCK_M`` of the dQ kernel) only tile *outputs*; the extra
 tiles a larger block may visit contribute exact zeros.
 
-The forward, the tuning rules of both passes (``attention.fwd``, ``attention.bwd``) and the
-helpers both passes use are in :mod:`rlk_triton.attention`.
+The helpers both passes use are in :mod:`rlk_triton.attention_fwd` (with the forward); the
+tuning rules of both passes (``attention.fwd``, ``attention.bwd``) in :mod:`rlk_triton.attention`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from rlk_triton import tuning
 from rlk_triton._triton import cdiv, jit, next_power_of_2, tl
-from rlk_triton.attention import (
+from rlk_triton.attention_fwd import (
     _LOG2E,
     BLOCK_N,
     DOT_PRECISION,

@@ -108,7 +108,7 @@ def all_op_configs(op: str) -> list[dict]:
 
 def _attention_forward(q, k, v, cu_q, cu_k, causal, scale, *, max_seqlen_q=None,
                        max_seqlen_k=None, table):  # fmt: skip
-    from rlk_triton import attention as a
+    from rlk_triton import attention_fwd as a
 
     bounds = None if max_seqlen_q is None else (int(max_seqlen_q), int(max_seqlen_k))
     q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))
@@ -120,7 +120,7 @@ def _attention_forward(q, k, v, cu_q, cu_k, causal, scale, *, max_seqlen_q=None,
 
 def _attention_backward(grads, outs, extras, needs, q, k, v, cu_q, cu_k, causal, scale, *,
                         max_seqlen_q=None, max_seqlen_k=None, table):  # fmt: skip
-    from rlk_triton import attention as a
+    from rlk_triton import attention_fwd as a
     from rlk_triton.attention_bwd import _backward
 
     q, k, v, cu_q, cu_k = (t.contiguous() for t in (q, k, v, cu_q, cu_k))

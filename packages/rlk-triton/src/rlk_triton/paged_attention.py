@@ -1,7 +1,7 @@
 """Paged attention (rollout decode and prefill): ``paged_attention``, bitwise equal to
 :func:`rlk_triton.attention.attention` on the same logical sequences.
 
-The kernel is the forward of :mod:`rlk_triton.attention` (``PAGED``): it gathers each KV
+The kernel is the forward of :mod:`rlk_triton.attention_fwd` (``PAGED``): it gathers each KV
 tile's keys by logical position through the block table and feeds the same tiles to the
 same arithmetic; that module's docstring says why every path gives the same bits. This
 module holds the paged op's tuning rules and its public function.
@@ -14,12 +14,13 @@ import math
 import torch
 
 from rlk_triton import _bounds, tuning
-from rlk_triton import attention as _attention
+from rlk_triton import attention_fwd as _fwd
 from rlk_triton._triton import jit, next_power_of_2, tl
-from rlk_triton.attention import _FWD_CONFIGS, _forward, _long_rows
+from rlk_triton.attention import _FWD_CONFIGS, _long_rows
+from rlk_triton.attention_fwd import _forward
 
 #: Decode grids of fewer programs than this run a program per KV split (the SPLIT config) once
-#: a sequence may hold more than ``attention.KV_SPLIT`` keys. H200, ctx 8192, page 16, us, a
+#: a sequence may hold more than ``attention_fwd.KV_SPLIT`` keys. H200, ctx 8192, page 16, us, a
 #: program per split against one program running its splits: 128 programs (B = 16, 8 KV heads,
 #: head_dim 128; B = 64, 2 KV heads, 64) 163.6 / 218.0 and 120.4 / 193.2; 512 programs (B = 64,
 #: 8 KV heads, 128; B = 256, 2 KV heads, 64) 599.5 / 590.3 and 366.2 / 321.0.
@@ -34,7 +35,7 @@ def _choose_paged(rows: int, head_dim: int, programs: int, keys: int = 0, **_: i
         return 1
     if rows >= 1024:
         return _long_rows(head_dim)
-    if keys > _attention.KV_SPLIT and programs < SPLIT_BELOW_PROGRAMS:
+    if keys > _fwd.KV_SPLIT and programs < SPLIT_BELOW_PROGRAMS:
         return _SPLIT
     # Decode, H200 (scripts/kernel_sweep.py paged; B = 64, ctx 4096 at head_dim 128, B = 256,
     # ctx 2048 at 64): 5 stages at head_dim 128 (page 128: 290 -> 280 us, page 16: 289 ->

@@ -706,7 +706,7 @@ def attention(gen: Gen, quick: bool) -> OpCases:
         path = [
             _attn_path(gen, BF16, [1, 129, 1500], *a, decode=128, chunks=(64, 257, 1024)),
             _attn_path(gen, FP16, [2000, 77], *b, decode=80, chunks=(128, 1000)),
-            # Past 4096 keys: the rows that cross the KV split (rlk_triton.attention.KV_SPLIT)
+            # Past 4096 keys: the rows that cross the KV split (rlk_triton.attention_fwd.KV_SPLIT)
             # merge at the same positions on every path.
             _attn_path(gen, BF16, [4500, 300], *b, decode=64, chunks=(1024, 3000)),
         ]
