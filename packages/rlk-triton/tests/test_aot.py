@@ -335,3 +335,25 @@ def test_the_recorder_sees_the_launch_options():
         torch.randn(3, 64), torch.ones(64), 1e-6, None), "nvidia", "rms", 0)  # fmt: skip
     assert launches and all(ln.kwargs["enable_fp_fusion"] is False for ln in launches)
     assert _triton.LAUNCH_RECORDER is None
+
+
+def test_an_amd_launch_leaves_out_the_nvidia_register_cap():
+    """Attention's forward config with ``maxnreg`` (paged decode at head dim 64 takes it on
+    NVIDIA) launches without it as on an AMD GPU: Triton's AMD backend has no such option."""
+    from rlk_triton import attention, tuning
+
+    cfg = next(c for c in attention._FWD_CONFIGS if "maxnreg" in c)
+    forced = {"paged_attention.fwd": cfg}
+    paged = backend.make_impl(backend.default_table()).ops["paged_attention"]
+    for platform, cap in (("nvidia", [cfg["maxnreg"]]), ("amd", [None])):
+        caps = []
+
+        def sink(kernel, args, kwargs, caps=caps):
+            if aot_record.kernel_name(kernel) == "rlk_triton.attention_fwd:_fwd_kernel":
+                caps.append(kwargs.get("maxnreg"))
+            return True  # recorded, not run
+
+        with aot_record.recording(sink), aot_record._platform(platform), \
+                tuning.force("paged_attention", forced):  # fmt: skip
+            aot_record._paged_store(paged)
+        assert caps == cap, platform

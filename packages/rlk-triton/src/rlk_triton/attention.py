@@ -20,8 +20,9 @@ from rlk_triton.attention_fwd import _forward, _lengths_fit, _max_len
 
 # Launch configs: BLOCK_M in {64, 128} with 4 warps, or BLOCK_M = 128 with 8 warps (see above).
 # A forward config may also cap the registers per thread (``maxnreg``: more programs per SM,
-# the same instructions, so the same bits), or run a program per KV split (``SPLIT``: the same
-# partials merged in the same order, so the same bits).
+# the same instructions, so the same bits; a launch hint of NVIDIA's ptxas that Triton's AMD
+# backend does not take, so an AMD launch leaves it out), or run a program per KV split
+# (``SPLIT``: the same partials merged in the same order, so the same bits).
 # ``TMA``: the packed path reads full KV tiles through tensor descriptors (the same values, so
 # the same bits; the paged path and head dims a descriptor cannot express read through pointers
 # whatever the config). ``OFF64``: int64 row offsets even where int32 ones fit (:func:`_off32`);

@@ -701,6 +701,9 @@ def _forward(
         k_desc, v_desc = (
             TensorDescriptor(x, [tk, hk * d], [hk * d, 1], [BLOCK_N, d]) for x in (k, v)
         )
+    # maxnreg is a register cap of NVIDIA's ptxas; Triton's AMD backend has no such option.
+    cap = "maxnreg" in cfg and not tuning.launches_on_amd()
+    reg_cap = {"maxnreg": cfg["maxnreg"]} if cap else {}
     ok = _bounds.flag(q.device)
     _fwd_kernel[grid](
         q,
@@ -755,7 +758,7 @@ def _forward(
         OFF32=_off32(k, v) and not cfg.get("OFF64"),
         num_warps=cfg["num_warps"],
         num_stages=_stages(cfg, d),
-        **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
+        **reg_cap,
     )
     if split_grid:
         _merge_kernel[(grid_m, grid[1], b)](
