@@ -293,13 +293,46 @@ def test_memory_and_roofline_columns_only_where_measured():
     assert "hbm_roofline" in text.splitlines()[0] and "0.523" in text
 
 
+#: Tiny Qwen3-MoE and DeepSeek-V3 layers (hidden, 8 experts, 2 per token, intermediate; the
+#: DeepSeek one in 4 groups of 2, the best 2 kept).
+_TINY_MOE = {"qwen3": (32, 8, 2, 32, None), "deepseek": (32, 8, 2, 32, (4, 2))}
+
+
 def test_moe_family_runs(on_cpu, monkeypatch):
     pytest.importorskip("transformers")
     from rlk.bench import moe
 
-    rows = _run(monkeypatch, moe, LAYERS=[("t", 32, 4, 2, 32)], QUICK_TOKENS=[8])
-    assert {(r["op"], r["impl"]) for r in rows} == {
-        (op, impl)
+    layers = [moe.Layer(name, *dims) for name, dims in _TINY_MOE.items()]
+    rows = _run(monkeypatch, moe, LAYERS=layers, QUICK_TOKENS=[8])
+    assert {(r["op"], r["impl"], r["shape"].split("(")[1]) for r in rows} == {
+        (op, impl, f"{name})")
         for op in ("moe_layer.fwd", "moe_layer.fwd+bwd")
         for impl in ("rlk", "stock", "stock-grouped_mm")
+        for name in _TINY_MOE
     }
+
+
+@pytest.mark.parametrize("name", list(_TINY_MOE))
+def test_moe_layers_compute_the_stock_function(on_cpu, name):
+    """rlk's layer and transformers' (both experts implementations) are one function of the
+    same weights: the same experts chosen, weights and outputs equal to bf16 rounding."""
+    pytest.importorskip("transformers")
+    from rlk.bench import moe
+
+    layer = moe.Layer(name, *_TINY_MOE[name])
+    p = moe.make_params(layer)
+    x = _timing.randn(16, layer.hidden, dtype=torch.bfloat16)
+    got = moe.rlk_layer(layer, x, p)
+    blocks = moe.stock_blocks(layer, p)
+    for impl, block in blocks.items():
+        want = block(x.view(1, *x.shape)).view(x.shape)
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 2e-2 * want.float().abs().max().item(), (impl, err)
+    # The routing itself: the same experts (as sets: transformers' top-k order is unspecified)
+    # and their weights (Qwen3-MoE's rounded to bf16 by transformers).
+    w, idx = moe.rlk_route(layer, x, p)
+    _, want_w, want_idx = blocks["stock"].gate(x)
+    order, want_order = idx.sort(-1), want_idx.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    want_w = want_w.gather(1, want_order.indices)
+    torch.testing.assert_close(w.gather(1, order.indices).to(want_w.dtype), want_w)
