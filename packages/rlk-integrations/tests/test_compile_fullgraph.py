@@ -1,7 +1,9 @@
 """``torch.compile(model, fullgraph=True)(input_ids)`` of a patched model, as users write it: a
 plain ``[B, S]`` batch, with and without an ``attention_mask`` (left padding), one graph, the
-eager logits bit for bit, for every architecture (Qwen2, Llama, Qwen3, Qwen3-MoE), and for the
-MoE model every gradient too.
+eager logits bit for bit, for every architecture (Qwen2, Llama, Qwen3, Qwen3-MoE, Qwen2-MoE,
+DeepSeek-V3), and for the MoE models every gradient too: on the CPU (slow stage; the gradients of
+Qwen3-MoE alone, the other two compiled backwards taking 15-40 s each under the interpreter) and
+on a GPU (``gpu``: every MoE model's gradients).
 
 What would stop the graph is a shape that depends on values: the real tokens of a padded batch
 (eagerly gathered by ``nonzero``), the sequences of a packed row, transformers dropping a mask
@@ -53,11 +55,12 @@ def _compile(model, inductor: bool):
     return torch.compile(model, fullgraph=True, backend=backend), graphs
 
 
-def _batch(vocab: int, masked: bool):
+def _batch(vocab: int, masked: bool, device: str = "cpu"):
     ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(0))
     if not masked:
-        return ids, {}
-    return ids, {"attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+        return ids.to(device), {}
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    return ids.to(device), {"attention_mask": mask.to(device)}
 
 
 def _step(model, fn, ids, kwargs, train: bool):
@@ -67,22 +70,36 @@ def _step(model, fn, ids, kwargs, train: bool):
         logits = fn(ids, **kwargs).logits
     if not train:
         return logits, {}
-    (logits * torch.linspace(-1, 1, logits.numel()).view(logits.shape)).sum().backward()
+    weights = torch.linspace(-1, 1, logits.numel(), device=logits.device).view(logits.shape)
+    (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.slow
+#: The MoE models and the router operator each runs (besides ``rlk.moe_experts``).
+MOE = {
+    "tiny-qwen3-moe": "rlk.moe_route",
+    "tiny-qwen2-moe": "rlk.moe_route",
+    "tiny-deepseek-v3": "rlk.moe_route_grouped",
+}
+#: The CPU in the slow stage; a GPU on the GPU machine (``pytest -m gpu``).
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "mask"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
-def test_compiled_model_gives_the_eager_logits(name, masked):
-    """The logits; for the MoE model also every gradient (its ops' compiled backward)."""
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-qwen3", *MOE])
+def test_compiled_model_gives_the_eager_logits(name, masked, device):
+    """The logits; for the MoE models also every gradient (their ops' compiled backward)."""
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    model = patch_model(zoo.load_model(name))
-    ids, kwargs = _batch(model.config.vocab_size, masked)
+    model = patch_model(zoo.load_model(name, device=device))
+    ids, kwargs = _batch(model.config.vocab_size, masked, device)
     compiled, graphs = _compile(model, inductor=True)
-    train = name == "tiny-qwen3-moe"
+    train = name in MOE and (device != "cpu" or name == "tiny-qwen3-moe")
     with inductor_config.patch(emulate_precision_casts=True):
         got, got_grads = _step(model, compiled, ids, kwargs, train)  # compiled first
     want, want_grads = _step(model, model, ids, kwargs, train)
@@ -91,8 +108,8 @@ def test_compiled_model_gives_the_eager_logits(name, masked):
     assert not changed, f"gradients that compiling changed: {changed}"
     assert len(graphs) == 1
     want_ops = {"rlk.linear", "rlk.attention", "rlk.rms_norm", "rlk.apply_rotary"}
-    if name == "tiny-qwen3-moe":
-        want_ops |= {"rlk.moe_route", "rlk.moe_experts"}
+    if name in MOE:
+        want_ops |= {MOE[name], "rlk.moe_experts"}
     assert want_ops <= _targets(graphs)
     assert not stock_compute(graphs)
 
