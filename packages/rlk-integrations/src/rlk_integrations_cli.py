@@ -29,7 +29,8 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
         default="tiny",
         help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, tiny-qwen3-moe, "
         "tiny-qwen2-moe, tiny-deepseek-v3, qwen2-0.5b, qwen3-0.6b, llama3-8b-4layers, "
-        "deepseek-v3-4layers; random weights) or a local checkpoint directory (default: tiny)",
+        "qwen3-30b-a3b-4layers, deepseek-v3-4layers, llama3.2-1b-4layers, qwen2.5-1.5b-4layers; "
+        "random weights) or a local checkpoint directory (default: tiny)",
     )
     pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
     pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
