@@ -87,11 +87,12 @@ def _add_arguments(pk: argparse.ArgumentParser) -> None:
     pk.add_argument(
         "--ep",
         type=int,
-        default=1,
+        default=None,
         help="rlk side, a mixture-of-experts model: expert-parallel size of the padded rollout "
-        "and the training recompute (transformers or megatron); > 1 spawns that many processes "
-        "(gloo on CPU, NCCL on GPUs), each holding 1/N of the experts and running its share of "
-        "the prompts, which N must divide, as it must the experts (default: 1)",
+        "and the training recompute (transformers or megatron); spawns that many processes "
+        "(gloo on CPU, NCCL on GPUs; 1 runs the expert-parallel code path on one), each holding "
+        "1/N of the experts and running its share of the prompts, which N must divide, as it "
+        "must the experts (default: no expert parallelism)",
     )
     pk.add_argument(
         "--steps",

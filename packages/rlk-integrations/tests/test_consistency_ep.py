@@ -29,15 +29,16 @@ def _cli(capsys, *argv):
 
 
 @pytest.mark.slow
-def test_ep2_rlk_row_zero(tmp_path, capsys):
+@pytest.mark.parametrize("ep", [2, 1])  # 1: the expert-parallel code path in one process
+def test_ep_rlk_row_zero(ep, tmp_path, capsys):
     out = tmp_path / "c.json"
-    rc, printed, _ = _cli(capsys, "--model", "tiny-qwen3-moe", "--ep", "2", "--json", str(out))
+    rc, printed, _ = _cli(capsys, "--model", "tiny-qwen3-moe", "--ep", str(ep), "--json", str(out))
     assert rc == 0, printed
     report = json.loads(out.read_text())
-    assert report["ep"] == 2 and "EP=2 ranks" in printed
+    assert report["ep"] == ep and f"EP={ep} ranks" in printed
     rows = {r["side"]: r for r in report["rows"]}
     rlk, stock = rows["rlk"], rows["stock"]
-    assert (rlk["rollout_mode"], rlk["train_engine"]) == ("padded-ep2", "transformers-ep2")
+    assert (rlk["rollout_mode"], rlk["train_engine"]) == (f"padded-ep{ep}", f"transformers-ep{ep}")
     assert rlk["tokens"] == 4 and rlk["max_abs_dlogp"] == 0.0 and rlk["frac_differ"] == 0.0
     assert rlk["expert_differ"] == 0.0  # measured: both ranks' routing logs came back
     assert stock["max_abs_dlogp"] > 0
@@ -56,6 +57,7 @@ def test_ep2_rlk_row_zero(tmp_path, capsys):
             "not 'transformers-graphs'",
         ),
         (["--model", "tiny-qwen3-moe", "--ep", "0"], "ep must be an int >= 1"),
+        (["--model", "tiny", "--ep", "1"], "ep = 1 shards experts: tiny (qwen2) is a dense model"),
         (["--model", "tiny-qwen3-moe", "--train-tp", "2", "--leaves", "8"], "leaves (and train_tp"),
     ],
 )

@@ -43,6 +43,8 @@ recompute (transformers, or Megatron-core in its EP group) run in ``N`` spawned 
 model holds ``1/N`` of every MoE layer's experts (:func:`rlk_integrations.models.ep.shard_ep`);
 each rank samples, then recomputes, its own share of the sequences (another share: the
 recompute's order), the tokens reaching their experts by all-to-all (:class:`ExpertParallel`).
+``--ep 1`` runs that code path in one spawned process (one GPU); without ``--ep`` the rlk row
+runs on the unsharded model in this process.
 
 ``steps`` (``--steps N``, with ``--rollout-engine vllm``): the RL loop instead of one rollout
 (:func:`run_loop`): N GRPO steps per side, vLLM sampling and the weights of each update pushed
@@ -526,8 +528,9 @@ class ConsistencyConfig:
     every one that can); ``rollout``: their options, also the run's ``leaves`` (the rlk side's
     tree-ordered row-parallel linears, rollout and training) and the rollout's tensor-parallel
     size ``rollout.tp``. ``train_engine``: one of :data:`TRAIN_ENGINES`, at tensor-parallel
-    size ``train_tp``. ``ep``: the rlk row's expert-parallel size (a mixture-of-experts model;
-    > 1: :class:`ExpertParallel`, the padded rollout and the transformers or Megatron recompute).
+    size ``train_tp``. ``ep``: the rlk row's expert-parallel size (a mixture-of-experts model:
+    :class:`ExpertParallel`, the padded rollout and the transformers or Megatron recompute, in
+    ``ep`` spawned processes, 1 included; None: no expert parallelism).
     ``warmup``: untimed passes first (None: on a GPU). ``steps``: run that many GRPO steps
     of the vLLM loop instead (:func:`run_loop`; ``rollout_modes`` ``("vllm",)``, the
     transformers or Megatron trainer).
@@ -560,7 +563,7 @@ class ConsistencyConfig:
     rollout: RolloutOptions = RolloutOptions()
     train_engine: str = "transformers"
     train_tp: int = 1
-    ep: int = 1
+    ep: int | None = None
     steps: int | None = None
 
     @classmethod
@@ -596,8 +599,9 @@ class ConsistencyConfig:
                 f"unknown model {self.model!r}: a built-in config ({', '.join(CONFIGS)}) "
                 "or a local checkpoint directory"
             )
-        for name in ("prompts", "new_tokens", "micro_batch", "train_tp", "ep"):
+        for name in ("prompts", "new_tokens", "micro_batch", "train_tp"):
             _positive(name, getattr(self, name))
+        _positive("ep", self.ep, allow_none=True)
         _positive("page_size", self.rollout.page_size)
         _positive("max_batch", self.rollout.max_batch, allow_none=True)
         _positive("rollout_tp", self.rollout.tp)
@@ -650,8 +654,8 @@ class ConsistencyConfig:
 
     def _check_moe(self) -> None:
         """What a mixture of experts runs: no ``leaves`` (nor the tensor parallelism that needs
-        them), and ``ep`` > 1 on MoE models alone, where the run can honour it."""
-        if self.leaves is None and self.ep == 1:
+        them), and ``ep`` on MoE models alone, where the run can honour it."""
+        if self.leaves is None and self.ep is None:
             return  # nothing to ask of the model's config
         cfg = self._model_config()
         try:
@@ -664,7 +668,7 @@ class ConsistencyConfig:
                 f"leaves (and train_tp/rollout_tp > 1, which need it) has no mixture-of-experts "
                 f"layout: {name} is an MoE model; shard its experts with ep instead"
             )
-        if self.ep == 1:
+        if self.ep is None:
             return
         if not arch.moe:
             raise UsageError(f"ep = {self.ep} shards experts: {name} is a dense model")
@@ -678,16 +682,16 @@ class ConsistencyConfig:
             )
         if self.train_engine not in ("transformers", "megatron"):
             raise UsageError(
-                f"ep > 1 recomputes with train_engine 'transformers' or 'megatron', not "
+                f"ep recomputes with train_engine 'transformers' or 'megatron', not "
                 f"{self.train_engine!r}"
             )
         if self.rollout_modes not in (None, ("padded",)):
             raise UsageError(
-                f"ep > 1 samples with rollout mode 'padded' alone (every rank must run the same "
+                f"ep samples with rollout mode 'padded' alone (every rank must run the same "
                 f"number of forwards), not {self.rollout_modes!r}"
             )
         if self.steps is not None:
-            raise UsageError("ep > 1 does not run the GRPO loop (steps)")
+            raise UsageError("ep does not run the GRPO loop (steps)")
 
     def _check_leaves(self) -> None:
         leaves = self.leaves
@@ -731,7 +735,7 @@ class ConsistencyConfig:
                 f"tensor-parallel size {tp} needs {tp} GPUs, this machine has "
                 f"{torch.cuda.device_count()}"
             )
-        if on_gpu and self.ep > torch.cuda.device_count():
+        if on_gpu and (self.ep or 1) > torch.cuda.device_count():
             raise UsageError(
                 f"ep = {self.ep} needs {self.ep} GPUs, this machine has {torch.cuda.device_count()}"
             )
@@ -773,7 +777,7 @@ def run(
     if (
         config.train_engine == "megatron"
         and config.train_tp == 1
-        and config.ep == 1
+        and config.ep is None
         and "rlk" in config.sides
     ):
         # Megatron-core is optional (rlk-integrations[megatron]): imported where it runs.
@@ -797,7 +801,7 @@ def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> d
     vocab = model.config.vocab_size
     batch = random_prompts(c.prompts, vocab, c.prompt_len[0], c.prompt_len[1], c.seed)
     rlk_engines, skipped = engines.available(c.rollout_modes, dev, c.rollout)
-    if c.ep > 1:  # EP runs the padded rollout alone (a fixed number of forwards per rank)
+    if c.ep is not None:  # EP runs the padded rollout alone (a fixed number of forwards per rank)
         why = f"ep = {c.ep} samples with the padded rollout alone"
         skipped.update({e.name: why for e in rlk_engines if e.name != "padded"})
         rlk_engines = [e for e in rlk_engines if e.name == "padded"]
@@ -818,7 +822,7 @@ def _run(config: ConsistencyConfig, progress: Callable[[str], None] | None) -> d
             (e, tp_workers.TPRollout(e.name, c.rollout, rollout_tp, leaves, c.backend, warmup))
             for e in rlk_engines
         ]
-    if c.ep > 1 and "rlk" in c.sides:
+    if c.ep is not None and "rlk" in c.sides:
         say(f"rlk rollout and training at EP={c.ep}: {c.ep} spawned processes")
         groups = train_groups(c.prompts, c.micro_batch, c.seed)
         recompute = ExpertParallel(c.rollout, c.ep, groups, c.backend, warmup, c.train_engine)
@@ -1028,7 +1032,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"rlk's vLLM models, training {engine} + rlk at TP={tp}; stock rows: stock vLLM, "
             "stock transformers, vLLM's reload_weights"
         )
-    elif report.get("ep", 1) > 1:
+    elif report.get("ep") is not None:
         core = "-core" if engine == "megatron" else ""
         notes.append(
             f"rlk rows: rollout transformers + rlk, training {engine}{core} + rlk, the experts "
