@@ -7,12 +7,12 @@
 # GPUs), megatron (Megatron-core recompute at TP 1 and 2, and benchmarks/bench_megatron.py),
 # bench (rlk bench), moe (the mixture-of-experts and DeepSeek-V3 checks, below). Logs and JSON go
 # to $OUT (default ./gpu-out); a summary is last.
-# moe: its parts (MOE_PARTS, default "conformance consistency tests bench", in that order), each
+# moe: its parts (MOE_PARTS, default "conformance consistency ep1 tests bench", in order), each
 # under a time limit, the stage within MOE_DEADLINE seconds (default 500: one 10-minute call with
 # the install; a part cut short or not run says so in the summary: rerun it alone): the MoE ops'
 # conformance at real shapes (cuda backend); rlk consistency on deepseek-v3-4layers and
 # qwen3-30b-a3b-4layers (padded and paged rollouts, MOE_PROMPTS x MOE_NEW_TOKENS, default 32 x
-# 128); the GPU tests of torch.compile(fullgraph=True) of every patched model and of the MoE
+# 128), and qwen3-30b-a3b-4layers at --ep 1 (the expert-parallel code path); the GPU tests of torch.compile(fullgraph=True) of every patched model and of the MoE
 # kernels (4 processes where pytest-xdist is installed); `rlk bench --only moe` (MOE_BENCH_ARGS,
 # default --quick, some 80 s estimated; all the token counts some 3 minutes, estimated: run them
 # alone, MOE_PARTS=bench MOE_BENCH_ARGS=).
@@ -42,7 +42,7 @@ moe_stage() {
   local p m par=()
   moe_t0=$(date +%s)
   python3 -c "import xdist" 2>/dev/null && par=(-n 4)
-  for p in ${MOE_PARTS:-conformance consistency tests bench}; do
+  for p in ${MOE_PARTS:-conformance consistency ep1 tests bench}; do
     case "$p" in
       conformance)
         RLK_VALIDATE=1 moe_part moe_conformance 120 rlk conformance --backend cuda --full --quiet \
@@ -56,6 +56,12 @@ moe_stage() {
             summary+=("  $(grep -E '^(stock|rlk) ' "$OUT/consistency_$m.txt" |
               awk '{printf "%s/%s differ %s experts %s; ", $1, $2, $7, $8}')")
         done ;;
+      ep1)  # the expert-parallel code path (shard_ep, all-to-all) on the one GPU
+        moe_part consistency_ep1 150 rlk consistency --model qwen3-30b-a3b-4layers --ep 1 \
+          --prompts "${MOE_PROMPTS:-32}" --new-tokens "${MOE_NEW_TOKENS:-128}" --micro-batch 8 \
+          --json "$OUT/consistency_ep1.json" &&
+          summary+=("  $(grep -E '^(stock|rlk) ' "$OUT/consistency_ep1.txt" |
+            awk '{printf "%s/%s differ %s experts %s; ", $1, $2, $7, $8}')") ;;
       tests)
         RLK_VALIDATE=1 moe_part moe_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
           "${par[@]}" packages/rlk-integrations/tests/test_compile_fullgraph.py \
