@@ -12,10 +12,11 @@
 # the install; a part cut short or not run says so in the summary: rerun it alone): the MoE ops'
 # conformance at real shapes (cuda backend); rlk consistency on deepseek-v3-4layers and
 # qwen3-30b-a3b-4layers (padded and paged rollouts, MOE_PROMPTS x MOE_NEW_TOKENS, default 32 x
-# 128), and qwen3-30b-a3b-4layers at --ep 1 (the expert-parallel code path); the GPU tests of torch.compile(fullgraph=True) of every patched model and of the MoE
-# kernels (4 processes where pytest-xdist is installed); `rlk bench --only moe` (MOE_BENCH_ARGS,
-# default --quick, some 80 s estimated; all the token counts some 3 minutes, estimated: run them
-# alone, MOE_PARTS=bench MOE_BENCH_ARGS=).
+# 128), and qwen3-30b-a3b-4layers at --ep 1 (the expert-parallel code path); the GPU tests of
+# torch.compile(fullgraph=True) of every patched model and of the MoE kernels (4 processes where
+# pytest-xdist is installed); `rlk bench --only moe` (MOE_BENCH_ARGS, default --quick, some 80 s
+# estimated; all the token counts some 3 minutes, estimated: run them alone, MOE_PARTS=bench
+# MOE_BENCH_ARGS=).
 # RLK_VALIDATE=1 (value checks that read the device) only for tests and conformance: the timed
 # stages run as users run.
 set -uo pipefail
