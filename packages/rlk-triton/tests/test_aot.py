@@ -79,6 +79,21 @@ def test_analyse_reads_atomics_and_matrix_kinds():
 # --------------------------------------------------------------------------------------------
 
 
+def test_cache_keys_do_not_hold_the_triton_installation_path():
+    """A cache written in one checkout answers in another (CI's clone, its own virtual
+    environment): the bundled libraries Triton passes in its options are keyed by file name."""
+    import types
+
+    def options(prefix):
+        libs = (("libdevice", f"{prefix}/triton/backends/nvidia/lib/libdevice.10.bc"),)
+        return types.SimpleNamespace(num_warps=4, extern_libs=libs, arch="sm90")
+
+    here, there = (aot_compile.portable_options(options(p)) for p in ("/a/.venv", "/b/.nox"))
+    assert here == there
+    assert ("extern_libs", (("libdevice", "libdevice.10.bc"),)) in here
+    assert not any("/" in repr(v) for _, v in here)
+
+
 def test_planted_float_atomic_is_a_violation(monkeypatch):
     x, out = planted.inputs()["x"], torch.zeros(1)
     launches = []

@@ -141,7 +141,7 @@ def _compile_one(kernel, args: tuple, kwargs: dict, target_name: str, memo: dict
         options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, spec,
                                                                   options)  # fmt: skip
         key = repr((signature, sorted(constexprs.items(), key=repr), sorted(attrs.items()),
-                    sorted(options.__dict__.items())))  # fmt: skip
+                    portable_options(options)))  # fmt: skip
         memo["bound"] = (key, target, signature, constexprs, attrs, options)
     key, target, signature, constexprs, attrs, options = memo["bound"]
     if bind_only:
@@ -151,6 +151,16 @@ def _compile_one(kernel, args: tuple, kwargs: dict, target_name: str, memo: dict
         return key, triton.compile(src, target=target, options=options.__dict__)
     except Exception as e:  # the compiler's error is the result
         return key, _error_text(e)
+
+
+def portable_options(options: Any) -> list[tuple[str, Any]]:
+    """Triton's compile ``options`` as a cache key holds them: sorted, and the libraries Triton
+    bundles (``extern_libs``: libdevice, ocml, ockl) named by file, not by the path of the
+    Triton installation, so that a cache written in one checkout answers in another (CI's)."""
+    items = dict(options.__dict__)
+    if items.get("extern_libs"):
+        items["extern_libs"] = tuple((n, os.path.basename(p)) for n, p in items["extern_libs"])
+    return sorted(items.items())
 
 
 def _error_text(e: BaseException) -> str:
