@@ -22,15 +22,21 @@ from rlk_integrations.engine.registry import ROLLOUT_ENGINES
 #: here (the report names the others and why); ``both`` is padded and paged.
 ROLLOUT_GROUPS: dict[str, tuple[str, ...] | None] = {"all": None, "both": ("padded", "paged")}
 
+#: The built-in models ``--help`` names: those of :mod:`rlk_integrations.tools.zoo`, written out
+#: because importing the zoo imports torch (a test holds the two lists equal).
+BUILTIN_MODELS = (
+    "tiny", "tiny-llama", "tiny-qwen3", "tiny-mha", "tiny-mha8", "tiny-qwen3-moe",
+    "tiny-qwen2-moe", "tiny-deepseek-v3", "qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers",
+    "qwen3-30b-a3b-4layers", "deepseek-v3-4layers", "llama3.2-1b-4layers", "qwen2.5-1.5b-4layers",
+)  # fmt: skip
+
 
 def _add_arguments(pk: argparse.ArgumentParser) -> None:
     pk.add_argument(
         "--model",
         default="tiny",
-        help="built-in config (tiny, tiny-llama, tiny-qwen3, tiny-mha, tiny-mha8, tiny-qwen3-moe, "
-        "tiny-qwen2-moe, tiny-deepseek-v3, qwen2-0.5b, qwen3-0.6b, llama3-8b-4layers, "
-        "qwen3-30b-a3b-4layers, deepseek-v3-4layers, llama3.2-1b-4layers, qwen2.5-1.5b-4layers; "
-        "random weights) or a local checkpoint directory (default: tiny)",
+        help=f"built-in config ({', '.join(BUILTIN_MODELS)}; random weights) or a local "
+        "checkpoint directory (default: tiny)",
     )
     pk.add_argument("--backend", default=None, help="rlk backend (default: the selected one)")
     pk.add_argument("--prompts", type=int, default=8, help="number of prompts (default: 8)")
