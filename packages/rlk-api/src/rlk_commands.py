@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("bench", help="time every op family against the strongest peer on this GPU")
     pb.add_argument(
         "--only", default=None, help="comma-separated families (default: all): gemm, attention, "
-        "norm, logprobs, sampling, moe, e2e, e2e-long, e2e-heldout (the e2e ones: with "
-        "rlk-integrations)",
+        "norm, logprobs, sampling, moe, e2e, e2e-long, e2e-heldout, e2e-train-long (the e2e "
+        "ones: with rlk-integrations)",
     )  # fmt: skip
     pb.add_argument("--quick", action="store_true", help="one or two shapes per family")
     pb.add_argument(

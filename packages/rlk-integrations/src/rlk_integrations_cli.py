@@ -27,7 +27,8 @@ ROLLOUT_GROUPS: dict[str, tuple[str, ...] | None] = {"all": None, "both": ("padd
 BUILTIN_MODELS = (
     "tiny", "tiny-llama", "tiny-qwen3", "tiny-mha", "tiny-mha8", "tiny-qwen3-moe",
     "tiny-qwen2-moe", "tiny-deepseek-v3", "qwen2-0.5b", "qwen3-0.6b", "llama3-8b-4layers",
-    "qwen3-30b-a3b-4layers", "deepseek-v3-4layers", "llama3.2-1b-4layers", "qwen2.5-1.5b-4layers",
+    "qwen3-4b-4layers", "qwen3-30b-a3b-4layers", "deepseek-v3-4layers", "llama3.2-1b-4layers",
+    "qwen2.5-1.5b-4layers",
 )  # fmt: skip
 
 

@@ -97,6 +97,43 @@ def test_heldout_family_and_model_filter(monkeypatch):
         e2e_bench.HELDOUT_FAMILY.run(quick=True, emit=rows.append)
 
 
+def test_train_long_family_rows_and_a_stock_peer_out_of_memory(monkeypatch):
+    # Every (model, shape) gives its training rows; a stock peer that runs out of memory is left
+    # out (its reason on stderr) and rlk's rows still come, while rlk's own failure is raised.
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
+    monkeypatch.setattr(e2e_bench, "TRAIN_LONG_MODELS", ("tiny",))
+    monkeypatch.setattr(e2e_bench, "QUICK_TRAIN_LONG_SHAPES", ((1, 8), (2, 4)))
+    monkeypatch.setattr(e2e_common, "TRAIN_WARMUP", 0)
+    monkeypatch.setattr(e2e_common, "TRAIN_ITERS", 1)
+    rows = []
+    e2e_bench.TRAIN_LONG_FAMILY.run(quick=True, emit=rows.append)
+    got = {(r["shape"], r["impl"]) for r in rows}
+    for shape in ("tiny 1x8", "tiny 2x4"):
+        assert {(shape, "stock"), (shape, "rlk")} <= got, shape
+
+    def oom(model, samples):
+        raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+
+    monkeypatch.setattr(e2e_bench, "_stock_step", oom)
+    monkeypatch.setattr(e2e_bench, "QUICK_TRAIN_LONG_SHAPES", ((1, 8),))
+    rows = []
+    e2e_bench.TRAIN_LONG_FAMILY.run(quick=True, emit=rows.append)
+    assert {r["impl"] for r in rows} >= {"rlk"} and "stock" not in {r["impl"] for r in rows}
+    monkeypatch.setattr(e2e_bench, "_rlk_step", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        e2e_bench.TRAIN_LONG_FAMILY.run(quick=True, emit=rows.append)
+
+
+def test_train_long_shapes():
+    # The family's second model keeps Qwen3-4B's layer shape.
+    from rlk_integrations.tools.zoo import make_config
+
+    cfg = make_config("qwen3-4b-4layers")
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim) == (2560, 9728, 128)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers) == (32, 8, 4)
+    assert e2e_bench.TRAIN_LONG_SHAPES == ((1, 16384), (4, 8192))
+
+
 def test_heldout_shapes():
     # The held-out configs keep the features they stand for.
     from rlk_integrations.tools.zoo import HELDOUT, make_config

@@ -3,7 +3,8 @@
 Each family module (``gemm``, ``attention``, ``norm``, ``logprobs``, ``sampling``, ``moe`` here; in
 rlk-integrations, found through the entry-point group ``rlk.bench``, ``e2e``, the rollout and
 training engines, ``e2e-long``, their rollouts at long prompts and outputs, and
-``e2e-heldout``, the training rows on held-out model shapes) has
+``e2e-heldout``, the training rows on held-out model shapes, and ``e2e-train-long``, the
+training rows at 16384-token context) has
 ``run(quick, emit)``, which times rlk's public op and its peers on the same random inputs, in
 this process, and passes each result row to ``emit`` as soon as it is measured.
 A row is ``{op, shape, dtype, impl, ms, timing, [GB/s], [TFLOP/s], [extra_GiB],
@@ -56,6 +57,7 @@ from rlk.bench.timing import ceilings
 #: Every family, in the order ``rlk bench`` runs them.
 FAMILIES = (
     "gemm", "attention", "norm", "logprobs", "sampling", "moe", "e2e", "e2e-long", "e2e-heldout",
+    "e2e-train-long",
 )  # fmt: skip
 
 #: The families of other distributions (entry-point group ``rlk.bench``, each naming the family's
@@ -64,6 +66,7 @@ PLUGIN_FAMILIES = {
     "e2e": 'rlk-integrations (pip install "rlk[transformers]")',
     "e2e-long": 'rlk-integrations (pip install "rlk[transformers]")',
     "e2e-heldout": 'rlk-integrations (pip install "rlk[transformers]")',
+    "e2e-train-long": 'rlk-integrations (pip install "rlk[transformers]")',
 }
 BENCH_GROUP = "rlk.bench"
 

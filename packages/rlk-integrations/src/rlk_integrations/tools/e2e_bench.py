@@ -80,6 +80,13 @@ rate 0, so that every step does the same work):
 
 A row is the wall time of one step after an untimed one; ``tok_s`` counts the sampled tokens.
 
+The family ``e2e-train-long`` (:data:`TRAIN_LONG_FAMILY`) runs the training rows alone at long
+context, where attention's backward is most of a step: each of :data:`TRAIN_LONG_SHAPES` (one
+sequence of 16384 tokens, and 4 of 8192 packed) through each of :data:`TRAIN_LONG_MODELS`. Stock
+runs transformers' SDPA attention: causal over one sequence, and over packed ones with the
+block-diagonal mask transformers builds from the ``position_ids``. A peer that runs out of memory
+is left out with the reason on stderr.
+
 The family ``e2e-heldout`` runs the training rows alone on the held-out shapes
 (:data:`rlk_integrations.tools.zoo.HELDOUT`), whose kernel configurations were never measured.
 
@@ -122,6 +129,10 @@ TRAIN_LEN = 512
 QUICK_MODELS = ("qwen2-0.5b",)
 #: The ``e2e-heldout`` family's models (the quick run and the full one).
 HELDOUT_MODELS = HELDOUT
+#: The ``e2e-train-long`` family: models and (sequences, tokens each) of its packed row.
+TRAIN_LONG_MODELS = ("llama3-8b-4layers", "qwen3-4b-4layers")
+TRAIN_LONG_SHAPES = ((1, 16384), (4, 8192))
+QUICK_TRAIN_LONG_SHAPES = ((1, 4096), (4, 1024))
 QUICK_BATCHES = (8,)
 QUICK_NEW_TOKENS = 32
 QUICK_TRAIN_SEQS = 8
@@ -399,11 +410,14 @@ def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> Non
         try:
             seconds = _train_seconds(model, step, samples, device)
         except Exception as e:
-            if impl != "stock+liger":
+            # An optional peer's failure, or a peer's lack of memory at long context (stock
+            # keeps every layer's fp32 logits), must not cost the rlk rows after it.
+            oom = isinstance(e, torch.OutOfMemoryError) and not patched
+            if impl != "stock+liger" and not oom:
                 raise
-            # An optional peer: its failure must not cost the rlk row after it.
             model.zero_grad(set_to_none=True)
-            _say(f"e2e: stock+liger failed, row skipped ({type(e).__name__}: {e})")
+            _free(device)
+            _say(f"e2e: {impl} failed, row skipped ({type(e).__name__}: {e})")
             continue
         emit(
             timing.row(
@@ -638,7 +652,29 @@ def run_heldout(quick: bool, emit: Callable[[dict], None]) -> None:
         _free(device)
 
 
+def run_train_long(quick: bool, emit: Callable[[dict], None]) -> None:
+    """The ``e2e-train-long`` family: the training rows of :data:`TRAIN_LONG_SHAPES` (``quick``:
+    :data:`QUICK_TRAIN_LONG_SHAPES`) on each of :data:`TRAIN_LONG_MODELS`."""
+    restart_clock()
+    device = torch.device(timing.DEVICE)
+    shapes = QUICK_TRAIN_LONG_SHAPES if quick else TRAIN_LONG_SHAPES
+    flce = _liger()
+    for name in _selected(TRAIN_LONG_MODELS):
+        _say(f"e2e: loading {name} (random weights, bf16, {device})")
+        model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
+        try:
+            for n, length in shapes:
+                _trainings(model, name, n, length, device, emit, flce)
+                _free(device)
+        finally:
+            unpatch_model(model)
+        del model
+        _free(device)
+
+
 #: The ``e2e-long`` family's entry (``rlk bench --only e2e-long``).
 LONG = types.SimpleNamespace(run=run_long)
 #: The ``e2e-heldout`` family's entry (``rlk bench --only e2e-heldout``).
 HELDOUT_FAMILY = types.SimpleNamespace(run=run_heldout)
+#: The ``e2e-train-long`` family's entry (``rlk bench --only e2e-train-long``).
+TRAIN_LONG_FAMILY = types.SimpleNamespace(run=run_train_long)

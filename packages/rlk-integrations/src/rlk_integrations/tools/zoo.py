@@ -6,7 +6,8 @@ head_dim 32, which stock vLLM's CPU attention takes; and ``tiny-mha`` /
 ``tiny-mha8`` whose 4 / 8 key/value heads split over 4 / 8 tensor-parallel ranks; and
 ``tiny-deepseek-v3``, DeepSeek-V3's multi-head latent attention, group-limited router and shared
 expert at tiny size) are small enough for the Triton interpreter on a CPU; ``qwen2-0.5b``,
-``qwen3-0.6b``, ``llama3-8b-4layers``, ``qwen3-30b-a3b-4layers`` (128 experts, 8 per token) and
+``qwen3-0.6b``, ``llama3-8b-4layers``, ``qwen3-4b-4layers``, ``qwen3-30b-a3b-4layers`` (128
+experts, 8 per token) and
 ``deepseek-v3-4layers`` (DeepSeek-V3's layers with 64 of its 256 experts) have the shapes of the
 real models (random weights, nothing downloaded) for GPU runs.
 
@@ -168,6 +169,23 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             rope_theta=500000.0,
             rope_scaling=_llama3_rope(8.0),
             tie_word_embeddings=False,
+        ),
+    ),
+    # Qwen3-4B's layers (q/k norms, 32/8 heads of 128 over a hidden size of 2560), 4 of its 36.
+    "qwen3-4b-4layers": (
+        "qwen3",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=2560,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=9728,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
         ),
     ),
     # Qwen3-30B-A3B's layers (128 experts of 768, 8 per token, renormalised), 4 of its 48.
