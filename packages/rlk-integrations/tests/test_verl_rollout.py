@@ -16,6 +16,8 @@ Runs in stage 4 of ``nox -s tests`` beside test_verl.py (``RLK_REQUIRE_VERL=1``:
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -64,9 +66,15 @@ def test_verls_vllm_rollout_gives_the_engines_bits(tmp_path, monkeypatch):
     write_checkpoint(path, tokenizer=True)  # vLLM's server tokenizes (its vocab is the model's)
     monkeypatch.setenv("RANK", "0")  # what verl's ServerAdapter reads of its trainer rank
     monkeypatch.setenv("RAY_LOCAL_WORLD_SIZE", "1")
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 << 20)
+    # Ray refuses a temp dir inside the virtualenv (VIRTUAL_ENV), where nox puts TMPDIR: its
+    # workers die at start and Ray waits for them instead of failing. /tmp also keeps its
+    # socket paths short.
+    ray_tmp = tempfile.mkdtemp(prefix="rlk-ray-", dir="/tmp")
+    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 << 20, _temp_dir=ray_tmp)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
+        # A worker that cannot start would leave every call below waiting: fail in 2 minutes.
+        assert ray.get(ray.remote(lambda: 1).remote(), timeout=120) == 1
         t0 = time.monotonic()
         servers = {r: vw.start_server(path, r, rlk=r == RLK) for r in (RLK, STOCK)}
         eng = vw.engine(path)
@@ -94,3 +102,4 @@ def test_verls_vllm_rollout_gives_the_engines_bits(tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
         ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
