@@ -115,8 +115,8 @@ def tests(session: nox.Session) -> None:
     clock.done()
 
 
-#: Each pytest worker of stages 1-3 computes on one thread. pytest-xdist runs two workers on CI's
-#: two cores; with torch's and OpenBLAS's default of a thread per core, four threads share two
+#: Each process of stages 1-4 computes on one thread. pytest-xdist runs two workers on CI's two
+#: cores; with torch's and OpenBLAS's default of a thread per core, four threads share two
 #: cores and every small parallel op waits on a descheduled one (OpenMP spins at its barriers):
 #: the ascend backend's conformance test took 348 s so, 14 s with one thread, and stage 1's first
 #: pass 11.3 minutes against 8.6.
