@@ -634,42 +634,38 @@ def run_long(quick: bool, emit: Callable[[dict], None]) -> None:
     _run(quick, emit, long=True)
 
 
-def run_heldout(quick: bool, emit: Callable[[dict], None]) -> None:
-    """The ``e2e-heldout`` family: the training rows on the held-out shapes (``quick``: the
-    quick run's training length)."""
-    restart_clock()
-    device = torch.device(timing.DEVICE)
-    _, _, _, n, length, _, _ = _settings(quick)
-    flce = _liger()
-    for name in _selected(HELDOUT_MODELS):
-        _say(f"e2e: loading {name} (random weights, bf16, {device})")
-        model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
-        try:
-            _trainings(model, name, n, length, device, emit, flce)
-        finally:
-            unpatch_model(model)
-        del model
-        _free(device)
+def _training_rows(models, shapes) -> Callable[[bool, Callable[[dict], None]], None]:
+    """A family of training rows alone: each of ``models`` loaded once, then each
+    ``(sequences, tokens each)`` of ``shapes(quick)`` packed into one row."""
+
+    def run(quick: bool, emit: Callable[[dict], None]) -> None:
+        restart_clock()
+        device = torch.device(timing.DEVICE)
+        flce = _liger()
+        for name in _selected(models()):
+            _say(f"e2e: loading {name} (random weights, bf16, {device})")
+            model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
+            try:
+                for n, length in shapes(quick):
+                    _trainings(model, name, n, length, device, emit, flce)
+                    _free(device)
+            finally:
+                unpatch_model(model)
+            del model
+            _free(device)
+
+    return run
 
 
-def run_train_long(quick: bool, emit: Callable[[dict], None]) -> None:
-    """The ``e2e-train-long`` family: the training rows of :data:`TRAIN_LONG_SHAPES` (``quick``:
-    :data:`QUICK_TRAIN_LONG_SHAPES`) on each of :data:`TRAIN_LONG_MODELS`."""
-    restart_clock()
-    device = torch.device(timing.DEVICE)
-    shapes = QUICK_TRAIN_LONG_SHAPES if quick else TRAIN_LONG_SHAPES
-    flce = _liger()
-    for name in _selected(TRAIN_LONG_MODELS):
-        _say(f"e2e: loading {name} (random weights, bf16, {device})")
-        model = load_model(name, dtype=DTYPE, device=device, seed=SEED)
-        try:
-            for n, length in shapes:
-                _trainings(model, name, n, length, device, emit, flce)
-                _free(device)
-        finally:
-            unpatch_model(model)
-        del model
-        _free(device)
+#: The ``e2e-heldout`` family: the training rows on the held-out shapes (``quick``: the quick
+#: run's training length). Module constants are read at each run (tests set them).
+run_heldout = _training_rows(lambda: HELDOUT_MODELS, lambda quick: [_settings(quick)[3:5]])
+#: The ``e2e-train-long`` family: the training rows of :data:`TRAIN_LONG_SHAPES` (``quick``:
+#: :data:`QUICK_TRAIN_LONG_SHAPES`) on each of :data:`TRAIN_LONG_MODELS`.
+run_train_long = _training_rows(
+    lambda: TRAIN_LONG_MODELS,
+    lambda quick: QUICK_TRAIN_LONG_SHAPES if quick else TRAIN_LONG_SHAPES,
+)
 
 
 #: The ``e2e-long`` family's entry (``rlk bench --only e2e-long``).
