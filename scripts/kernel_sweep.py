@@ -20,7 +20,8 @@ the GPU with, at B = 1, 64 and 256; temperature alone and with top-k / top-p), `
 kernel's early dO V^T product), ``gemm`` (every GEMM candidate at the bench's shapes below
 0.9x cuBLAS, at projections no config was chosen on and at a k/v projection, M = 1-1024),
 ``offsets`` (attention, paged decode and packed forward and backward, with its row offsets in
-int32 and in int64).
+int32 and in int64), ``kvsplit`` (the training forward and paged decode under each KV split
+constant of :data:`KV_SPLITS`).
 Every config's output is compared bitwise with the chosen config's where the numerics are the
 same.
 
@@ -363,6 +364,70 @@ def paged_part(rows) -> None:
         configs += [c for c in PAGED_EXTRA if c not in configs]
         _config_sweep(rows, "paged", f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}", fn,
                       "paged_attention.fwd", configs, kv_bytes, float("nan"))  # fmt: skip
+
+
+#: ``kvsplit``: the KV split constants timed (``attention_fwd.KV_SPLIT``; each a numerics).
+KV_SPLITS = (4096, 2048, 1024, 512, 256)
+
+
+def kv_split_part(rows) -> None:
+    """What the KV split constant costs and buys: the causal training forward (and forward +
+    backward) at ``ATTN_SHAPES`` and paged decode at the harness's shapes, under each of
+    :data:`KV_SPLITS`, with the configs the tables choose (CUDA-graph GPU time). Each constant
+    is a different numerics, so no bits are compared across them."""
+    from rlk.bench import attention as battn
+    from rlk_triton import attention_fwd
+
+    cases = [(s, _attention_case(*s)) for s in ATTN_SHAPES]
+    decodes = [(s, battn.decode_inputs(*s, device="cuda")) for s in battn.DECODE]
+    old = attention_fwd.KV_SPLIT
+    try:
+        for split in KV_SPLITS:
+            attention_fwd.KV_SPLIT = split
+            for (b, s, hq, hk, d), (q, k, v, _, cu, _flops, step) in cases:
+
+                def fwd(q=q, k=k, v=v, cu=cu):
+                    return rlk.attention(q, k, v, cu, cu, causal=True)
+
+                r = {"part": "kvsplit", "split": split,
+                     "shape": f"B={b} S={s} Hq={hq} Hk={hk} D={d}",
+                     "fwd_ms": round(graph_ms(fwd, 1), 4),
+                     "fwdbwd_ms": round(graph_ms(step, 1), 4)}  # fmt: skip
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            for (b, ctx, hq, hk, d, page), inputs in decodes:
+                ms = graph_ms(lambda inputs=inputs: rlk.paged_attention(*inputs), 1)
+                r = {
+                    "part": "kvsplit",
+                    "split": split,
+                    "shape": f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} page={page}",
+                    "decode_ms": round(ms, 5),
+                    "gbps": round(2 * b * ctx * hk * d * 2 / ms / 1e6),
+                }
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        attention_fwd.KV_SPLIT = old
+
+
+def print_kv_split(rows) -> None:
+    ks = [r for r in rows if r["part"] == "kvsplit"]
+    if not ks:
+        return
+    base = {r["shape"]: r for r in ks if r["split"] == KV_SPLITS[0]}
+    head = f"vs {KV_SPLITS[0]}"
+    print(f"\n{'KV_SPLIT':>8} {'shape':44} {'ms':>9} {head:>8} GB/s, or fwd+bwd ms and ratio")
+    for r in ks:
+        b = base[r["shape"]]
+        if "fwd_ms" in r:
+            print(f"{r['split']:>8} {r['shape']:44} {r['fwd_ms']:>9} "
+                  f"{b['fwd_ms'] / r['fwd_ms']:>8.3f} {r['fwdbwd_ms']:>9} "
+                  f"{b['fwdbwd_ms'] / r['fwdbwd_ms']:.3f}")  # fmt: skip
+        else:
+            print(
+                f"{r['split']:>8} {r['shape']:44} {r['decode_ms']:>9} "
+                f"{b['decode_ms'] / r['decode_ms']:>8.3f} {r['gbps']:>9}"
+            )
 
 
 def offsets_part(rows) -> None:
@@ -1136,7 +1201,7 @@ def main() -> None:
         "silu": silu_part,
         "norm": norm_part, "normbwd": norm_bwd_part, "sample": sample_part,
         "fusedmem": fused_memory_part, "sampleknobs": sample_knobs_part, "paged": paged_part,
-        "gemm": gemm_part, "offsets": offsets_part,
+        "gemm": gemm_part, "offsets": offsets_part, "kvsplit": kv_split_part,
     }  # fmt: skip
     unknown = sorted(set(parts) - set(runs))
     if unknown:
@@ -1153,6 +1218,7 @@ def main() -> None:
     print_memory_bound(rows)
     print_gemm(rows)
     print_offsets(rows)
+    print_kv_split(rows)
 
 
 def decode_part(rows) -> None:

@@ -15,6 +15,9 @@ Probes (bf16, CUDA):
 - ``linear-shortk``: ``rlk.linear`` then ``F.linear`` at M=1024, K=896, N=4864 (the Qwen2-0.5B
   up projection in prefill, the harness shape where rlk's GEMM is slowest against cuBLAS): one
   ``_matmul_tma_kernel`` launch, then cuBLAS's kernel.
+- ``linear-mid``: ``rlk.linear`` then ``F.linear`` at M=1024, K=3584, N=4608 (the Qwen2.5-7B
+  q/k/v projection in prefill; another shape: ``PROBE_LINEAR=M,K,N``), where 128x256 tiles
+  leave a nearly empty second wave.
 - ``paged-b1``: ``rlk.paged_attention`` decode at B=1, ctx 8192, Hq=32, Hk=8, D=128, pages of
   16 (the harness's small-batch decode): one ``_fwd_kernel`` launch per call. Another shape:
   ``PROBE_PAGED=B,ctx,Hq,Hk,D,page``.
@@ -107,6 +110,10 @@ def linear_shortk() -> None:
     _linear(1024, 896, 4864)
 
 
+def linear_mid() -> None:
+    _linear(*(int(v) for v in os.environ.get("PROBE_LINEAR", "1024,3584,4608").split(",")))
+
+
 def paged_b1() -> None:
     from rlk.bench.attention import decode_inputs
 
@@ -143,6 +150,7 @@ PROBES = {
     "attention-bwd": attention_bwd,
     "linear-decode": linear_decode,
     "linear-shortk": linear_shortk,
+    "linear-mid": linear_mid,
     "paged-b1": paged_b1,
     "norm-bwd": norm_bwd,
     "rotary-d64": rotary_d64,

@@ -353,6 +353,7 @@ _CONFIGS = (
     gemm_config(64, 64, 4, 4, tma=True),  # 19: M 65-256 with a short K, descriptors
     gemm_config(64, 32, 4, 8, unroll=2),  # 20: decode, N up to ~8k, K > 1024: two K tiles a step
     gemm_config(64, 64, 4, 8),  # 21: decode M <= 16, N up to ~8k, a short K
+    gemm_config(128, 128, 8, 4, tma=True, persistent=True),  # 22: M ~1k, 128x256 waves ragged
 )
 
 _NUM_SMS = 132  # H200; only shapes the choice of tiles, never the bits
@@ -383,7 +384,12 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     at 14336 -> 4096, 0.74 -> 0.81x at 9728 -> 2560, M = 256), else 64x64 (a 4-stage pipeline
     for a short K, <= 1024). Above: 64x128 where 128x256 tiles would leave half the SMs idle
     (4864 -> 896 at M = 1024: 0.34 -> 0.88x), else 128x256 persistent, or 64x256 persistent
-    for a short K (<= 1024) until there are four 128x256 tiles per SM. Chosen from
+    for a short K (<= 1024) until there are four 128x256 tiles per SM; but 128x128 persistent
+    where its waves take at most 3/4 of the 128x256 grid's time, counting a 128x128 wave as
+    half (3584 -> 4608 at M = 1024: 144 tiles of 128x256 are two waves for 132 SMs, the second
+    of 12 tiles; 288 of 128x128 are three half-time waves: 0.63 -> 0.73x cuBLAS on an H100).
+    No data-parallel tiling does much better there: cuBLAS keeps every SM busy by splitting
+    K, which this module never does (a fixed reduction order). Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
     cuBLAS at the Llama-3-8B, Qwen2-0.5B, Qwen2.5-7B and Qwen3-4B projections).
     """
@@ -410,6 +416,10 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
         return 16
     if K <= 1024 and _tiles(M, N, _CONFIGS[14]) < 4 * _NUM_SMS:
         return 18
+    if 2 * cdiv(_tiles(M, N, _CONFIGS[22]), _NUM_SMS) <= 3 * cdiv(
+        _tiles(M, N, _CONFIGS[14]), _NUM_SMS
+    ):
+        return 22
     return 14
 
 
