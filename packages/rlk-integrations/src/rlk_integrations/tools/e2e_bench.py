@@ -85,7 +85,7 @@ context, where attention's backward is most of a step: each of :data:`TRAIN_LONG
 sequence of 16384 tokens, and 4 of 8192 packed) through each of :data:`TRAIN_LONG_MODELS`. Stock
 runs transformers' SDPA attention: causal over one sequence, and over packed ones with the
 block-diagonal mask transformers builds from the ``position_ids``. A peer that runs out of memory
-is left out with the reason on stderr.
+has no row: the report's ``left_out`` records it with the error.
 
 The family ``e2e-heldout`` runs the training rows alone on the held-out shapes
 (:data:`rlk_integrations.tools.zoo.HELDOUT`), whose kernel configurations were never measured.
@@ -418,6 +418,7 @@ def _trainings(model, name: str, n: int, length: int, device, emit, flce) -> Non
             model.zero_grad(set_to_none=True)
             _free(device)
             _say(f"e2e: {impl} failed, row skipped ({type(e).__name__}: {e})")
+            emit(timing.left_out("e2e.train", shape, "bf16", impl, e))  # the report says why
             continue
         emit(
             timing.row(
