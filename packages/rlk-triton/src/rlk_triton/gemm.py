@@ -388,8 +388,10 @@ def _choose(M: int, N: int, K: int, dtype_bytes: int = 2) -> int:
     where its waves take at most 3/4 of the 128x256 grid's time, counting a 128x128 wave as
     half (3584 -> 4608 at M = 1024: 144 tiles of 128x256 are two waves for 132 SMs, the second
     of 12 tiles; 288 of 128x128 are three half-time waves: 0.63 -> 0.73x cuBLAS on an H100).
-    No data-parallel tiling does much better there: cuBLAS keeps every SM busy by splitting
-    K, which this module never does (a fixed reduction order). Chosen from
+    cuBLAS fills the waves with tile widths no power of two gives: Nsight Compute names its
+    kernel there nvjet_sm90_tst_144x128 (132 programs of 3 warpgroups in 2-CTA clusters,
+    about 256 tiles in 1.94 waves), and at M = 256 nvjet_sm90_tst_80x128 (120 programs in
+    8-CTA clusters); Triton's tiles are powers of two. Chosen from
     ``scripts/kernel_sweep.py`` on an H200 (CUDA-graph GPU time of every candidate against
     cuBLAS at the Llama-3-8B, Qwen2-0.5B, Qwen2.5-7B and Qwen3-4B projections).
     """
