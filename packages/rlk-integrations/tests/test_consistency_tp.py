@@ -19,6 +19,8 @@ pytest.importorskip("transformers")
 # Every test here spawns gloo processes that run the tiny model under the interpreter.
 pytestmark = pytest.mark.slow
 
+import time  # noqa: E402
+
 from rlk import cli  # noqa: E402
 from rlk_integrations.engine import tp_workers, training  # noqa: E402
 from rlk_integrations.engine.engines import Sample  # noqa: E402
@@ -101,3 +103,17 @@ def test_rollout_tp8_train_tp1(tmp_path, capsys):
     (row,) = [r for r in report["rows"] if r["side"] == "rlk"]
     assert row["rollout_mode"] == "padded-tp8" and row["train_engine"] == "transformers"
     assert row["tokens"] == 9 and row["max_abs_dlogp"] == 0.0 and row["frac_differ"] == 0.0
+
+
+def test_spawn_collective_times_out():
+    # A rank that never joins a collective fails the run after timeout_s, not after the stalled
+    # rank's 90 s (gloo's own default would wait 30 minutes): the elapsed bound fails otherwise.
+    from tp_stall_workers import STALL_S, stalled_peer_worker
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timed out|timeout"):
+        tp_workers.spawn(stalled_peer_worker, 2, "cpu", timeout_s=3)
+    assert time.monotonic() - start < STALL_S / 2
+    for bad in (0, -1.0, True, "3"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            tp_workers.spawn(stalled_peer_worker, 2, "cpu", timeout_s=bad)

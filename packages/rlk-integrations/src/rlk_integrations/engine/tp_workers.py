@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 import tempfile
 import time
@@ -35,8 +36,13 @@ from rlk_integrations.models.ep import shard_ep
 from rlk_integrations.models.tp import shard_tp
 from rlk_integrations.models.transformers import patch_model
 
+#: Seconds a collective of :func:`spawn`'s ranks may wait for the others before it raises: a
+#: rank that stalls or skips a collective fails the run instead of holding the rest for gloo's
+#: default 30 minutes.
+COLLECTIVE_TIMEOUT_S = 600.0
 
-def _entry(rank, world, init_file, out, device_type, backend, fn, args):
+
+def _entry(rank, world, init_file, out, device_type, backend, timeout_s, fn, args):
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
@@ -45,6 +51,7 @@ def _entry(rank, world, init_file, out, device_type, backend, fn, args):
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         with rlk.use_backend(backend) if backend else contextlib.nullcontext():
@@ -55,18 +62,24 @@ def _entry(rank, world, init_file, out, device_type, backend, fn, args):
         dist.destroy_process_group()
 
 
-def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None = None) -> Any:
+def spawn(fn: Any, world: int, device_type: str, *args: Any, backend: str | None = None,
+          timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Any:  # fmt: skip
     """Run ``fn(rank, world, device, *args)`` in ``world`` new processes (gloo on CPU; NCCL on
     CUDA with rank r on ``cuda:r``) under ``rlk.use_backend(backend)``; returns rank 0's result.
     ``fn`` must be importable (a module-level function) and return tensors, plain Python data or
-    rollout records (the result comes back through ``torch.load(weights_only=True)``)."""
+    rollout records (the result comes back through ``torch.load(weights_only=True)``). A
+    collective that waits more than ``timeout_s`` seconds for the other ranks raises in its
+    rank, and the run fails with that rank's error."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if device_type == "cuda" and torch.cuda.device_count() < world:
         raise RuntimeError(
             f"TP={world} on CUDA needs {world} GPUs, found {torch.cuda.device_count()}"
         )
     with tempfile.TemporaryDirectory(prefix="rlk-tp-") as tmp:
         out = os.path.join(tmp, "out.pt")
-        args = (world, os.path.join(tmp, "rendezvous"), out, device_type, backend, fn, args)
+        args = (world, os.path.join(tmp, "rendezvous"), out, device_type, backend,
+                float(timeout_s), fn, args)  # fmt: skip
         mp.spawn(_entry, args=args, nprocs=world, join=True)
         # weights_only: tensors and plain data only, plus the rollout's records by name
         # (add_safe_globals, unlike the safe_globals context manager, exists since torch 2.4).
