@@ -61,11 +61,20 @@ def attention_bwd() -> None:
 
 
 def _linear(m: int, k: int, n: int) -> None:
-    """``rlk.linear`` then ``F.linear`` of ``[m, k]`` by ``[n, k]``, three times."""
+    """``rlk.linear`` then ``F.linear`` of ``[m, k]`` by ``[n, k]``, three times. rlk's call is
+    the chosen config forced, so a descriptor config runs its descriptor kernel as under CUDA
+    graphs in ``rlk bench`` (eager products below ``tuning.HOST_BOUND_FLOPS`` otherwise take
+    the pointer kernel on the same tiles)."""
+    from rlk.selection import backend_impl
+    from rlk_triton import tuning
+
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    table = backend_impl(x.device).ops["linear"].keywords["table"]
+    cfg = tuning.config(table, "linear.fwd", M=m, N=n, K=k)
     for _ in range(3):
-        rlk.linear(x, w)
+        with tuning.force("linear", {"linear.fwd": cfg}):
+            rlk.linear(x, w)
         F.linear(x, w)
 
 
