@@ -900,8 +900,8 @@ def _norm_bwd_shape(rows, T: int, H: int) -> None:
 
 
 def fused_memory_part(rows) -> None:
-    for T, H in ((16384, 896), (8192, 4096)):
-        _fused_memory_shape(rows, T, H, 151936)
+    for T, H, V in ((16384, 896, 151936), (16384, 4096, 128256), (32768, 4096, 128256)):
+        _fused_memory_shape(rows, T, H, V)
 
 
 def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
@@ -916,10 +916,11 @@ def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
     tgt = torch.randint(0, V, (T,), device="cuda")
     g = torch.randn(T, device="cuda")
     hr, wr = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    base = {k: getattr(fl, k) for k in ("BWD_TOKENS", "DW_SLICE", "DW_TOKENS", "_FWD_SLICE_ELEMS")}
-    variants = [{}, {"_FWD_SLICE_ELEMS": 1 << 25}, {"BWD_TOKENS": 2048}, {"BWD_TOKENS": 4096},
-                {"DW_SLICE": 4096}, {"DW_SLICE": 1024}, {"DW_TOKENS": 4096},
-                {"DW_TOKENS": 16384}, {"BWD_TOKENS": 10**9}]  # fmt: skip
+    keys = ("BWD_TOKENS", "BWD_ELEMS", "DW_SLICE", "DW_TOKENS", "_FWD_SLICE_ELEMS")
+    base = {k: getattr(fl, k) for k in keys}
+    variants = [{}, {"BWD_TOKENS": 1024}, {"BWD_TOKENS": 4096}, {"_FWD_SLICE_ELEMS": 1 << 25},
+                {"DW_SLICE": 4096}, {"DW_TOKENS": 16384},
+                {"BWD_TOKENS": 10**9, "BWD_ELEMS": 10**12}]  # fmt: skip
 
     def ms(fn, n=3):
         fn()

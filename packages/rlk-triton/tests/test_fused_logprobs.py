@@ -132,6 +132,12 @@ def test_two_pass_backward_equals_one_pass(monkeypatch, dtype, logits_dtype):
     got = grads(40)
     for name, x, y in zip(("dhidden", "dW", "dbias"), got, want):
         assert torch.equal(x, y), name
+    # The element bound alone (40 tokens of H = 32) takes the same chunks.
+    assert fl.bwd_tokens(32) == 40
+    monkeypatch.setattr(fl, "BWD_ELEMS", 40 * 32)
+    assert fl.bwd_tokens(32) == 40 and fl.bwd_tokens(10**6) == 1
+    for name, x, y in zip(("dhidden", "dW", "dbias"), grads(10**6), want):
+        assert torch.equal(x, y), name
 
 
 def test_two_pass_backward_of_a_vocabulary_rank(monkeypatch):

@@ -26,15 +26,19 @@ only on its own input row, so slicing changes no bit.
 Extra memory: one ``[T, sub]`` buffer that holds a sub-slice's logits and then its dlogits
 (logits of another dtype than the model's take a second buffer), and at most
 ``log2(VOCAB_LEAVES) + 1`` fp32 ``[T, H]`` partial sums of the dh tree, independent of V; the
-logits ``[T, V]`` never exist.
+logits ``[T, V]`` never exist. That pass computes the logits twice (forward and backward): four
+GEMMs of the size of the forward's in all, against three where the logits are kept.
 
-Beyond :data:`BWD_TOKENS` tokens that memory would grow with T, so the backward runs in two
-passes over chunks of tokens, each computing the logits again (a fourth GEMM of the size of
-the forward's): :func:`weight_grads` gives dW and dbias, slices of :data:`DW_SLICE` vocabulary
-rows each summed over chunks of :data:`DW_TOKENS` tokens into an fp32 accumulator that
-continues the one product's K chain; then the path above gives dh for each chunk of
-:data:`BWD_TOKENS` tokens (a token's dh depends only on that token). The same bits as one pass;
-extra memory bounded by these constants, whatever T.
+Beyond :func:`bwd_tokens` tokens (:data:`BWD_TOKENS`, fewer where ``T x H`` would pass
+:data:`BWD_ELEMS`) that memory would keep growing with T, so the backward runs in two passes
+over chunks of tokens, each computing the logits again (a fifth GEMM):
+:func:`weight_grads` gives dW and dbias, slices of :data:`DW_SLICE` vocabulary rows each summed
+over chunks of :data:`DW_TOKENS` tokens into an fp32 accumulator that continues the one
+product's K chain; then the path above gives dh for each chunk of :func:`bwd_tokens` tokens (a
+token's dh depends only on that token). The same bits as one pass; extra memory bounded by
+these constants, whatever T: about 1.25 GiB at the bounds (the dh tree's four partials of
+``2**26`` fp32 elements, a 256 MiB logits buffer), against 8 GiB for the fp32 logits of
+16384 tokens of a 128256-token vocabulary.
 """
 
 from __future__ import annotations
@@ -52,8 +56,13 @@ VOCAB_SLICE = 8192
 _FWD_SLICE_ELEMS = 1 << 27
 
 #: Most tokens of a one-pass backward; longer batches take two passes over chunks of this many
-#: tokens (bounds the dh tree's fp32 partials to [BWD_TOKENS, H]; changes no bit).
-BWD_TOKENS = 1024
+#: tokens (bounds its logits buffer to [BWD_TOKENS, VOCAB_SLICE]; changes no bit). At 16384
+#: a 16k-token sequence of an 8B-shaped model takes one pass: four GEMMs of the lm_head's size,
+#: not five.
+BWD_TOKENS = 16384
+#: Most elements of the one-pass backward's [T, H] (bounds the dh tree's fp32 partials; at
+#: H = 4096, 16384 tokens; changes no bit).
+BWD_ELEMS = 1 << 26
 #: Vocabulary rows per slice of the two-pass backward's dW (its fp32 accumulator holds
 #: [DW_SLICE, H]; changes no bit).
 DW_SLICE = 2048
@@ -259,17 +268,25 @@ def weight_grads(
     return dw, db
 
 
+def bwd_tokens(hidden_size: int) -> int:
+    """Most tokens of a one-pass backward at this hidden size (and the two-pass backward's dh
+    chunk): :data:`BWD_TOKENS`, fewer where ``tokens x hidden_size`` would pass
+    :data:`BWD_ELEMS`; at least 1."""
+    return max(1, min(BWD_TOKENS, BWD_ELEMS // max(1, hidden_size)))
+
+
 def backward(
     hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype, table,
     need_h, need_w, need_b, dh_dtype, vocab=None, vocab_offset=0,
 ):  # fmt: skip
     """``(dh in dh_dtype, dW, dbias)``, each None where not needed, of ``weight``'s rows (a
     vocabulary-parallel rank's, as in :func:`backward_slices`): one pass up to
-    :data:`BWD_TOKENS` tokens; beyond, :func:`weight_grads`, then dh per chunk of
-    :data:`BWD_TOKENS` tokens, rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's
-    subtree value for the exchange). The same bits either way."""
-    T = hidden.shape[0]
-    if T <= BWD_TOKENS:
+    :func:`bwd_tokens` tokens; beyond, :func:`weight_grads`, then dh per chunk of that many
+    tokens, rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's subtree value for the
+    exchange). The same bits either way."""
+    T, H = hidden.shape
+    chunk = bwd_tokens(H)
+    if chunk >= T:  # one pass
         dh, dw, db = backward_slices(
             hidden, weight, targets, bias, lse, ent, g_lp, g_ent, temperature, logits_dtype,
             table, need_h, need_w, need_b, vocab, vocab_offset,
@@ -282,8 +299,8 @@ def backward(
     if not need_h:
         return None, dw, db
     dh = torch.empty(hidden.shape, dtype=dh_dtype, device=hidden.device)
-    for t0 in range(0, T, BWD_TOKENS):
-        c = slice(t0, min(T, t0 + BWD_TOKENS))
+    for t0 in range(0, T, chunk):
+        c = slice(t0, min(T, t0 + chunk))
         dh[c], _, _ = backward_slices(
             hidden[c], weight, targets[c], bias, lse[c], _rows(ent, c), g_lp[c], _rows(g_ent, c),
             temperature, logits_dtype, table, True, False, False, vocab, vocab_offset,
