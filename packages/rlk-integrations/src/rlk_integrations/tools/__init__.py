@@ -1,4 +1,6 @@
-"""Tools over every other layer: ``rlk consistency`` (:mod:`~rlk_integrations.tools.consistency`),
+"""Tools over every other layer: ``rlk consistency`` (:mod:`~rlk_integrations.tools.consistency`;
+its report, :mod:`~rlk_integrations.tools.consistency_report`; its training recomputes,
+:mod:`~rlk_integrations.tools.recompute`),
 ``rlk bench``'s e2e families (:mod:`~rlk_integrations.tools.e2e_bench`,
 :mod:`~rlk_integrations.tools.e2e_compile`) and the built-in random-weight model configs
 (:mod:`~rlk_integrations.tools.zoo`: ``tiny``, ``qwen2-0.5b``, ...).

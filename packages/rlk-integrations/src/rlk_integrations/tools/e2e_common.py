@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from rlk_integrations.engine.engines import Sample
-from rlk_integrations.tools.consistency import sync
+from rlk_integrations.tools.recompute import sync
 
 #: A training row: the median of ``TRAIN_ITERS`` timed iterations after ``TRAIN_WARMUP``
 #: untimed ones.
