@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from rlk_integrations.engine import training  # noqa: E402
 from rlk_integrations.engine.engines import Sample  # noqa: E402
+from rlk_integrations.engine.graphed import _capture_leaves  # noqa: E402
 from rlk_integrations.models.transformers import patch_model  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
@@ -135,7 +136,7 @@ def test_capture_leaves_alias_the_parameters():
     params = [p for p in model.parameters() if p.requires_grad]
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert head.weight is embed.weight  # tied
-    with training._capture_leaves(model, params) as leaves:
+    with _capture_leaves(model, params) as leaves:
         assert len(leaves) == len(params)
         for p, leaf in zip(params, leaves, strict=True):
             assert leaf is not p and leaf.data_ptr() == p.data_ptr() and leaf.is_leaf
