@@ -25,6 +25,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from rlk_integrations.adapters import trl as rtrl  # noqa: E402
+from rlk_integrations.adapters.trl import generation as trl_generation  # noqa: E402
 from rlk_integrations.tools import zoo  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -111,7 +112,7 @@ class _Recording(rtrl.RLKGRPOTrainer):
         self.start = {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     def _generate_single_turn(self, *args, **kwargs):
-        engine_model = rtrl._vllm_model(self.vllm_generation.llm)
+        engine_model = trl_generation._vllm_model(self.vllm_generation.llm)
         calls = []
         stock_load = engine_model.load_weights
 
@@ -160,7 +161,7 @@ def test_stock_vllm_in_trl_differs(checkpoint, tmp_path):
     class Stock(rtrl.RLKGRPOTrainer):
         def _build_vllm(self, make_llm, trl_kwargs):
             llm = make_llm(**trl_kwargs, enforce_eager=True, dtype="bfloat16")
-            self.engine = type(rtrl._vllm_model(llm)).__name__
+            self.engine = type(trl_generation._vllm_model(llm)).__name__
             return llm
 
         def _generate_single_turn(self, *args, **kwargs):
@@ -180,13 +181,13 @@ def test_the_engine_hook_fails_closed():
 
     stock = vllm_generation.LLM
     seen = []
-    with rtrl._llm_built_by(lambda make, kwargs: seen.append((make, kwargs)) or "engine"):
+    with trl_generation._llm_built_by(lambda make, kwargs: seen.append((make, kwargs)) or "engine"):
         assert vllm_generation.LLM(model="ckpt", seed=0) == "engine"
     assert seen == [(stock, {"model": "ckpt", "seed": 0})]
     assert vllm_generation.LLM is stock
     with (
         pytest.raises(RuntimeError, match="built no vllm.LLM"),
-        rtrl._llm_built_by(lambda make, kwargs: None),
+        trl_generation._llm_built_by(lambda make, kwargs: None),
     ):
         pass
     assert vllm_generation.LLM is stock

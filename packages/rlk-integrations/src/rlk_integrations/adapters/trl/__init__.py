@@ -107,9 +107,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
         f'rlk_integrations.adapters.trl needs TRL ({e}): pip install "rlk[trl]"'
     ) from e
 
-# The names of the modules below; the two private ones are read by the use_vllm tests.
-from rlk_integrations.adapters.trl.generation import _llm_built_by as _llm_built_by
-from rlk_integrations.adapters.trl.generation import _vllm_model as _vllm_model
+# The public names of the modules below.
 from rlk_integrations.adapters.trl.generation import rollout_seeds
 from rlk_integrations.adapters.trl.options import unsupported_options
 from rlk_integrations.adapters.trl.release import TESTED_TRL
