@@ -916,9 +916,10 @@ def _fused_memory_shape(rows, T: int, H: int, V: int) -> None:
     tgt = torch.randint(0, V, (T,), device="cuda")
     g = torch.randn(T, device="cuda")
     hr, wr = hid.clone().requires_grad_(), w.clone().requires_grad_()
-    keys = ("BWD_TOKENS", "BWD_ELEMS", "DW_SLICE", "DW_TOKENS", "_FWD_SLICE_ELEMS")
+    keys = ("BWD_TOKENS", "BWD_ELEMS", "DH_TOKENS", "DW_SLICE", "DW_TOKENS", "_FWD_SLICE_ELEMS")
     base = {k: getattr(fl, k) for k in keys}
-    variants = [{}, {"BWD_TOKENS": 1024}, {"BWD_TOKENS": 4096}, {"_FWD_SLICE_ELEMS": 1 << 25},
+    variants = [{}, {"BWD_TOKENS": 1024}, {"BWD_TOKENS": 4096}, {"DH_TOKENS": 16384},
+                {"_FWD_SLICE_ELEMS": 1 << 25},
                 {"DW_SLICE": 4096}, {"DW_TOKENS": 16384},
                 {"BWD_TOKENS": 10**9, "BWD_ELEMS": 10**12}]  # fmt: skip
 

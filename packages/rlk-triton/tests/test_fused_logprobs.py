@@ -119,6 +119,7 @@ def test_two_pass_backward_equals_one_pass(monkeypatch, dtype, logits_dtype):
 
     def grads(bwd_tokens):
         monkeypatch.setattr(fl, "BWD_TOKENS", bwd_tokens)
+        monkeypatch.setattr(fl, "DH_TOKENS", 40)
         monkeypatch.setattr(fl, "DW_SLICE", 128)
         monkeypatch.setattr(fl, "DW_TOKENS", 64)
         args = [x.clone().requires_grad_() for x in (hid, w, b)]
@@ -151,6 +152,7 @@ def test_two_pass_backward_of_a_vocabulary_rank(monkeypatch):
 
     def rank_grads(bwd_tokens):
         monkeypatch.setattr(fl, "BWD_TOKENS", bwd_tokens)
+        monkeypatch.setattr(fl, "DH_TOKENS", 40)
         monkeypatch.setattr(fl, "DW_SLICE", 64)
         monkeypatch.setattr(fl, "DW_TOKENS", 64)
         return fl.backward(

@@ -34,10 +34,10 @@ Beyond :func:`bwd_tokens` tokens (:data:`BWD_TOKENS`, fewer where ``T x H`` woul
 over chunks of tokens, each computing the logits again (a fifth GEMM):
 :func:`weight_grads` gives dW and dbias, slices of :data:`DW_SLICE` vocabulary rows each summed
 over chunks of :data:`DW_TOKENS` tokens into an fp32 accumulator that continues the one
-product's K chain; then the path above gives dh for each chunk of :func:`bwd_tokens` tokens (a
+product's K chain; then the path above gives dh for each chunk of :data:`DH_TOKENS` tokens (a
 token's dh depends only on that token). The same bits as one pass; extra memory bounded by
-these constants, whatever T: about 1.25 GiB at the bounds (the dh tree's four partials of
-``2**26`` fp32 elements, a 256 MiB logits buffer), against 8 GiB for the fp32 logits of
+these constants, whatever T: about 1.25 GiB at the one-pass bound (the dh tree's four partials
+of ``2**26`` fp32 elements, a 256 MiB logits buffer), against 8 GiB for the fp32 logits of
 16384 tokens of a 128256-token vocabulary.
 """
 
@@ -55,14 +55,18 @@ VOCAB_SLICE = 8192
 #: Elements of a forward logits slice (bounds forward memory; changes no bit).
 _FWD_SLICE_ELEMS = 1 << 27
 
-#: Most tokens of a one-pass backward; longer batches take two passes over chunks of this many
-#: tokens (bounds its logits buffer to [BWD_TOKENS, VOCAB_SLICE]; changes no bit). At 16384
-#: a 16k-token sequence of an 8B-shaped model takes one pass: four GEMMs of the lm_head's size,
-#: not five.
+#: Most tokens of a one-pass backward; longer batches take two passes (bounds its logits
+#: buffer to [BWD_TOKENS, VOCAB_SLICE]; changes no bit). At 16384 a 16k-token sequence of an
+#: 8B-shaped model takes one pass: four GEMMs of the lm_head's size, not five (on an H100,
+#: 16384 x 4096 tokens of a 128256-row lm_head: 120 ms a step, against 148 ms in two passes).
 BWD_TOKENS = 16384
 #: Most elements of the one-pass backward's [T, H] (bounds the dh tree's fp32 partials; at
 #: H = 4096, 16384 tokens; changes no bit).
 BWD_ELEMS = 1 << 26
+#: Tokens per dh chunk of the two-pass backward (at most :func:`bwd_tokens`; changes no bit).
+#: Small chunks cost no time there: on an H100, 32768 x 4096 tokens of a 128256-row lm_head
+#: took 296 ms and 1.32 GiB a step in chunks of 1024, 306 ms and 2.48 GiB in chunks of 16384.
+DH_TOKENS = 1024
 #: Vocabulary rows per slice of the two-pass backward's dW (its fp32 accumulator holds
 #: [DW_SLICE, H]; changes no bit).
 DW_SLICE = 2048
@@ -269,9 +273,8 @@ def weight_grads(
 
 
 def bwd_tokens(hidden_size: int) -> int:
-    """Most tokens of a one-pass backward at this hidden size (and the two-pass backward's dh
-    chunk): :data:`BWD_TOKENS`, fewer where ``tokens x hidden_size`` would pass
-    :data:`BWD_ELEMS`; at least 1."""
+    """Most tokens of a one-pass backward at this hidden size: :data:`BWD_TOKENS`, fewer where
+    ``tokens x hidden_size`` would pass :data:`BWD_ELEMS`; at least 1."""
     return max(1, min(BWD_TOKENS, BWD_ELEMS // max(1, hidden_size)))
 
 
@@ -281,8 +284,8 @@ def backward(
 ):  # fmt: skip
     """``(dh in dh_dtype, dW, dbias)``, each None where not needed, of ``weight``'s rows (a
     vocabulary-parallel rank's, as in :func:`backward_slices`): one pass up to
-    :func:`bwd_tokens` tokens; beyond, :func:`weight_grads`, then dh per chunk of that many
-    tokens, rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's subtree value for the
+    :func:`bwd_tokens` tokens; beyond, :func:`weight_grads`, then dh per chunk of
+    :data:`DH_TOKENS` tokens (no more than :func:`bwd_tokens`), rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's subtree value for the
     exchange). The same bits either way."""
     T, H = hidden.shape
     chunk = bwd_tokens(H)
@@ -299,6 +302,7 @@ def backward(
     if not need_h:
         return None, dw, db
     dh = torch.empty(hidden.shape, dtype=dh_dtype, device=hidden.device)
+    chunk = max(1, min(chunk, DH_TOKENS))
     for t0 in range(0, T, chunk):
         c = slice(t0, min(T, t0 + chunk))
         dh[c], _, _ = backward_slices(
