@@ -112,9 +112,16 @@ def test_merge_into_a_merged_report_keeps_its_parts_and_replaces_rows_measured_a
     a["meta"]["command"] = "rlk bench --only gemm"
     b = _report([_row("e2e.train", "rlk", 4.0, "e2e")], commit="bbb")
     b["meta"]["command"] = "rlk bench --only e2e"
-    old = bench.merge([a, b], mixed_commits=True)
+    oom = {"family": "e2e", "op": "e2e.train", "shape": "s", "dtype": "bf16",
+           "impl": "stock", "left_out": "OutOfMemoryError"}  # fmt: skip
+    b["left_out"] = [oom]
+    b2 = _report([], commit="bbb")  # a second e2e process of that run, whose rows b holds
+    b2["meta"]["command"] = "rlk bench --only e2e --json other.json"
+    old = bench.merge([a, b, b2], mixed_commits=True)
+    assert len(old["meta"]["parts"]) == 3
     c = _report([_row("e2e.train", "rlk", 3.0, "e2e")], commit="ccc")
     c["meta"]["command"] = "rlk bench --only e2e"
+    c["left_out"] = [dict(oom, left_out="OutOfMemoryError: again")]
     d = _report([_row("moe_layer.fwd", "rlk", 1.0, "moe")], commit="ccc")
     d["meta"]["command"] = "rlk bench --only moe"
     new = bench.merge([old, c, d], mixed_commits=True)
@@ -128,6 +135,10 @@ def test_merge_into_a_merged_report_keeps_its_parts_and_replaces_rows_measured_a
         ("e2e.train", 3.0),
         ("moe_layer.fwd", 1.0),
     ]
+    assert [r["left_out"] for r in new["left_out"]] == ["OutOfMemoryError: again"]
+    measured = bench.merge([new, _report([_row("e2e.train", "stock", 9.0, "e2e")], "ddd")],
+                           mixed_commits=True)  # fmt: skip
+    assert measured["left_out"] == []
     assert (
         new["meta"]["commit"] == "aaa"
         and "`rlk bench --only e2e` at `ccc`" in (new["meta"]["commit_note"])

@@ -310,7 +310,9 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     A part may itself be a merged report (the committed ``docs/benchmarks/<kind>.json``): its
     parts are kept (a row goes to the part of its ``commit`` and family), and a row measured
     again by a later part (same family, op, shape, dtype and impl) is replaced by it; a part
-    whose rows were all replaced leaves the list."""
+    whose rows were all replaced, or that has none and whose families a later part measured,
+    leaves the list. A peer left out (``left_out``) is listed once, as its latest part
+    recorded it, and not at all where a part has its row."""
     if len(parts) == 1:
         return parts[0]
     leaves = [lv for p in parts for lv in _leaves(p)]
@@ -331,7 +333,9 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     kept = []
     for i, (m, rows) in enumerate(leaves):
         mine = [r for r in rows if newest[tuple(r.get(k) for k in key)] == i]
-        if mine or not rows:
+        fams = _families(m["command"])
+        later = any(not fams or r["family"] in fams for _, rs in leaves[i + 1 :] for r in rs)
+        if mine or not (rows or later):
             kept.append((m, mine))
     first = kept[0][0]
     meta = dict(parts[0]["meta"], parts=[m for m, _ in kept])
@@ -345,7 +349,8 @@ def merge(parts: list[dict], *, mixed_commits: bool = False) -> dict:
     # Each row names the commit it was measured at, so that a later merge keeps it with its part.
     rows = [dict(r, commit=m["commit"]) for m, rs in kept for r in rs]
     failed = [f for p in parts for f in p.get("failed", [])]
-    left_out = [r for p in parts for r in p.get("left_out", [])]
+    latest = {tuple(r.get(k) for k in key): r for p in parts for r in p.get("left_out", [])}
+    left_out = [r for k, r in latest.items() if k not in newest]
     return {"meta": meta, "rows": rows, "failed": failed, "left_out": left_out}
 
 
