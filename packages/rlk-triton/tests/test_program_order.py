@@ -43,9 +43,10 @@ def _run_every_config(impl, op: str) -> list[dict[str, torch.Tensor]]:
     """The op on its invariance cases (each unit pool as one batch), forward and backward,
     under its default choice and then each config of its tuning tables, forced."""
     fn = impl.ops[op]
-    cases = [checks.batch_of(c) for c in testing._build(op, True, torch.device("cpu")).invariance]
+    pools = testing.build_cases(op, True, torch.device("cpu")).invariance
+    cases = [checks.batch_of(c) for c in pools]
     out = [checks.run_case(fn, c) for c in cases]
-    for cfg in testing._tuning(impl, op):
+    for cfg in impl.tuning_configs(op) if impl.tuning_configs is not None else []:
         with impl.use_config(op, cfg):
             out += [checks.run_case(fn, c) for c in cases]
     return out

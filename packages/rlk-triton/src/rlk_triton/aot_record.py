@@ -285,7 +285,7 @@ def _op_inputs(op: str, quick: bool) -> list:
 
     if op in EXTRA_OPS:
         return EXTRA_OPS[op](op)
-    oc = testing._build(op, True, torch.device("cpu"))
+    oc = testing.build_cases(op, True, torch.device("cpu"))
     batches = [case_tools.batch_of(c) for c in oc.invariance]
     return batches if quick else [*oc.accuracy, *batches]
 

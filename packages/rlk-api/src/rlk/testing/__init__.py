@@ -196,7 +196,14 @@ def _path(impl, op, oc, device, rnd) -> _checks.Outcome:
     return _checks.Outcome("skip", NO_SECOND_PATH)
 
 
-def _build(op: str, quick: bool, device: torch.device) -> _cases.OpCases:
+def build_cases(op: str, quick: bool, device: torch.device) -> _cases.OpCases:
+    """The kit's seeded cases of ``op`` (a name of :data:`KIT_OPS`) on ``device``: ``accuracy``
+    cases, ``invariance`` unit pools (what batch invariance, determinism and tuning invariance
+    run) and ``path`` cases; ``quick``: the tiny CPU shapes. The same values on every call, so
+    a backend's own tests can run its kernels on exactly what ``rlk conformance`` checks::
+
+        pools = rlk.testing.build_cases("rms_norm", True, torch.device("cpu")).invariance
+    """
     if op in _moe_cases.BUILDERS:
         return _moe_cases.BUILDERS[op](_cases.Gen(op, device), quick)
     return _cases.build(op, quick, device)
@@ -218,7 +225,7 @@ def _op_rows(impl: BackendImpl, op: str, device: torch.device, quick: bool) -> l
         else:
             try:
                 if oc is None:
-                    oc = _build(op, quick, device)
+                    oc = build_cases(op, quick, device)
                 out = _run_check(impl, op, check, oc, device)
             except Exception as e:  # a crash is a failure of this check, and the run goes on
                 where = traceback.extract_tb(e.__traceback__)[-1]
@@ -349,6 +356,7 @@ __all__ = [
     "Report",
     "Row",
     "assert_conformance",
+    "build_cases",
     "format_table",
     "run_conformance",
 ]
