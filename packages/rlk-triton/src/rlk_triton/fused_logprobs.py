@@ -285,8 +285,8 @@ def backward(
     """``(dh in dh_dtype, dW, dbias)``, each None where not needed, of ``weight``'s rows (a
     vocabulary-parallel rank's, as in :func:`backward_slices`): one pass up to
     :func:`bwd_tokens` tokens; beyond, :func:`weight_grads`, then dh per chunk of
-    :data:`DH_TOKENS` tokens (no more than :func:`bwd_tokens`), rounded to ``dh_dtype`` chunk by chunk (fp32 keeps a rank's subtree value for the
-    exchange). The same bits either way."""
+    :data:`DH_TOKENS` tokens (no more than :func:`bwd_tokens`), rounded to ``dh_dtype`` chunk by
+    chunk (fp32 keeps a rank's subtree value for the exchange). The same bits either way."""
     T, H = hidden.shape
     chunk = bwd_tokens(H)
     if chunk >= T:  # one pass
@@ -302,7 +302,7 @@ def backward(
     if not need_h:
         return None, dw, db
     dh = torch.empty(hidden.shape, dtype=dh_dtype, device=hidden.device)
-    chunk = max(1, min(chunk, DH_TOKENS))
+    chunk = min(chunk, DH_TOKENS)
     for t0 in range(0, T, chunk):
         c = slice(t0, min(T, t0 + chunk))
         dh[c], _, _ = backward_slices(
